@@ -1,0 +1,43 @@
+# The README's two commands are `make demo` and `make test`; each sets up .venv on first use.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.mpx-installed
+
+.PHONY: demo test check-export check-clean nbtest pytest bench clean
+
+$(STAMP): settings.ini setup.py pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
+	touch $@
+
+demo: $(STAMP)
+	$(BIN)/python demo/digits.py
+
+test: $(STAMP) check-export check-clean nbtest pytest
+
+# Fails when the notebooks export something other than what is in mpx/ (export, then commit both).
+check-export: $(STAMP)
+	@tmp=$$(mktemp -d) && cp -r mpx $$tmp/ && $(BIN)/nbdev-export && \
+	if diff -r -x __pycache__ $$tmp/mpx mpx; then rm -rf $$tmp; \
+	else rm -rf $$tmp; echo "mpx/ was stale: nbdev-export changed it; commit the exported modules"; exit 1; fi
+
+# Fails when a notebook is not clean (run nbdev-clean, then commit).
+check-clean: $(STAMP)
+	@tmp=$$(mktemp -d) && cp -r nbs $$tmp/ && $(BIN)/nbdev-clean && \
+	if diff -r $$tmp/nbs nbs >/dev/null; then rm -rf $$tmp; \
+	else rm -rf $$tmp; echo "nbs/ was not clean: nbdev-clean changed it; commit the cleaned notebooks"; exit 1; fi
+
+nbtest: $(STAMP)
+	$(BIN)/nbdev-test --timing
+
+pytest: $(STAMP)
+	$(BIN)/python -m pytest -ra tests
+
+bench: $(STAMP)
+	@for f in bench/*.py; do echo "== $$f"; $(BIN)/python $$f || exit 1; done
+
+clean:
+	rm -rf $(VENV) _proc _docs .pytest_cache *.egg-info
