@@ -5,20 +5,18 @@ import setuptools
 cfg = ConfigParser(delimiters=['='])
 cfg.read('settings.ini', encoding='utf-8')
 cfg = cfg['DEFAULT']
-licenses = dict(apache2=('Apache Software License 2.0', 'OSI Approved :: Apache Software License'))
+licenses = dict(apache2='Apache-2.0')  # SPDX expressions, as setuptools wants them
 statuses = ['1 - Planning', '2 - Pre-Alpha', '3 - Alpha', '4 - Beta', '5 - Production/Stable', '6 - Mature', '7 - Inactive']
 py_versions = '3.10 3.11 3.12 3.13'.split()
 min_python = cfg['min_python']
-lic = licenses[cfg['license']]
 readme = Path('README.md')
 
 setuptools.setup(
     name=cfg['lib_name'], version=cfg['version'], description=cfg['description'],
-    license=lic[0], author=cfg['author'], author_email=cfg['author_email'], keywords=cfg['keywords'],
+    license=licenses[cfg['license']], author=cfg['author'], author_email=cfg['author_email'], keywords=cfg['keywords'],
     classifiers=['Development Status :: ' + statuses[int(cfg['status'])],
                  'Intended Audience :: ' + cfg['audience'].title(),
-                 'Natural Language :: ' + cfg['language'].title(),
-                 'License :: ' + lic[1]] +
+                 'Natural Language :: ' + cfg['language'].title()] +
                 ['Programming Language :: Python :: ' + o for o in py_versions[py_versions.index(min_python):]],
     packages=setuptools.find_packages(include=[cfg['lib_path'], cfg['lib_path'] + '.*']),
     install_requires=cfg['requirements'].split(),

@@ -1,4 +1,5 @@
-"Every public name of mpx; importing it patches `Learner.to_fp16`, `Learner.to_bf16` and `Learner.to_fp32`."
+"Every public name of mpx; importing it patches `Learner.to_fp16`, `to_bf16`, `to_fp32`, `save` and `load`."
 from .core import *
 from .amp import *
+from .master import *
 from .learner import *
