@@ -84,7 +84,7 @@ class MasterPrecision(Callback, ScaleTelemetry):
         check_args(flat_master=flat_master)
         scaler = LossScaler(loss_scale, dynamic, growth_interval, growth_factor, backoff_factor, min_scale, max_scale)
         self.scaler = scaler if self.amp_mode is AMPMode.FP16 else None
-        self.flat_master,self.step_log,self.pairs,self._active,self._checked,self._found = flat_master,StepLog(),[],False,False,False
+        self.flat_master,self.step_log,self.pairs,self._copies,self._active,self._checked,self._found = flat_master,StepLog(),[],[],False,False,False
 
     @property
     def loss_scale(self) -> float:
@@ -116,6 +116,9 @@ def _setup(self:MasterPrecision):
     if self.flat_master: _check_flat([ps for g in groups for ps in g])
     self.master_pgs = [[_master(ps) for ps in g] for g in groups]
     self.pairs = [(m, ps) for g,mg in zip(groups, self.master_pgs) for m,ps in zip(mg, g)]
+    self._model_ps = [p for _,ps in self.pairs for p in ps]
+    self._copies = [(p, v) for m,ps in self.pairs if m.requires_grad for p,v in zip(ps, _views(m.detach(), ps))]
+    self._grad_views = [None]*len(self.pairs)
     in_opt = {id(p) for _,ps in self.pairs for p in ps}
     self._kept = [(t, t.detach().clone()) for t in _halvable(model) if id(t) not in in_opt]
     for t in _halvable(model): t.data = t.data.to(self.amp_mode.dtype)
@@ -148,7 +151,7 @@ def _restore(self:MasterPrecision):
             st = opt.state.pop(m, None)
             if st: opt.state.update(zip(ps, _split_state(st, ps) if self.flat_master else [st]))
     if 'parameters' in self.learn.__dict__: del self.learn.parameters
-    self.pairs,self.master_pgs,self._kept,self._model_pgs,self._active = [],[],[],None,False
+    self.pairs,self.master_pgs,self._kept,self._model_pgs,self._model_ps,self._copies,self._active = [],[],[],None,[],[],False
 
 # %% ../nbs/02_master.ipynb #24f87157
 @patch
@@ -166,14 +169,16 @@ def before_backward(self:MasterPrecision):
 def after_backward(self:MasterPrecision):
     "Add the model's half gradients into the fp32 master gradients (still scaled) in one fused pass; free the model's"
     dst,src = [],[]
-    for m,ps in self.pairs:
+    for i,(m,ps) in enumerate(self.pairs):
         gs = [p.grad for p in ps]
         if all(g is None for g in gs): continue
         if m.grad is None: m.grad = torch.zeros_like(m)
-        for v,g in zip(_views(m.grad, ps), gs):
+        vs = self._grad_views[i]
+        if vs is None or vs[0] is not m.grad: vs = self._grad_views[i] = (m.grad, _views(m.grad, ps))
+        for v,g in zip(vs[1], gs):
             if g is not None: dst.append(v); src.append(g)
     if dst: torch._foreach_add_(dst, src)
-    self.model.zero_grad(set_to_none=True)
+    for p in self._model_ps: p.grad = None
 
 @patch
 def before_step(self:MasterPrecision):
@@ -188,8 +193,6 @@ def before_step(self:MasterPrecision):
 @torch.no_grad()
 def after_step(self:MasterPrecision):
     "Copy the stepped masters into the model in one fused copy; update the scale"
-    if not self._found:
-        pairs = [(p, v) for m,ps in self.pairs if m.grad is not None for p,v in zip(ps, _views(m.detach(), ps))]
-        if pairs: torch._foreach_copy_(*map(list, zip(*pairs)))
+    if not self._found and self._copies: torch._foreach_copy_(*map(list, zip(*self._copies)))
     if self._checked: self.scaler.update(self._found)
     self._checked = self._found = False
