@@ -45,6 +45,7 @@ class MixedPrecision(Callback, ScaleTelemetry):
 @patch
 def before_fit(self:MixedPrecision):
     "Resolve the autocast device from the data; build the scaler, or keep the one earlier fits used"
+    self._exit(); self._settle()  # a fit that died mid-batch (Ctrl-C) may have left autocast on, or a step without its update
     self.device_type = autocast_device_type(training_device(self.dls, self.model))
     check_amp_support(self.device_type, self.amp_mode)
     self._autocast = torch.autocast(self.device_type, dtype=self.amp_mode.dtype, enabled=self.enabled)
@@ -74,7 +75,7 @@ def after_pred(self:MixedPrecision): self.learn.pred = to_float32(self.pred)
 @patch
 def after_loss(self:MixedPrecision): self._exit()
 @patch
-def after_batch(self:MixedPrecision): self._exit()
+def after_batch(self:MixedPrecision): self._exit(); self._settle()
 @patch
 def after_fit(self:MixedPrecision): self._exit(); self._autocast = None
 
@@ -96,6 +97,11 @@ def before_step(self:MixedPrecision):
 @patch
 def after_step(self:MixedPrecision):
     "fp16: back the scale off after an overflow, grow it after `growth_interval` clean steps"
+    self._settle()
+
+@patch
+def _settle(self:MixedPrecision):
+    "Update the scaler if this step was checked; also run from `after_batch` and `before_fit`, for a step cut short after the check"
     if self._checked: self.scaler.update(); self._checked = False
 
 @patch(as_prop=True)

@@ -97,6 +97,7 @@ class MasterPrecision(Callback, ScaleTelemetry):
 @patch
 def before_fit(self:MasterPrecision):
     "Check, then half the model (BatchNorm stays fp32), build the fp32 masters and point the optimizer at them"
+    self._settle()  # a fit that died mid-step (Ctrl-C) may have left a checked step without its update
     if self._active: self._restore()
     check_amp_support(autocast_device_type(training_device(self.dls, self.model)), self.amp_mode)
     self._setup()
@@ -194,5 +195,13 @@ def before_step(self:MasterPrecision):
 def after_step(self:MasterPrecision):
     "Copy the stepped masters into the model in one fused copy; update the scale"
     if not self._found and self._copies: torch._foreach_copy_(*map(list, zip(*self._copies)))
+    self._settle()
+
+@patch
+def _settle(self:MasterPrecision):
+    "Update the scale if this step was checked; also run from `after_batch` and `before_fit`, for a step cut short after the check"
     if self._checked: self.scaler.update(self._found)
     self._checked = self._found = False
+
+@patch
+def after_batch(self:MasterPrecision): self._settle()

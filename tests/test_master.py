@@ -175,3 +175,15 @@ def test_bad_model_fails_before_changing_anything():
     with pytest.raises(ValueError, match="parameter '0.weight' is torch.float64"): fit_quiet(learn)
     assert {p.dtype for p in learn.model.parameters()} == {torch.float64} and 'parameters' not in learn.__dict__
     with pytest.raises(ValueError, match=r"spans \['cpu', 'meta'\]"): _check_flat([[nn.Parameter(torch.ones(1)), nn.Parameter(torch.ones(1, device='meta'))]])
+
+def test_cancel_batch_after_check():
+    "A callback after MasterPrecision that cancels a batch after the check leaves the scaler consistent; later steps train."
+    from fastai.callback.core import CancelBatchException
+    class CancelAt(Callback):
+        order = MasterPrecision.order+1
+        def before_fit(self): self.i = 0
+        def before_step(self):
+            self.i += 1
+            if self.i == 3: raise CancelBatchException()
+    mp = fit_quiet(tiny_learner(cbs=[MasterPrecision(loss_scale=8., dynamic=True, growth_interval=2), CancelAt()])).master_precision
+    assert mp.total_steps == 10 and mp.scales == [8., 8., 16., 16., 32., 32., 64., 64., 128., 128.]
