@@ -26,7 +26,7 @@ class MixedPrecision(Callback, ScaleTelemetry):
         self.amp_mode = AMPMode(amp_mode)
         check_args(init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor, growth_interval=growth_interval, enabled=enabled)
         store_attr('init_scale,growth_factor,backoff_factor,growth_interval,enabled')
-        self.scaler,self.step_log,self.device_type,self._autocast,self._in_autocast,self._checked = None,StepLog(),None,None,False,False
+        self.scaler,self.step_log,self.device_type,self._autocast,self._in_autocast,self._checked,self._pending = None,StepLog(),None,None,False,False,None
 
     @property
     def scaling(self) -> bool:
@@ -37,7 +37,8 @@ class MixedPrecision(Callback, ScaleTelemetry):
     def loss_scale(self) -> float:
         "The current loss scale, 1.0 without scaling; reading it costs one host sync"
         if not self.scaling: return 1.0
-        return float(self.init_scale) if self.scaler is None else self.scaler.get_scale()
+        if self.scaler is not None: return self.scaler.get_scale()
+        return float(self._pending['scale']) if self._pending else float(self.init_scale)
 
     def __repr__(self): return f"{type(self).__name__}(amp_mode='{self.amp_mode}', loss_scale={self.loss_scale}, skipped_steps={self.skipped_steps}/{self.total_steps})"
 
@@ -56,7 +57,8 @@ def _scaler_on(self:MixedPrecision, device_type:str) -> GradScaler:
     "This callback's `GradScaler` on `device_type`: built on first use, moved with its state when the device changes"
     if self.scaler is not None and self.scaler._device == device_type: return self.scaler
     scaler = GradScaler(device_type, init_scale=self.init_scale, growth_factor=self.growth_factor, backoff_factor=self.backoff_factor, growth_interval=self.growth_interval)
-    if self.scaler is not None: scaler.load_state_dict(self.scaler.state_dict())
+    state,self._pending = self._pending or (self.scaler.state_dict() if self.scaler is not None else None),None
+    if state: scaler.load_state_dict(state)
     return scaler
 
 # %% ../nbs/01_amp.ipynb #7424a2af
@@ -113,3 +115,22 @@ def param_groups(self:MixedPrecision):
 def step(self:MixedPrecision, *args, **kwargs):
     "Called by `GradScaler.step` when the gradients are finite: fastai then steps the real optimizer"
     self._stepped = True
+
+# %% ../nbs/01_amp.ipynb #f2a76050
+@patch
+def state_dict(self:MixedPrecision) -> dict:
+    "The scaler's state and the step log as plain Python values (one host sync)"
+    scaler = self.scaler.state_dict() if self.scaler is not None else self._pending or {}
+    return dict(scaler=scaler, log=self.step_log.state_dict())
+
+@patch
+def load_state_dict(self:MixedPrecision, sd:dict):
+    "Restore what `state_dict` returned: the scaler now, or when `before_fit` builds it"
+    self.step_log.load_state_dict(sd['log'])
+    if self.scaler is not None and sd['scaler']: self.scaler.load_state_dict(sd['scaler'])
+    else: self.scaler,self._pending = (self.scaler if sd['scaler'] else None),(sd['scaler'] or None)
+
+@patch
+def reset_scaler(self:MixedPrecision):
+    "Start the loss scale afresh at `init_scale` on the next fit"
+    self.scaler,self._pending = None,None

@@ -59,7 +59,9 @@ def to_fp32(self:Learner):
     "Train in fp32: remove every precision callback, mpx's and fastai's, and put the model back in fp32"
     return self._set_precision(None)
 
-# %% ../nbs/03_learner.ipynb #f2180dd6
+# %% ../nbs/03_learner.ipynb #c520b3a6
+def _precision_cbs(learn:Learner) -> L: return learn.cbs.filter(lambda c: isinstance(c, (MixedPrecision, MasterPrecision)))
+
 @contextmanager
 def _fp32_masters(learn:Learner):
     "While inside, any `MasterPrecision` fit under way is undone: fp32 master weights in the model, its parameters in the optimizer"
@@ -69,16 +71,41 @@ def _fp32_masters(learn:Learner):
     finally:
         for c in active: c._setup()
 
+# %% ../nbs/03_learner.ipynb #535b775a
+@contextmanager
+def _state_into_opt(learn:Learner):
+    "While inside, `learn.opt.state_dict()` also holds the precision callbacks' state, under 'mpx'"
+    opt,cbs = learn.opt,_precision_cbs(learn)
+    if opt is None or not cbs: yield; return
+    fastai_sd = opt.state_dict
+    opt.state_dict = lambda: {**fastai_sd(), 'mpx': {c.name: c.state_dict() for c in cbs}}
+    try: yield
+    finally: del opt.state_dict
+
+@contextmanager
+def _state_from_opt(learn:Learner):
+    "While inside, an optimizer state loaded into `learn.opt` also restores the precision callbacks' (or starts their scale afresh)"
+    opt,cbs,got = learn.opt,_precision_cbs(learn),[]
+    if opt is None or not cbs: yield; return
+    fastai_load = opt.load_state_dict
+    def load(sd): fastai_load({k: v for k,v in sd.items() if k != 'mpx'}); got.append(sd.get('mpx', {}))
+    opt.load_state_dict = load
+    try: yield
+    finally: del opt.load_state_dict
+    for c in cbs if got else []: c.load_state_dict(got[0][c.name]) if c.name in got[0] else c.reset_scaler()
+
+# %% ../nbs/03_learner.ipynb #eee8c406
 _fastai_save,_fastai_load = getattr(Learner.save, '_fastai', Learner.save),getattr(Learner.load, '_fastai', Learner.load)
 
 @patch
 def save(self:Learner, file, **kwargs):
-    "fastai's `Learner.save`, writing fp32 master weights (never half-rounded ones) during a `MasterPrecision` fit"
-    with _fp32_masters(self): return _fastai_save(self, file, **kwargs)
+    "fastai's `Learner.save`, also storing the loss scale, and writing fp32 masters (never half-rounded weights) during a `MasterPrecision` fit"
+    with _fp32_masters(self), _state_into_opt(self): return _fastai_save(self, file, **kwargs)
 
 @patch
 def load(self:Learner, file, device=None, **kwargs):
-    "fastai's `Learner.load`, loading into the fp32 masters during a `MasterPrecision` fit"
-    with _fp32_masters(self): return _fastai_load(self, file, device=device, **kwargs)
+    "fastai's `Learner.load`, also restoring the loss scale, and loading into the fp32 masters during a `MasterPrecision` fit"
+    if self.opt is None: self.create_opt()
+    with _fp32_masters(self), _state_from_opt(self): return _fastai_load(self, file, device=device, **kwargs)
 
 Learner.save._fastai,Learner.load._fastai = _fastai_save,_fastai_load

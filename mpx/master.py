@@ -205,3 +205,22 @@ def _settle(self:MasterPrecision):
 
 @patch
 def after_batch(self:MasterPrecision): self._settle()
+
+# %% ../nbs/02_master.ipynb #e5d94c9a
+@patch
+def state_dict(self:MasterPrecision) -> dict:
+    "The loss scaler's state and the step log as plain Python values"
+    return dict(scaler=self.scaler.state_dict() if self.scaler is not None else {}, log=self.step_log.state_dict())
+
+@patch
+def load_state_dict(self:MasterPrecision, sd:dict):
+    "Restore what `state_dict` returned"
+    self.step_log.load_state_dict(sd['log'])
+    if self.scaler is not None:
+        if sd['scaler']: self.scaler.load_state_dict(sd['scaler'])
+        else: self.reset_scaler()
+
+@patch
+def reset_scaler(self:MasterPrecision):
+    "Start the loss scale afresh at its initial value"
+    if self.scaler is not None: self.scaler.reset()
