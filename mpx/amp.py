@@ -94,7 +94,9 @@ def before_step(self:MixedPrecision):
     self.scaler.step(self)
     self._checked = True
     self.step_log.record(scale, skipped=not self._stepped)
-    if not self._stepped: raise CancelStepException()
+    if not self._stepped:
+        self._on_overflow(((n, p.grad) for n,p in self.model.named_parameters()), float(scale))
+        raise CancelStepException()
 
 @patch
 def after_step(self:MixedPrecision):

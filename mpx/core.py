@@ -7,14 +7,16 @@ from __future__ import annotations
 import itertools, math, numbers, struct
 from collections import defaultdict
 from enum import Enum
+from typing import NamedTuple
+import warnings
 import torch
 from fastcore.basics import *
 from fastai.torch_core import apply
 
 # %% auto #0
 __all__ = ['AMPMode', 'model_device', 'training_device', 'autocast_device_type', 'check_amp_support', 'to_float32',
-           'unscale_and_find_inf_', 'has_inf_or_nan', 'CountSyncs', 'check_args', 'StepLog', 'ScaleTelemetry',
-           'LossScaler']
+           'unscale_and_find_inf_', 'has_inf_or_nan', 'CountSyncs', 'check_args', 'StepLog', 'first_nonfinite',
+           'Overflow', 'ScaleTelemetry', 'LossScaler']
 
 # %% ../nbs/00_core.ipynb #9dc79e19
 _dtype2mode = {torch.float16: 'fp16', torch.bfloat16: 'bf16'}
@@ -184,9 +186,28 @@ def plot(self:StepLog, ax=None, title:str='Loss scale per optimizer step'):
     ax.legend(loc='best')
     return ax
 
-# %% ../nbs/00_core.ipynb #5b585bb7
+# %% ../nbs/00_core.ipynb #d08a1090
+def first_nonfinite(named) -> tuple|None:
+    "The `(name, 'inf' or 'nan')` of the first of the `(name, tensor)` pairs `named` holding a non-finite value, or None"
+    named = [(n, t) for n,t in named if t is not None]
+    if not named: return None
+    bad = torch.stack([(~torch.isfinite(t)).any().to(named[0][1].device) for _,t in named]).nonzero()
+    if not len(bad): return None
+    n,t = named[int(bad[0])]
+    return n, 'nan' if t.isnan().any() else 'inf'
+
+# %% ../nbs/00_core.ipynb #bf254600
+class Overflow(NamedTuple):
+    "Where a skipped step's gradients first went non-finite"
+    step: int # Index of the optimizer step (over every fit)
+    param: str|None # Name of the first parameter, in model order, whose gradient held an inf or nan
+    kind: str # 'inf' or 'nan'
+    scale: float # The loss scale that step's loss was multiplied by
+
+# %% ../nbs/00_core.ipynb #8a57fa3e
 class ScaleTelemetry:
     "Loss-scale telemetry read from `self.step_log`: `skipped_steps`, `total_steps`, `overflow_rate`, `scales`, `plot_loss_scale`"
+    last_overflow,warn_after = None,10
     @property
     def skipped_steps(self) -> int: return self.step_log.skipped
     @property
@@ -196,8 +217,29 @@ class ScaleTelemetry:
     @property
     def scales(self) -> list: return self.step_log.scales
     def plot_loss_scale(self, ax=None): return self.step_log.plot(ax)
+    @property
+    def epoch_skipped_steps(self) -> int:
+        "Skipped steps since the current epoch began"
+        return sum(self.step_log.skips[getattr(self, '_epoch_start', 0):])
+    def before_epoch(self): self._epoch_start = self.step_log.total
 
-# %% ../nbs/00_core.ipynb #6293d8f9
+# %% ../nbs/00_core.ipynb #9ef327bf
+@patch
+def _on_overflow(self:ScaleTelemetry, named_grads, scale:float, at_floor:bool=True):
+    "On a skipped step: record where the gradients first went non-finite; warn once when `warn_after` steps in a row overflow"
+    param,kind = first_nonfinite(named_grads) or (None, 'inf')
+    self.last_overflow = Overflow(self.step_log.total - 1, param, kind, scale)
+    run = _trailing(self.step_log.skips)
+    if run >= self.warn_after and at_floor and not getattr(self, '_warned', False):
+        self._warned = True
+        warnings.warn(f"{run} optimizer steps in a row overflowed at loss scale {scale:g}; the first {kind} gradient was in {param!r}. "
+                      "The model itself may be producing inf/nan: check the data and the loss, lower the learning rate, or train in bf16 (learn.to_bf16()), which needs no loss scaling.")
+
+def _trailing(flags) -> int:
+    "How many of the last `flags` are True in a row"
+    return next((i for i,f in enumerate(reversed(flags)) if not f), len(flags))
+
+# %% ../nbs/00_core.ipynb #482dcb38
 def _f32(x:float) -> float: return struct.unpack('f', struct.pack('f', x))[0]  # float32 rounding, as GradScaler's kernels compute
 
 class LossScaler:
@@ -227,7 +269,7 @@ class LossScaler:
         kind = f'dynamic, growth {self.growth_tracker}/{self.growth_interval}' if self.dynamic else 'static'
         return f'{type(self).__name__}(scale={self.scale:g}, {kind}, skipped {self.skipped_updates}/{self.total_updates})'
 
-# %% ../nbs/00_core.ipynb #1f80fa86
+# %% ../nbs/00_core.ipynb #44d0c960
 @patch
 def scale_loss(self:LossScaler, loss):
     "`loss` multiplied by the scale (no host sync)"
@@ -250,7 +292,7 @@ def unscale_and_check(self:LossScaler, tensors) -> bool:
     self.update(found)
     return not found
 
-# %% ../nbs/00_core.ipynb #5ebef8a1
+# %% ../nbs/00_core.ipynb #d08d4fdc
 @patch
 def update(self:LossScaler, found_inf) -> float:
     "Count one update and, when dynamic, adapt the scale to `found_inf` (a bool, or a tensor: one host sync); the new scale"
@@ -263,7 +305,7 @@ def update(self:LossScaler, found_inf) -> float:
     self.scale = min(max(self.scale, self.min_scale), self.max_scale)
     return self.scale
 
-# %% ../nbs/00_core.ipynb #e4c5233a
+# %% ../nbs/00_core.ipynb #a5f57167
 _ls_keys = 'scale,growth_tracker,total_updates,skipped_updates,init_scale,dynamic,growth_interval,growth_factor,backoff_factor,min_scale,max_scale'.split(',')
 
 @patch

@@ -61,7 +61,17 @@ def to_fp32(self:Learner):
 
 # %% ../nbs/03_learner.ipynb #c520b3a6
 def _precision_cbs(learn:Learner) -> L: return learn.cbs.filter(lambda c: isinstance(c, (MixedPrecision, MasterPrecision)))
+def _mpx_cb(learn:Learner): return first(_precision_cbs(learn))
 
+@patch
+def log_loss_scale(self:Learner):
+    "Add the loss scale and the epoch's skipped steps to the progress table (and so to `CSVLogger`, W&B, TensorBoard)"
+    if _mpx_cb(self) is None: raise ValueError("log_loss_scale needs a precision callback: call learn.to_fp16() or learn.to_bf16() first")
+    cols = [ValueMetric(lambda: getattr(_mpx_cb(self), 'loss_scale', 1.), 'loss_scale'), ValueMetric(lambda: getattr(_mpx_cb(self), 'epoch_skipped_steps', 0), 'skipped_steps')]
+    self.metrics = L(m for m in self.metrics if m.name not in ('loss_scale', 'skipped_steps')) + cols
+    return self
+
+# %% ../nbs/03_learner.ipynb #1b5f2a53
 @contextmanager
 def _fp32_masters(learn:Learner):
     "While inside, any `MasterPrecision` fit under way is undone: fp32 master weights in the model, its parameters in the optimizer"
@@ -71,7 +81,7 @@ def _fp32_masters(learn:Learner):
     finally:
         for c in active: c._setup()
 
-# %% ../nbs/03_learner.ipynb #535b775a
+# %% ../nbs/03_learner.ipynb #60a0aed7
 @contextmanager
 def _state_into_opt(learn:Learner):
     "While inside, `learn.opt.state_dict()` also holds the precision callbacks' state, under 'mpx'"
@@ -94,7 +104,7 @@ def _state_from_opt(learn:Learner):
     finally: del opt.load_state_dict
     for c in cbs if got else []: c.load_state_dict(got[0][c.name]) if c.name in got[0] else c.reset_scaler()
 
-# %% ../nbs/03_learner.ipynb #eee8c406
+# %% ../nbs/03_learner.ipynb #80123eb1
 _fastai_save,_fastai_load = getattr(Learner.save, '_fastai', Learner.save),getattr(Learner.load, '_fastai', Learner.load)
 
 @patch

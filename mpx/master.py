@@ -188,7 +188,15 @@ def before_step(self:MasterPrecision):
     self._found = bool(self.scaler.unscale_([m.grad for m,_ in self.pairs]).item())
     self._checked = True
     self.step_log.record(self.scaler.scale, skipped=self._found)
-    if self._found: raise CancelStepException()
+    if self._found:
+        self._on_overflow(self._named_master_grads(), self.scaler.scale, at_floor=self.scaler.scale <= self.scaler.min_scale or not self.scaler.dynamic)
+        raise CancelStepException()
+
+@patch
+def _named_master_grads(self:MasterPrecision):
+    "`(model parameter name, its slice of the master gradient)` in model order, for the overflow diagnosis"
+    grads = {id(p): v for m,ps in self.pairs if m.grad is not None for p,v in zip(ps, _views(m.grad, ps))}
+    return [(n, grads.get(id(p))) for n,p in self.model.named_parameters()]
 
 @patch
 @torch.no_grad()
