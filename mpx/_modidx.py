@@ -68,6 +68,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                           'mpx.core.autocast_device_type': ('core.html#autocast_device_type', 'mpx/core.py'),
                           'mpx.core.check_amp_support': ('core.html#check_amp_support', 'mpx/core.py'),
                           'mpx.core.check_args': ('core.html#check_args', 'mpx/core.py'),
+                          'mpx.core.check_single_autocast': ('core.html#check_single_autocast', 'mpx/core.py'),
                           'mpx.core.first_nonfinite': ('core.html#first_nonfinite', 'mpx/core.py'),
                           'mpx.core.has_inf_or_nan': ('core.html#has_inf_or_nan', 'mpx/core.py'),
                           'mpx.core.model_device': ('core.html#model_device', 'mpx/core.py'),

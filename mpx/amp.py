@@ -49,6 +49,7 @@ def before_fit(self:MixedPrecision):
     self._exit(); self._settle()  # a fit that died mid-batch (Ctrl-C) may have left autocast on, or a step without its update
     self.device_type = autocast_device_type(training_device(self.dls, self.model))
     check_amp_support(self.device_type, self.amp_mode)
+    check_single_autocast(self.learn.cbs)
     self._autocast = torch.autocast(self.device_type, dtype=self.amp_mode.dtype, enabled=self.enabled)
     if self.scaling: self.scaler = self._scaler_on(self.device_type)
 
@@ -95,7 +96,7 @@ def before_step(self:MixedPrecision):
     self._checked = True
     self.step_log.record(scale, skipped=not self._stepped)
     if not self._stepped:
-        self._on_overflow(((n, p.grad) for n,p in self.model.named_parameters()), float(scale))
+        self._on_overflow(((n, p.grad) for n,p in get_model(self.model).named_parameters()), float(scale))
         raise CancelStepException()
 
 @patch

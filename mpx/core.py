@@ -14,9 +14,9 @@ from fastcore.basics import *
 from fastai.torch_core import apply
 
 # %% auto #0
-__all__ = ['AMPMode', 'model_device', 'training_device', 'autocast_device_type', 'check_amp_support', 'to_float32',
-           'unscale_and_find_inf_', 'has_inf_or_nan', 'CountSyncs', 'check_args', 'StepLog', 'first_nonfinite',
-           'Overflow', 'ScaleTelemetry', 'LossScaler']
+__all__ = ['AMPMode', 'model_device', 'training_device', 'autocast_device_type', 'check_amp_support', 'check_single_autocast',
+           'to_float32', 'unscale_and_find_inf_', 'has_inf_or_nan', 'CountSyncs', 'check_args', 'StepLog',
+           'first_nonfinite', 'Overflow', 'ScaleTelemetry', 'LossScaler']
 
 # %% ../nbs/00_core.ipynb #9dc79e19
 _dtype2mode = {torch.float16: 'fp16', torch.bfloat16: 'bf16'}
@@ -59,14 +59,21 @@ def check_amp_support(device_type:str, mode) -> None:
     if device_type == 'cuda' and AMPMode(mode) is AMPMode.BF16 and not torch.cuda.is_bf16_supported():
         raise ValueError(f"amp_mode='bf16' needs a GPU with bfloat16 support (compute capability 8.0 or later), which {torch.cuda.get_device_name()} lacks: use amp_mode='fp16'")
 
-# %% ../nbs/00_core.ipynb #511f78ca
+# %% ../nbs/00_core.ipynb #9e6b0e34
+def check_single_autocast(cbs) -> None:
+    "Raise a `ValueError` if a callback in `cbs` (fastai's `DistributedTrainer`) runs Accelerate with its own mixed precision"
+    for c in cbs:
+        mp = str(getattr(c.__dict__.get('accelerator'), 'mixed_precision', 'no'))
+        if mp != 'no': raise ValueError(f"{type(c).__name__} runs Accelerate with mixed_precision={mp!r}, and an mpx callback applies mixed precision too: drop mixed_precision from distrib_ctx()/to_distributed() (its default is 'no') and let mpx do it")
+
+# %% ../nbs/00_core.ipynb #3a70570a
 _half_dtypes = (torch.float16, torch.bfloat16)
 
 def to_float32(x):
     "Cast the fp16 and bf16 tensors in `x` (a tensor, or lists, tuples and dicts of them) to fp32, leaving the rest"
     return apply(lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype in _half_dtypes else t, x)
 
-# %% ../nbs/00_core.ipynb #259f2ebd
+# %% ../nbs/00_core.ipynb #eb05c41c
 def _grouped(tensors) -> dict:
     "`tensors` (a tensor, or an iterable of tensors and `None`s) grouped by device and dtype, as the fused kernel needs"
     groups = defaultdict(list)
@@ -74,7 +81,7 @@ def _grouped(tensors) -> dict:
         if t is not None: groups[(t.device, t.dtype)].append(t)
     return groups
 
-# %% ../nbs/00_core.ipynb #eab1b87c
+# %% ../nbs/00_core.ipynb #c7921b00
 @torch.no_grad()
 def unscale_and_find_inf_(tensors, inv_scale=None) -> torch.Tensor:
     "Multiply `tensors` in place by `inv_scale` (if given) and return a one-element tensor, non-zero iff any is inf or nan. No host sync"
@@ -85,12 +92,12 @@ def unscale_and_find_inf_(tensors, inv_scale=None) -> torch.Tensor:
         found = f if found is None else found + f.to(found.device)
     return torch.zeros(1) if found is None else found
 
-# %% ../nbs/00_core.ipynb #a717bdac
+# %% ../nbs/00_core.ipynb #51273019
 def has_inf_or_nan(tensors) -> bool:
     "True if any of `tensors` holds an inf or a nan: one fused pass per device and dtype, one host sync"
     return bool(unscale_and_find_inf_(tensors).item())
 
-# %% ../nbs/00_core.ipynb #0623c5a2
+# %% ../nbs/00_core.ipynb #9f97b5f9
 from torch.utils._python_dispatch import TorchDispatchMode
 
 class CountSyncs(TorchDispatchMode):
@@ -100,7 +107,7 @@ class CountSyncs(TorchDispatchMode):
         if func is torch.ops.aten._local_scalar_dense.default: self.n += 1
         return func(*args, **(kwargs or {}))
 
-# %% ../nbs/00_core.ipynb #181c996c
+# %% ../nbs/00_core.ipynb #b7f12928
 _pos = lambda v: 0 < v < math.inf
 _arg_rules = dict(
     init_scale      = (numbers.Real, _pos,                  'a finite number > 0'),
@@ -116,7 +123,7 @@ _arg_rules = dict(
     master          = (bool, lambda v: True,                'True or False'),
 )
 
-# %% ../nbs/00_core.ipynb #2d0f55cb
+# %% ../nbs/00_core.ipynb #d19bb1e4
 def check_args(**kwargs) -> None:
     "Raise a `TypeError` or `ValueError` naming the first invalid loss-scaling argument in `kwargs` and what is allowed"
     for k,v in kwargs.items():
@@ -126,7 +133,7 @@ def check_args(**kwargs) -> None:
     if kwargs.get('min_scale', 0) > kwargs.get('max_scale', math.inf):
         raise ValueError(f"min_scale={kwargs['min_scale']!r} > max_scale={kwargs['max_scale']!r}: min_scale must be <= max_scale")
 
-# %% ../nbs/00_core.ipynb #743d5ec3
+# %% ../nbs/00_core.ipynb #e5e5b1ac
 class StepLog:
     "Per-optimizer-step log of the loss scale (kept on the device until read) and of skipped steps"
     def __init__(self): self.total,self.skipped,self.skips,self._vals,self._pending = 0,0,[],[],[]
@@ -142,7 +149,7 @@ class StepLog:
     def _flush(self):
         if self._pending: self._vals.append(torch.cat(self._pending)); self._pending = []
 
-# %% ../nbs/00_core.ipynb #e96e18fe
+# %% ../nbs/00_core.ipynb #8ea79bca
 @patch(as_prop=True)
 def scales(self:StepLog) -> list:
     "The scale of every logged step, as floats; reading it costs one host sync"
@@ -161,7 +168,7 @@ def overflow_rate(self:StepLog) -> float:
     "Fraction of logged steps that were skipped"
     return self.skipped / self.total if self.total else 0.
 
-# %% ../nbs/00_core.ipynb #2f591a3c
+# %% ../nbs/00_core.ipynb #2253848b
 @patch
 def state_dict(self:StepLog) -> dict:
     "The log as plain Python values (one host sync)"
@@ -173,7 +180,7 @@ def load_state_dict(self:StepLog, sd:dict):
     self._vals,self._pending,self.skips = list(sd['scales']),[],list(sd['skips'])
     self.total,self.skipped = len(self.skips),sum(self.skips)
 
-# %% ../nbs/00_core.ipynb #592e5538
+# %% ../nbs/00_core.ipynb #e7ddea11
 @patch
 def plot(self:StepLog, ax=None, title:str='Loss scale per optimizer step'):
     "Plot the scale of every step on a log2 axis, skipped steps marked with red crosses"
@@ -186,7 +193,7 @@ def plot(self:StepLog, ax=None, title:str='Loss scale per optimizer step'):
     ax.legend(loc='best')
     return ax
 
-# %% ../nbs/00_core.ipynb #d08a1090
+# %% ../nbs/00_core.ipynb #d2ff51a1
 def first_nonfinite(named) -> tuple|None:
     "The `(name, 'inf' or 'nan')` of the first of the `(name, tensor)` pairs `named` holding a non-finite value, or None"
     named = [(n, t) for n,t in named if t is not None]
@@ -196,7 +203,7 @@ def first_nonfinite(named) -> tuple|None:
     n,t = named[int(bad[0])]
     return n, 'nan' if t.isnan().any() else 'inf'
 
-# %% ../nbs/00_core.ipynb #bf254600
+# %% ../nbs/00_core.ipynb #e0aaca87
 class Overflow(NamedTuple):
     "Where a skipped step's gradients first went non-finite"
     step: int # Index of the optimizer step (over every fit)
@@ -204,7 +211,7 @@ class Overflow(NamedTuple):
     kind: str # 'inf' or 'nan'
     scale: float # The loss scale that step's loss was multiplied by
 
-# %% ../nbs/00_core.ipynb #8a57fa3e
+# %% ../nbs/00_core.ipynb #61438a9b
 class ScaleTelemetry:
     "Loss-scale telemetry read from `self.step_log`: `skipped_steps`, `total_steps`, `overflow_rate`, `scales`, `plot_loss_scale`"
     last_overflow,warn_after = None,10
@@ -223,7 +230,7 @@ class ScaleTelemetry:
         return sum(self.step_log.skips[getattr(self, '_epoch_start', 0):])
     def before_epoch(self): self._epoch_start = self.step_log.total
 
-# %% ../nbs/00_core.ipynb #9ef327bf
+# %% ../nbs/00_core.ipynb #a4346272
 @patch
 def _on_overflow(self:ScaleTelemetry, named_grads, scale:float, at_floor:bool=True):
     "On a skipped step: record where the gradients first went non-finite; warn once when `warn_after` steps in a row overflow"
@@ -239,7 +246,7 @@ def _trailing(flags) -> int:
     "How many of the last `flags` are True in a row"
     return next((i for i,f in enumerate(reversed(flags)) if not f), len(flags))
 
-# %% ../nbs/00_core.ipynb #482dcb38
+# %% ../nbs/00_core.ipynb #d9c95419
 def _f32(x:float) -> float: return struct.unpack('f', struct.pack('f', x))[0]  # float32 rounding, as GradScaler's kernels compute
 
 class LossScaler:
@@ -269,7 +276,7 @@ class LossScaler:
         kind = f'dynamic, growth {self.growth_tracker}/{self.growth_interval}' if self.dynamic else 'static'
         return f'{type(self).__name__}(scale={self.scale:g}, {kind}, skipped {self.skipped_updates}/{self.total_updates})'
 
-# %% ../nbs/00_core.ipynb #44d0c960
+# %% ../nbs/00_core.ipynb #544e55dc
 @patch
 def scale_loss(self:LossScaler, loss):
     "`loss` multiplied by the scale (no host sync)"
@@ -292,7 +299,7 @@ def unscale_and_check(self:LossScaler, tensors) -> bool:
     self.update(found)
     return not found
 
-# %% ../nbs/00_core.ipynb #d08d4fdc
+# %% ../nbs/00_core.ipynb #a6fe9e2c
 @patch
 def update(self:LossScaler, found_inf) -> float:
     "Count one update and, when dynamic, adapt the scale to `found_inf` (a bool, or a tensor: one host sync); the new scale"
@@ -305,7 +312,7 @@ def update(self:LossScaler, found_inf) -> float:
     self.scale = min(max(self.scale, self.min_scale), self.max_scale)
     return self.scale
 
-# %% ../nbs/00_core.ipynb #a5f57167
+# %% ../nbs/00_core.ipynb #ec81801d
 _ls_keys = 'scale,growth_tracker,total_updates,skipped_updates,init_scale,dynamic,growth_interval,growth_factor,backoff_factor,min_scale,max_scale'.split(',')
 
 @patch

@@ -100,6 +100,7 @@ def before_fit(self:MasterPrecision):
     self._settle()  # a fit that died mid-step (Ctrl-C) may have left a checked step without its update
     if self._active: self._restore()
     check_amp_support(autocast_device_type(training_device(self.dls, self.model)), self.amp_mode)
+    check_single_autocast(self.learn.cbs)
     self._setup()
 
 @patch
@@ -144,7 +145,7 @@ def _master_params(self:MasterPrecision) -> list:
 def _restore(self:MasterPrecision):
     opt = self.learn.opt
     for m,ps in self.pairs:
-        for p,v in zip(ps, _views(m.detach(), ps)): p.data = v if len(ps) == 1 else v.clone()
+        for p,v in zip(ps, _views(m.detach(), ps)): p.data = v if len(ps) == 1 else torch.empty_like(p, dtype=v.dtype).copy_(v)  # keeps p's memory format
     for t,c in self._kept: t.data = c if torch.equal(t, c.to(t.dtype)) else t.float()
     if opt is not None and getattr(self, '_model_pgs', None) is not None:
         opt.param_lists = self._model_pgs
@@ -196,7 +197,7 @@ def before_step(self:MasterPrecision):
 def _named_master_grads(self:MasterPrecision):
     "`(model parameter name, its slice of the master gradient)` in model order, for the overflow diagnosis"
     grads = {id(p): v for m,ps in self.pairs if m.grad is not None for p,v in zip(ps, _views(m.grad, ps))}
-    return [(n, grads.get(id(p))) for n,p in self.model.named_parameters()]
+    return [(n, grads.get(id(p))) for n,p in get_model(self.model).named_parameters()]
 
 @patch
 @torch.no_grad()
