@@ -130,8 +130,9 @@ def state_dict(self:MixedPrecision) -> dict:
 def load_state_dict(self:MixedPrecision, sd:dict):
     "Restore what `state_dict` returned: the scaler now, or when `before_fit` builds it"
     self.step_log.load_state_dict(sd['log'])
-    if self.scaler is not None and sd['scaler']: self.scaler.load_state_dict(sd['scaler'])
-    else: self.scaler,self._pending = (self.scaler if sd['scaler'] else None),(sd['scaler'] or None)
+    if not sd['scaler']: self.reset_scaler()
+    elif self.scaler is not None: self.scaler.load_state_dict(sd['scaler'])
+    else: self._pending = sd['scaler']
 
 @patch
 def reset_scaler(self:MixedPrecision):
