@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.mpx-installed
 
-.PHONY: demo test check-export check-clean nbtest pytest bench clean
+.PHONY: demo test check-export check-clean nbtest pytest bench docs clean
 
 $(STAMP): settings.ini setup.py pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,11 @@ pytest: $(STAMP)
 
 bench: $(STAMP)
 	@for f in bench/*.py; do echo "== $$f"; $(BIN)/python $$f || exit 1; done
+
+# The docs site from the notebooks into _docs/ (nbdev's processing, then Sphinx + MyST-NB), and README.md from
+# nbs/index.ipynb. Not part of `make test`, whose tests/test_docs.py builds the site itself when it is stale.
+docs: $(STAMP)
+	$(BIN)/python docs/adapt.py
 
 clean:
 	rm -rf $(VENV) _proc _docs .pytest_cache *.egg-info

@@ -1,0 +1,30 @@
+# Sphinx configuration of the docs site. Its sources are written by docs/adapt.py into _proc/.site/ (run `make docs`).
+import sys
+from pathlib import Path
+sys.path.insert(0, str(Path(__file__).parent))
+from adapt import DOC_URL, repo_url, settings
+
+_s = settings()
+project,author,copyright = _s['lib_name'],_s['author'],_s['copyright']
+version = release = _s['version']
+
+extensions = ['myst_nb']
+nb_execution_mode = 'off'  # nbdev-test executes and checks the notebooks; the site shows the outputs saved in them
+nb_merge_streams = True
+myst_enable_extensions = ['colon_fence']
+myst_heading_anchors = 3  # `page.ipynb#some-heading` links resolve, and -n checks them
+suppress_warnings = ['myst.header']  # show_doc's `###` headings may follow a page title directly
+exclude_patterns = ['**/.ipynb_checkpoints']
+
+html_theme = 'sphinx_book_theme'
+html_title = project
+html_baseurl = DOC_URL
+html_copy_source = html_show_sourcelink = False
+html_static_path = ['_static']
+html_css_files = ['mpx.css']
+html_theme_options = dict(
+    repository_url=repo_url().split('/blob/')[0], repository_branch=_s.get('branch', 'main'), use_repository_button=True,
+    use_download_button=False,  # it would offer the notebook sources, which the site does not copy
+    home_page_in_toc=True, show_toc_level=2, navigation_with_keys=False)
+html_favicon = '_static/favicon.svg'  # without one the browser asks for /favicon.ico and logs a 404
+html_context = dict(default_mode='light')  # pydata-sphinx-theme logs an error on a fresh profile without it
