@@ -37,7 +37,7 @@ pytest: $(STAMP)
 	$(BIN)/python -m pytest -ra tests
 
 bench: $(STAMP)
-	@for f in bench/*.py; do echo "== $$f"; $(BIN)/python $$f || exit 1; done
+	@for f in bench/[!_]*.py; do echo "== $$f"; $(BIN)/python $$f || exit 1; done
 
 # The docs site from the notebooks into _docs/ (nbdev's processing, then Sphinx + MyST-NB), and README.md from
 # nbs/index.ipynb. Not part of `make test`, whose tests/test_docs.py builds the site itself when it is stale.

@@ -119,4 +119,6 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                             'mpx.master._halvable': ('master.html#_halvable', 'mpx/master.py'),
                             'mpx.master._master': ('master.html#_master', 'mpx/master.py'),
                             'mpx.master._split_state': ('master.html#_split_state', 'mpx/master.py'),
-                            'mpx.master._views': ('master.html#_views', 'mpx/master.py')}}}
+                            'mpx.master._views': ('master.html#_views', 'mpx/master.py')},
+            'mpx.test_utils': { 'mpx.test_utils.tiny_learner': ('test_utils.html#tiny_learner', 'mpx/test_utils.py'),
+                                'mpx.test_utils.tiny_model': ('test_utils.html#tiny_model', 'mpx/test_utils.py')}}}

@@ -33,7 +33,8 @@ def learner(mode, path, world):
     "32 samples, one global batch an epoch: 32/world per rank"
     set_seed(0, reproducible=True)
     x = torch.randn(32, 1); y = 2*x + 3
-    dls = DataLoaders.from_dsets(list(zip(x, y)), list(zip(x, y)), bs=32 // world, shuffle=False)
+    # num_workers=0: fastai forks loader workers by default, and a fork beside gloo's threads can deadlock
+    dls = DataLoaders.from_dsets(list(zip(x, y)), list(zip(x, y)), bs=32 // world, shuffle=False, num_workers=0)
     learn = Learner(dls, nn.Sequential(nn.Linear(1, 8), nn.ReLU(), nn.Linear(8, 1)), loss_func=MSELossFlat(), lr=1e-2, path=path)
     return MODES[mode](learn)
 

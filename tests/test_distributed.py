@@ -1,5 +1,6 @@
 "mpx under fastai's `distrib_ctx`: 2 processes on CPU with gloo over loopback, launched by torchrun, both modes."
-import json, os, signal, subprocess, sys
+import json, os, subprocess, sys
+import psutil
 from pathlib import Path
 import pytest, torch
 from mpx.all import *
@@ -9,13 +10,14 @@ import dist_worker
 MODES = list(dist_worker.MODES)
 TESTS = Path(__file__).parent
 
-def launch(out, timeout=300):
-    "Run dist_worker on 2 ranks with torchrun; on a timeout, kill the whole process group so no rank outlives the test"
+def launch(out, timeout=180):
+    "Run dist_worker on 2 ranks with torchrun; on a timeout kill torchrun and every process under it, so no rank outlives the test"
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', str(TESTS/'dist_worker.py'), str(out), *MODES]
-    p = subprocess.Popen(cmd, cwd=TESTS, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    p = subprocess.Popen(cmd, cwd=TESTS, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, 'OMP_NUM_THREADS': '1'})
     try: log,_ = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL); p.communicate()
+        for q in [*psutil.Process(p.pid).children(recursive=True), psutil.Process(p.pid)]: q.kill()  # the ranks are not in torchrun's process group
+        p.communicate()
         pytest.fail(f'the 2-process run did not finish in {timeout} s')
     assert p.returncode == 0, log.decode()[-3000:]
 

@@ -1,0 +1,201 @@
+"""GPU suite: a ResNet-style CNN (channels_last) and a small GPT in fp32, TF32, mpx bf16/fp16/master fp16 (flat), fastai 2.8's
+`MixedPrecision` fp16/bf16 and raw PyTorch AMP loops: step time, throughput, MFU against the dense bf16 peak, peak memory.
+
+Without CUDA it prints one line and exits 0 (`make bench` runs every bench/*.py); `--smoke` runs it in miniature on the CPU
+to check the code paths. Every mode trains its own copy of one model with `torch.optim.AdamW` (wrapped in fastai's
+`OptimWrapper` in the learners), on prebatched synthetic data already on the GPU, without validation. Times are the
+training epochs between two `torch.cuda.synchronize()`s, in interleaved rounds: medians, and ratios the median of the
+rounds' paired ratios; TF32 is off in every mode but 'tf32'. Peak memory is `torch.cuda.max_memory_allocated()` over one
+fit of each mode run alone, less what was allocated before its model was built (the data). FLOPs per step are counted
+once with `torch.utils.flop_counter.FlopCounterMode`.
+
+On a GPU machine with PyTorch but without fastai or a network (as the project's lent H100/H200 machines are):
+    here:  bash bench/gpu_wheels.sh          # wheels of fastai and the pure-Python packages it needs that the image lacks
+    carry `bench/wheels` with the working tree (it ignores itself in git), then there:
+           python3 -m pip install --no-index --no-deps bench/wheels/*.whl
+           PYTHONPATH=. python3 bench/gpu.py --plots $OUT     # --cnn-bs/--gpt-bs to change the batch sizes
+The default batch sizes leave room on an 80 GB H100 for every mode's copy of the model to stay resident."""
+import argparse, gc, sys, time
+import torch
+if __name__ == '__main__' and not torch.cuda.is_available() and '--smoke' not in sys.argv:
+    print("bench/gpu.py: skipped, no CUDA device (run it on a GPU machine, as its docstring says)"); sys.exit(0)
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+from _common import *
+from copy import deepcopy
+
+DEV,N_BATCHES = 'cuda',10  # `--smoke`: 'cpu',2
+PEAKS = [('H100 PCIe', 756.), ('H100', 989.4), ('H200', 989.4), ('H800', 989.4), ('GH200', 989.4), ('A100', 312.), ('L40S', 362.), ('A10', 125.), ('L4', 121.)]  # dense bf16 TFLOP/s
+
+def peak_tflops(name) -> float:
+    "The dense bf16 peak (TFLOP/s) of the GPU called `name`, nan if unknown"
+    return next((p for k,p in PEAKS if k in name), float('nan'))
+
+class BasicBlock(Module):
+    "ResNet's basic block: two 3x3 conv-BN, a projection shortcut where the shape changes"
+    def __init__(self, ni, nf, stride=1):
+        self.convs = nn.Sequential(nn.Conv2d(ni, nf, 3, stride, 1, bias=False), nn.BatchNorm2d(nf), nn.ReLU(inplace=True), nn.Conv2d(nf, nf, 3, 1, 1, bias=False), nn.BatchNorm2d(nf))
+        self.short = nn.Identity() if ni == nf and stride == 1 else nn.Sequential(nn.Conv2d(ni, nf, 1, stride, bias=False), nn.BatchNorm2d(nf))
+    def forward(self, x): return F.relu(self.convs(x) + self.short(x))
+
+def resnet(widths=(64, 128, 256, 512), depth=2, n_out=1000) -> nn.Module:
+    "A ResNet-18-style CNN (`depth` blocks per stage) in channels_last"
+    layers,ni = [nn.Conv2d(3, widths[0], 7, 2, 3, bias=False), nn.BatchNorm2d(widths[0]), nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1)],widths[0]
+    for i,nf in enumerate(widths):
+        for j in range(depth): layers.append(BasicBlock(ni, nf, 2 if i and not j else 1)); ni = nf
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(ni, n_out)).to(memory_format=torch.channels_last)
+
+class Block(Module):
+    "A pre-norm transformer block: causal self-attention (`scaled_dot_product_attention`) and a 4x GELU MLP"
+    def __init__(self, d, n_head):
+        self.n_head,self.ln1,self.qkv,self.proj = n_head,nn.LayerNorm(d),nn.Linear(d, 3*d),nn.Linear(d, d)
+        self.ln2,self.mlp = nn.LayerNorm(d),nn.Sequential(nn.Linear(d, 4*d), nn.GELU(), nn.Linear(4*d, d))
+    def forward(self, x):
+        B,T,C = x.shape
+        q,k,v = self.qkv(self.ln1(x)).view(B, T, 3, self.n_head, C//self.n_head).permute(2, 0, 3, 1, 4)
+        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C))
+        return x + self.mlp(self.ln2(x))
+
+class GPT(Module):
+    "A GPT-2-small-style language model: token and position embeddings, `n_layer` blocks, a final norm and an untied head"
+    def __init__(self, vocab=50304, d=768, n_layer=12, n_head=12, seq=1024):
+        self.tok,self.pos = nn.Embedding(vocab, d),nn.Embedding(seq, d)
+        self.blocks,self.ln,self.head = nn.Sequential(*[Block(d, n_head) for _ in range(n_layer)]),nn.LayerNorm(d),nn.Linear(d, vocab, bias=False)
+    def forward(self, idx): return self.head(self.ln(self.blocks(self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device)))))
+
+def cnn_case(bs, smoke):
+    "The CNN, its batches (3x224x224 images, 1000 classes), what a sample is, and a label"
+    model,size = (resnet((8, 16, 32, 64), 1, 10), 32) if smoke else (resnet(), 224)
+    xs = [(x.contiguous(memory_format=torch.channels_last), y) for x,y in synth_batches((bs, 3, size, size), 10 if smoke else 1000, n=N_BATCHES)]
+    return model, xs, 'img', f"ResNet-18-style, {size}px, bs {bs}"
+
+def gpt_case(bs, smoke):
+    "The GPT, its batches (random tokens, next-token targets), what a sample is, and a label"
+    kw = dict(vocab=128, d=64, n_layer=2, n_head=4, seq=32) if smoke else dict()
+    model,g = GPT(**kw),torch.Generator().manual_seed(0)
+    V,T = kw.get('vocab', 50304),kw.get('seq', 1024)
+    toks = [torch.randint(0, V, (bs, T+1), generator=g) for _ in range(N_BATCHES)]
+    return model, [(t[:, :-1], t[:, 1:]) for t in toks], 'tok', f"GPT {kw.get('n_layer', 12)}x{kw.get('d', 768)}, bs {bs}x{T}"
+
+def sync():
+    "Wait for the GPU's queued work (nothing to wait for on the CPU)"
+    if DEV == 'cuda': torch.cuda.synchronize()
+
+class CudaTimer(Callback):
+    "Seconds per training step of a fit's training epoch, the device synchronised at both ends, in `per_step`"
+    order = -100
+    def before_train(self): sync(); self.t0 = time.perf_counter()
+    def after_train(self): sync(); self.per_step = (time.perf_counter() - self.t0) / self.n_iter
+
+def raw_loop(model, batches, loss_func, dtype=None) -> callable:
+    "A function running the raw PyTorch AMP loop (autocast to `dtype`, a `GradScaler` for fp16) for one epoch; seconds per step"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    scaler = torch.amp.GradScaler(DEV, enabled=dtype == torch.float16)
+    def run():
+        sync(); t0 = time.perf_counter()
+        for xb,yb in batches:
+            with torch.autocast(DEV, dtype=dtype, enabled=dtype is not None): loss = loss_func(model(xb), yb)
+            scaler.scale(loss).backward(); scaler.step(opt); scaler.update(); opt.zero_grad()
+        sync(); return (time.perf_counter() - t0) / len(batches)
+    return run
+
+adamw = partial(OptimWrapper, opt=torch.optim.AdamW)
+MODES = {  # name: (what makes a learner's precision, or the raw loop's autocast dtype), TF32 on
+    'fp32': (lambda l: l, False), 'tf32': (lambda l: l, True),
+    'mpx bf16': (lambda l: l.to_bf16(), False), 'mpx fp16': (lambda l: l.to_fp16(), False),
+    'mpx master fp16 flat': (lambda l: l.to_fp16(flat_master=True, dynamic=True), False),
+    'fastai fp16': (lambda l: l.add_cb(ffp16.MixedPrecision()), False), 'fastai bf16': (lambda l: l.add_cb(ffp16.MixedPrecision(amp_mode='bf16')), False),
+    'raw AMP bf16 loop': (torch.bfloat16, False), 'raw AMP fp16 loop': (torch.float16, False),
+}
+
+def set_tf32(on):
+    "Let fp32 matmuls and convolutions use TF32 tensor cores, or not"
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = on
+
+def build(name, model, batches, loss_func):
+    "Mode `name` on its own copy of `model`: a function timing one epoch (seconds per step) and its learner, if any"
+    how,tf32 = MODES[name]
+    m = deepcopy(model).to(DEV)
+    if isinstance(how, torch.dtype): learn,run = None,raw_loop(m, batches, loss_func, how)
+    else:
+        learn = how(learner(m, batches, cbs=CudaTimer(), opt_func=adamw, lr=1e-4, loss_func=loss_func, device=DEV))
+        run = lambda: fit_quiet(learn).cuda_timer.per_step
+    def timed(): set_tf32(tf32); return run()
+    return timed, learn
+
+def peak_memory(name, model, batches, loss_func) -> float:
+    "GiB allocated at the peak of one fit of mode `name` run alone, less what was allocated before (the data)"
+    if DEV != 'cuda': return float('nan')
+    gc.collect(); torch.cuda.empty_cache(); torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    run,learn = build(name, model, batches, loss_func)
+    run(); res = (torch.cuda.max_memory_allocated() - base) / 2**30
+    del run, learn; gc.collect(); torch.cuda.empty_cache()
+    return res
+
+def step_flops(model, batches, loss_func) -> float:
+    "FLOPs of one fp32 forward and backward pass on the first batch"
+    m,(xb,yb) = deepcopy(model).to(DEV),batches[0]
+    with FlopCounterMode(display=False) as fc: loss_func(m(xb), yb).backward()
+    return fc.get_total_flops()
+
+def skipped(learn) -> str:
+    "Skipped steps of an mpx fp16 learner, over its timed fits"
+    cb = first(c for c in (learn.cbs if learn else []) if isinstance(c, (MixedPrecision, MasterPrecision)))
+    return f"{cb.skipped_steps}/{cb.total_steps}" if cb is not None and cb.amp_mode is AMPMode.FP16 else ''
+
+def measure(case, bs, smoke, rounds) -> tuple:
+    "Every mode's peak memory, then their interleaved timings, for one model; and the model's label"
+    model,cpu_batches,unit,label = case(bs, smoke)
+    batches,loss_func = [(x.to(DEV), y.to(DEV)) for x,y in cpu_batches],CrossEntropyLossFlat()
+    flops,mem = step_flops(model, batches, loss_func),{k: peak_memory(k, model, batches, loss_func) for k in MODES}
+    built = {k: build(k, model, batches, loss_func) for k in MODES}
+    t = interleaved({k: run for k,(run,_) in built.items()}, rounds)
+    return label, dict(t=t, mem=mem, flops=flops, samples=batches[0][1].numel(), unit=unit, skipped={k: skipped(l) for k,(_,l) in built.items()})
+
+def rows(name, r, peak) -> list:
+    "Table rows of one model: ms/step, throughput, speed-up against fp32, TFLOP/s, MFU, peak memory, skipped fp16 steps"
+    f = r['t']['fp32']
+    return [[name, k, f"{med(t)*1e3:.1f}", f"{r['samples']/med(t):,.0f} {r['unit']}/s", f"{ratio(f, t):.2f}x", f"{r['flops']/med(t)/1e12:.1f}", f"{r['flops']/med(t)/1e12/peak:.1%}",
+             f"{r['mem'][k]:.2f}", r['skipped'][k]] for k,t in r['t'].items()]
+
+def summary(name, t) -> list:
+    "mpx against the raw loops (speed as a share of theirs), and mpx bf16's speed-up over fp32 and TF32"
+    return [name, f"{ratio(t['raw AMP bf16 loop'], t['mpx bf16']):.1%}", f"{ratio(t['raw AMP fp16 loop'], t['mpx fp16']):.1%}", f"{ratio(t['fp32'], t['mpx bf16']):.2f}x", f"{ratio(t['tf32'], t['mpx bf16']):.2f}x"]
+
+def plot(res, out, gpu_name):
+    plt = plt_agg()
+    fig,axs = plt.subplots(1, len(res), figsize=(6*len(res), 3.8))
+    for ax,(name,r) in zip(axs, res.items()):
+        f = r['t']['fp32']
+        bars = ax.bar(range(len(r['t'])), [ratio(f, t) for t in r['t'].values()], color=['C7', 'C7']+['C0']*3+['C1']*2+['C2']*2)
+        ax.bar_label(bars, fmt='%.2fx', fontsize=7)
+        ax.set_xticks(range(len(r['t'])), [k.replace(' ', '\n', 1) for k in r['t']], fontsize=7)
+        ax.axhline(1, color='k', lw=.8); ax.set(title=name, ylabel='speed-up vs fp32')
+    fig.suptitle(f"Training step speed-up, {gpu_name}", fontsize=9)
+    savefig(fig, 'gpu_speedup', out)
+
+def main(args):
+    name = torch.cuda.get_device_name() if DEV == 'cuda' else f'CPU smoke run ({cpu_name()})'
+    peak = peak_tflops(name) if DEV == 'cuda' else 1.
+    header("GPU suite", f"device: {name}, CUDA {torch.version.cuda}, dense bf16 peak {peak:g} TFLOP/s (MFU = counted FLOPs / step time / peak)",
+           f"{N_BATCHES} batches an epoch, {args.rounds} interleaved rounds, medians; AdamW; the CNN in channels_last")
+    torch.backends.cudnn.benchmark = True
+    res = dict(measure(case, bs, args.smoke, args.rounds) for case,bs in ((cnn_case, args.cnn_bs), (gpt_case, args.gpt_bs)))
+    table(['model', 'mode', 'ms/step:', 'throughput:', 'vs fp32:', 'TFLOP/s:', 'MFU:', 'peak GiB:', 'fp16 skipped/steps:'], [row for n,r in res.items() for row in rows(n, r, peak)])
+    table(['model', 'mpx bf16 / raw bf16 loop speed:', 'mpx fp16 / raw fp16 loop speed:', 'mpx bf16 vs fp32:', 'mpx bf16 vs tf32:'],
+          [summary(n, r['t']) for n,r in res.items()])
+    plot(res, args.plots, name)
+
+def parse():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument('--cnn-bs', type=int, default=256); p.add_argument('--gpt-bs', type=int, default=16)
+    p.add_argument('--rounds', type=int, default=5); p.add_argument('--plots', default=str(PLOTS), help='folder for gpu_speedup.png')
+    p.add_argument('--smoke', action='store_true', help='a miniature run on the CPU, to check the code paths')
+    return p.parse_args()
+
+if __name__ == '__main__':
+    args = parse()
+    DEV,N_BATCHES = ('cpu', 2) if args.smoke else ('cuda', 10)
+    if args.smoke: args.cnn_bs,args.gpt_bs,args.rounds = 4,2,1
+    s = time.perf_counter(); main(args); print(f"# {time.perf_counter()-s:.0f} s")
