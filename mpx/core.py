@@ -81,14 +81,18 @@ def _grouped(tensors) -> dict:
         if t is not None: groups[(t.device, t.dtype)].append(t)
     return groups
 
-# %% ../nbs/00_core.ipynb #c7921b00
+# %% ../nbs/00_core.ipynb #6338f53c
+def _fp32_scalar(v, dev) -> torch.Tensor:
+    "`v` (a number or a one-element tensor) as the one-element fp32 tensor on `dev` the fused kernel takes; no host sync"
+    return v.to(dev, torch.float32).reshape(1) if isinstance(v, torch.Tensor) else torch.full((1,), float(v), device=dev)
+
 @torch.no_grad()
 def unscale_and_find_inf_(tensors, inv_scale=None) -> torch.Tensor:
     "Multiply `tensors` in place by `inv_scale` (if given) and return a one-element tensor, non-zero iff any is inf or nan. No host sync"
     found = None
     for (dev,_),ts in _grouped(tensors).items():
-        f,inv = torch.zeros(1, device=dev),torch.full((1,), 1. if inv_scale is None else inv_scale, device=dev) if not isinstance(inv_scale, torch.Tensor) else inv_scale.to(dev, torch.float32).reshape(1)
-        torch._amp_foreach_non_finite_check_and_unscale_(ts, f, inv)
+        f = torch.zeros(1, device=dev)
+        torch._amp_foreach_non_finite_check_and_unscale_(ts, f, _fp32_scalar(1. if inv_scale is None else inv_scale, dev))
         found = f if found is None else found + f.to(found.device)
     return torch.zeros(1) if found is None else found
 
@@ -286,6 +290,11 @@ def scale_loss(self:LossScaler, loss):
 def unscale_(self:LossScaler, tensors) -> torch.Tensor:
     "Divide `tensors` (gradients) in place by the scale in one fused pass; a one-element tensor, non-zero on overflow (no host sync)"
     return unscale_and_find_inf_(tensors, inv_scale=_f32(1. / self.scale))
+
+@patch(as_prop=True)
+def at_floor(self:LossScaler) -> bool:
+    "Whether the scale cannot fall any further: static, or dynamic at `min_scale`"
+    return not self.dynamic or self.scale <= self.min_scale
 
 @patch
 def has_overflow(self:LossScaler, tensors) -> bool:

@@ -24,10 +24,14 @@ def _float_(model:nn.Module):
         if t.dtype in (torch.float16, torch.bfloat16): t.data = t.data.float()
         if t.grad is not None and t.grad.dtype != t.dtype: t.grad = t.grad.to(t.dtype)
 
+def _active_masters(learn:Learner) -> L:
+    "The `MasterPrecision` callbacks of `learn` whose fit is under way (or died without its `after_fit`)"
+    return learn.cbs.filter(lambda c: isinstance(c, MasterPrecision) and c._active)
+
 @patch
 def _set_precision(self:Learner, cb:Callback|None=None):
     "Remove every precision callback, mpx's and fastai's, then add `cb`; with none, put the model back in fp32"
-    for c in self.cbs.filter(lambda c: isinstance(c, MasterPrecision) and c._active): c._restore()
+    for c in _active_masters(self): c._restore()
     self.remove_cbs([c for c in self.cbs if isinstance(c, _precision_types)])
     if cb is None: _float_(self.model)
     return self if cb is None else self.add_cb(cb)
@@ -75,7 +79,7 @@ def log_loss_scale(self:Learner):
 @contextmanager
 def _fp32_masters(learn:Learner):
     "While inside, any `MasterPrecision` fit under way is undone: fp32 master weights in the model, its parameters in the optimizer"
-    active = learn.cbs.filter(lambda c: isinstance(c, MasterPrecision) and c._active)
+    active = _active_masters(learn)
     for c in active: c._restore()
     try: yield
     finally:
@@ -102,7 +106,10 @@ def _state_from_opt(learn:Learner):
     opt.load_state_dict = load
     try: yield
     finally: del opt.load_state_dict
-    for c in cbs if got else []: c.load_state_dict(got[0][c.name]) if c.name in got[0] else c.reset_scaler()
+    if not got: return  # no optimizer state was loaded: the scale stays as it is, like the optimizer
+    for c in cbs:
+        if c.name in got[0]: c.load_state_dict(got[0][c.name])
+        else: c.reset_scaler()
 
 # %% ../nbs/03_learner.ipynb #80123eb1
 _fastai_save,_fastai_load = getattr(Learner.save, '_fastai', Learner.save),getattr(Learner.load, '_fastai', Learner.load)

@@ -84,7 +84,7 @@ class MasterPrecision(Callback, ScaleTelemetry):
         check_args(flat_master=flat_master)
         scaler = LossScaler(loss_scale, dynamic, growth_interval, growth_factor, backoff_factor, min_scale, max_scale)
         self.scaler = scaler if self.amp_mode is AMPMode.FP16 else None
-        self.flat_master,self.step_log,self.pairs,self._copies,self._active,self._checked,self._found = flat_master,StepLog(),[],[],False,False,False
+        self.flat_master,self.step_log,self.pairs,self._copy_dst,self._active,self._checked,self._found = flat_master,StepLog(),[],[],False,False,False
 
     @property
     def loss_scale(self) -> float:
@@ -119,7 +119,8 @@ def _setup(self:MasterPrecision):
     self.master_pgs = [[_master(ps) for ps in g] for g in groups]
     self.pairs = [(m, ps) for g,mg in zip(groups, self.master_pgs) for m,ps in zip(mg, g)]
     self._model_ps = [p for _,ps in self.pairs for p in ps]
-    self._copies = [(p, v) for m,ps in self.pairs if m.requires_grad for p,v in zip(ps, _views(m.detach(), ps))]
+    copies = [(p, v) for m,ps in self.pairs if m.requires_grad for p,v in zip(ps, _views(m.detach(), ps))]
+    self._copy_dst,self._copy_src = [p for p,_ in copies],[v for _,v in copies]  # made once: after_step runs every step
     self._grad_views = [None]*len(self.pairs)
     in_opt = {id(p) for _,ps in self.pairs for p in ps}
     self._kept = [(t, t.detach().clone()) for t in _halvable(model) if id(t) not in in_opt]
@@ -153,7 +154,7 @@ def _restore(self:MasterPrecision):
             st = opt.state.pop(m, None)
             if st: opt.state.update(zip(ps, _split_state(st, ps) if self.flat_master else [st]))
     if 'parameters' in self.learn.__dict__: del self.learn.parameters
-    self.pairs,self.master_pgs,self._kept,self._model_pgs,self._model_ps,self._copies,self._active = [],[],[],None,[],[],False
+    self.pairs,self.master_pgs,self._kept,self._model_pgs,self._model_ps,self._copy_dst,self._copy_src,self._active = [],[],[],None,[],[],[],False
 
 # %% ../nbs/02_master.ipynb #24f87157
 @patch
@@ -190,7 +191,7 @@ def before_step(self:MasterPrecision):
     self._checked = True
     self.step_log.record(self.scaler.scale, skipped=self._found)
     if self._found:
-        self._on_overflow(self._named_master_grads(), self.scaler.scale, at_floor=self.scaler.scale <= self.scaler.min_scale or not self.scaler.dynamic)
+        self._on_overflow(self._named_master_grads(), self.scaler.scale, at_floor=self.scaler.at_floor)
         raise CancelStepException()
 
 @patch
@@ -203,7 +204,7 @@ def _named_master_grads(self:MasterPrecision):
 @torch.no_grad()
 def after_step(self:MasterPrecision):
     "Copy the stepped masters into the model in one fused copy; update the scale"
-    if not self._found and self._copies: torch._foreach_copy_(*map(list, zip(*self._copies)))
+    if not self._found and self._copy_dst: torch._foreach_copy_(self._copy_dst, self._copy_src)
     self._settle()
 
 @patch
