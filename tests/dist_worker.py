@@ -22,11 +22,11 @@ MODES = dict(amp_fp16=lambda l: l.to_fp16(init_scale=2.**8, growth_interval=2), 
              master_bf16=lambda l: l.to_bf16(master=True))
 
 class InjectOnRank(Callback):
-    "Make the first weight's gradient inf during backward on rank `rank` only, at the steps in `at`: before DDP all-reduces it, as a real overflow"
+    "Make the first weight's gradient `value` (inf or nan) during backward on rank `rank` only, at the steps in `at`: before DDP all-reduces it, as a real overflow"
     order = 9
-    def __init__(self, rank, at): self.rank,self.at,self.i = rank,set(at),0
+    def __init__(self, rank, at, value=float('inf')): self.rank,self.at,self.value,self.i = rank,set(at),value,0
     def before_fit(self):
-        if rank_distrib() == self.rank: self.hook = first(get_model(self.model).parameters()).register_hook(lambda g: torch.full_like(g, float('inf')) if self.i in self.at else g)
+        if rank_distrib() == self.rank: self.hook = first(get_model(self.model).parameters()).register_hook(lambda g: torch.full_like(g, self.value) if self.i in self.at else g)
     def after_backward(self): self.i += 1
 
 def learner(mode, path, world):
@@ -42,7 +42,7 @@ def run(mode, out):
     out,world,rank = Path(out)/mode,max(num_distrib(), 1),rank_distrib()
     out.mkdir(parents=True, exist_ok=True)
     learn = learner(mode, out, world)
-    if 'bf16' not in mode: learn.add_cb(InjectOnRank(rank=world - 1, at=[3]))  # bf16 has no loss scale, so no overflow check to test
+    learn.add_cb(InjectOnRank(rank=world - 1, at=[3], value=float('nan' if 'bf16' in mode else 'inf')))  # bf16: no loss scale, yet a nan must be skipped too
     with learn.distrib_ctx(sync_bn=False, cpu=True), learn.no_bar(), learn.no_logging(): learn.fit(8)
     cb = next(c for c in learn.cbs if isinstance(c, (MixedPrecision, MasterPrecision)))
     saves,torch_save = [],torch.save

@@ -23,10 +23,11 @@ def test_loss_scaler_bad_args(kwargs, exc, msg):
     with pytest.raises(exc, match=None) as e: LossScaler(**kwargs)
     assert msg in str(e.value)
 
-MASTER_BAD = [(dict(loss_scale=0), ValueError, 'init_scale=0 is out of range'), (dict(loss_scale=-512), ValueError, 'init_scale=-512'),
+MASTER_BAD = [(dict(loss_scale=0), ValueError, 'loss_scale=0 is out of range'), (dict(loss_scale=-512), ValueError, 'loss_scale=-512'),
               (dict(flat_master='yes'), TypeError, "flat_master='yes'"), (dict(dynamic=1), TypeError, 'dynamic=1'),
               (dict(amp_mode='fp32'), ValueError, "Unknown amp_mode 'fp32'"), (dict(dynamic=True, growth_factor=.9), ValueError, 'growth_factor=0.9'),
-              (dict(dynamic=True, loss_scale=2.**25), ValueError, 'outside [min_scale, max_scale]'), (dict(min_scale=8., max_scale=4.), ValueError, 'min_scale=8.0 > max_scale=4.0')]
+              (dict(dynamic=True, loss_scale=2.**25), ValueError, 'outside [min_scale, max_scale]'), (dict(dynamic=True, min_scale=8., max_scale=4.), ValueError, 'min_scale=8.0 > max_scale=4.0'),
+              (dict(growth_interval=10), ValueError, 'growth_interval=10 has no effect with a static loss scale'), (dict(check_finite='no'), TypeError, "check_finite='no'")]
 
 @pytest.mark.parametrize('kwargs,exc,msg', MASTER_BAD, ids=ids(MASTER_BAD))
 def test_master_bad_args(kwargs, exc, msg):
@@ -64,7 +65,7 @@ def test_bf16_on_a_gpu_without_it():
         learn = to(tiny_learner())
         w = [p.detach().clone() for p in learn.model.parameters()]
         with mock.patch('mpx.core.torch.cuda.is_bf16_supported', return_value=False), mock.patch('mpx.core.torch.cuda.get_device_name', return_value='Tesla T4'), \
-             mock.patch('mpx.amp.training_device', return_value=torch.device('cuda')), mock.patch('mpx.master.training_device', return_value=torch.device('cuda')):
+             mock.patch('mpx.callback.training_device', return_value=torch.device('cuda')):
             with pytest.raises(ValueError, match="amp_mode='bf16' needs a GPU with bfloat16 support.*Tesla T4"): fit_quiet(learn)
         assert all(torch.equal(a, b) for a,b in zip(w, learn.model.parameters())) and {p.dtype for p in learn.model.parameters()} == {torch.float32}
         assert 'parameters' not in learn.__dict__

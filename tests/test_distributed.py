@@ -1,5 +1,5 @@
 "mpx under fastai's `distrib_ctx`: 2 processes on CPU with gloo over loopback, launched by torchrun, both modes."
-import json, os, subprocess, sys
+import json, math, os, subprocess, sys
 import psutil
 from pathlib import Path
 import pytest, torch
@@ -37,12 +37,13 @@ def test_ranks_agree_at_every_step(runs, mode):
     assert r0['scales'] == r1['scales'] and r0['skips'] == r1['skips'] and r0['weights'] == r1['weights']
     assert len(r0['scales']) == 8
 
-@pytest.mark.parametrize('mode', [m for m in MODES if 'bf16' not in m])
+@pytest.mark.parametrize('mode', MODES)
 def test_overflow_on_one_rank_skips_everywhere(runs, mode):
-    "An inf in rank 1's gradients makes both ranks skip that step and name the same parameter."
+    "An inf (fp16) or a nan (bf16, AMP and master) in rank 1's gradients makes both ranks skip that step and name the same parameter."
     r0,r1,_ = runs[mode]
     assert r0['skips'] == r1['skips'] == [False]*3 + [True] + [False]*4
     assert r0['last_overflow'] == r1['last_overflow'] == '0.weight'
+    assert all(map(math.isfinite, r0['weights'] + r1['weights'])), 'the skipped step reached the weights'
 
 @pytest.mark.parametrize('mode', MODES)
 def test_matches_one_process(runs, mode):

@@ -1,4 +1,4 @@
-"Host syncs per optimizer step, counted (never timed): AMP fp16 one, bf16 none, master fp16 one, at any parameter count, with gradient accumulation too."
+"Host syncs per optimizer step, counted (never timed): one in every mode (fp16's scaler check, bf16's finite check), none with bf16's check_finite=False, at any parameter count, with gradient accumulation too."
 import pytest, torch
 from torch import nn
 from fastai.basics import Module
@@ -14,7 +14,8 @@ class ManyParams(Module):
 
 PRECISION = {  # name: (the callback, the host syncs it adds per optimizer step)
     'amp_fp16':    (lambda: MixedPrecision('fp16', init_scale=2.**8), 1),  # a scale that does not overflow here: clean steps only
-    'amp_bf16':    (lambda: MixedPrecision('bf16'), 0),
+    'amp_bf16':    (lambda: MixedPrecision('bf16'), 1),
+    'amp_bf16_unchecked': (lambda: MixedPrecision('bf16', check_finite=False), 0),
     'master_fp16': (lambda: MasterPrecision('fp16'), 1),
     'master_flat': (lambda: MasterPrecision('fp16', flat_master=True), 1),
 }
