@@ -3,4 +3,5 @@ from .core import *
 from .callback import *
 from .amp import *
 from .master import *
+from .advisor import *
 from .learner import *

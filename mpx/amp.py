@@ -31,7 +31,9 @@ class MixedPrecision(PrecisionCallback):
         if self.amp_mode is AMPMode.BF16 and given: _no_effect(*next(iter(given.items())))
         check_args(enabled=enabled, **given)
         for k,v in {**_scaler_defaults, **given}.items(): setattr(self, k, v)
-        self.enabled,self.scaler,self._autocast,self._in_autocast,self._pending = enabled,None,None,False,None
+        self.enabled,self.scaler = enabled,None
+        self._autocast,self._in_autocast = None,False
+        self._scaler_state_to_load = None  # a checkpoint's scaler state, loaded before `before_fit` builds the scaler
 
     @property
     def scaling(self) -> bool:
@@ -43,7 +45,7 @@ class MixedPrecision(PrecisionCallback):
         "The current loss scale, 1.0 without scaling; reading it costs one host sync"
         if not self.scaling: return 1.0
         if self.scaler is not None: return self.scaler.get_scale()
-        return float(self._pending['scale']) if self._pending else float(self.init_scale)
+        return float(self._scaler_state_to_load['scale']) if self._scaler_state_to_load else float(self.init_scale)
 
 def _no_effect(k, v):
     raise ValueError(f"{k}={v!r} has no effect with amp_mode='bf16': bf16 has fp32's range and needs no loss scaling. Drop {k}, or use amp_mode='fp16'")
@@ -66,8 +68,8 @@ def _scaler_on(self:MixedPrecision, device_type:str) -> GradScaler:
     "This callback's `GradScaler` on `device_type`: built on first use, moved with its state when the device changes"
     if self.scaler is not None and self.scaler._device == device_type: return self.scaler  # GradScaler keeps its device type only in `_device`
     scaler = GradScaler(device_type, init_scale=self.init_scale, growth_factor=self.growth_factor, backoff_factor=self.backoff_factor, growth_interval=self.growth_interval)
-    state = self._pending or (self.scaler.state_dict() if self.scaler is not None else None)
-    self._pending = None
+    state = self._scaler_state_to_load or (self.scaler.state_dict() if self.scaler is not None else None)
+    self._scaler_state_to_load = None
     if state: scaler.load_state_dict(state)
     return scaler
 
@@ -114,14 +116,14 @@ def step(self:MixedPrecision, *args, **kwargs):
 @patch
 def _scaler_state(self:MixedPrecision) -> dict:
     "The scaler's state as plain Python values (one host sync)"
-    return self.scaler.state_dict() if self.scaler is not None else self._pending or {}
+    return self.scaler.state_dict() if self.scaler is not None else self._scaler_state_to_load or {}
 
 @patch
 def _load_scaler_state(self:MixedPrecision, sd:dict):
     if self.scaler is not None: self.scaler.load_state_dict(sd)
-    else: self._pending = sd
+    else: self._scaler_state_to_load = sd
 
 @patch
 def reset_scaler(self:MixedPrecision):
     "Start the loss scale afresh at `init_scale` on the next fit"
-    self.scaler,self._pending = None,None
+    self.scaler,self._scaler_state_to_load = None,None

@@ -96,7 +96,8 @@ class PrecisionCallback(Callback, ScaleTelemetry):
     ):
         check_args(check_finite=check_finite)
         self.amp_mode,self.check_finite,self.step_log = AMPMode(amp_mode),check_finite,StepLog()
-        self.device_type,self._norms,self._norms_due,self._checked,self._found = None,None,False,False,False
+        self.device_type,self._norms,self._norms_due = None,None,False
+        self._checked,self._found = False,False  # this step was checked, and found non-finite
 
     @property
     def checking(self) -> bool:
@@ -179,7 +180,7 @@ def after_fit(self:PrecisionCallback): self._finish()
 @patch
 def _finish(self:PrecisionCallback):
     "Leave autocast, settle a checked step's scale update, end the mode's fit: what `after_fit` does, safe to repeat"
-    self._end_forward(); self._settle(); self._end_fit(); self._norms = None
+    self._end_forward(); self._close_step(); self._end_fit(); self._norms = None
 
 @patch
 def before_epoch(self:PrecisionCallback): self._epoch_start = self.step_log.total
@@ -197,7 +198,7 @@ def after_loss(self:PrecisionCallback): self._end_forward()
 def before_backward(self:PrecisionCallback):
     if self.scaling: self.learn.loss_grad = self._scale_loss(self.loss_grad)
 @patch
-def after_batch(self:PrecisionCallback): self._end_forward(); self._settle()
+def after_batch(self:PrecisionCallback): self._end_forward(); self._close_step()
 
 # %% ../nbs/02_callback.ipynb #cb000030
 @patch
@@ -220,10 +221,10 @@ def _skip(self:PrecisionCallback, scale):
 @patch
 def after_step(self:PrecisionCallback):
     if not self._found: self._apply_step()
-    self._settle()
+    self._close_step()
 
 @patch
-def _settle(self:PrecisionCallback):
+def _close_step(self:PrecisionCallback):
     "Update the scale once for a checked step, wherever it ended: `after_step`, `after_batch`, or a fit cut short"
     if self._checked: self._update_scale(self._found)
     self._checked = self._found = False

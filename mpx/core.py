@@ -135,18 +135,20 @@ def check_args(**kwargs) -> None:
 # %% ../nbs/00_core.ipynb #e5e5b1ac
 class StepLog:
     "Per-optimizer-step log of the loss scale (kept on the device until read) and of skipped steps"
-    def __init__(self): self.total,self.skipped,self.skips,self._vals,self._pending = 0,0,[],[],[]
+    def __init__(self):
+        self.total,self.skipped,self.skips = 0,0,[]
+        self._vals,self._unread = [],[]  # scales read to floats (or concatenated), and scale tensors still on the device
     def __repr__(self): return f'{type(self).__name__}(total={self.total}, skipped={self.skipped})'
 
     def record(self, scale, skipped:bool=False):
         "Log one optimizer step: `scale` is a float, or a one-element tensor copied without a host sync"
-        if isinstance(scale, torch.Tensor): self._pending.append(scale.detach().reshape(1).clone())
+        if isinstance(scale, torch.Tensor): self._unread.append(scale.detach().reshape(1).clone())
         else: self._flush(); self._vals.append(float(scale))
-        if len(self._pending) >= 256: self._flush()
+        if len(self._unread) >= 256: self._flush()
         self.skips.append(bool(skipped)); self.total += 1; self.skipped += bool(skipped)
 
     def _flush(self):
-        if self._pending: self._vals.append(torch.cat(self._pending)); self._pending = []
+        if self._unread: self._vals.append(torch.cat(self._unread)); self._unread = []
 
 # %% ../nbs/00_core.ipynb #8ea79bca
 @patch(as_prop=True)
@@ -176,7 +178,7 @@ def state_dict(self:StepLog) -> dict:
 @patch
 def load_state_dict(self:StepLog, sd:dict):
     "Replace the log with `sd`, as written by `state_dict`"
-    self._vals,self._pending,self.skips = list(sd['scales']),[],list(sd['skips'])
+    self._vals,self._unread,self.skips = list(sd['scales']),[],list(sd['skips'])
     self.total,self.skipped = len(self.skips),sum(self.skips)
 
 # %% ../nbs/00_core.ipynb #e7ddea11

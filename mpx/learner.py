@@ -12,6 +12,7 @@ from .callback import *
 from .callback import _fastai_types
 from .amp import *
 from .master import *
+from .advisor import warn_if_slow
 
 # %% auto #0
 __all__ = []
@@ -47,12 +48,19 @@ def _precision_cb(mode:AMPMode, master:bool, kwargs:dict) -> Callback:
 @delegates(MixedPrecision, but=['amp_mode'])
 def to_fp16(self:Learner, master:bool=False, **kwargs):
     "fp16 mixed precision: autocast and a `GradScaler`, or `MasterPrecision` with `master=True` or any of its arguments"
-    return self._set_precision(_precision_cb(AMPMode.FP16, master, kwargs))
+    return self._set_precision(_precision_cb(AMPMode.FP16, master, kwargs))._warn_if_slow()
 
 @patch
 def to_bf16(self:Learner, master:bool=False, **kwargs):
     "bf16 mixed precision: autocast without loss scaling, or a bf16 model with fp32 masters (`master=True`)"
-    return self._set_precision(_precision_cb(AMPMode.BF16, master, kwargs))
+    return self._set_precision(_precision_cb(AMPMode.BF16, master, kwargs))._warn_if_slow()
+
+@patch
+def _warn_if_slow(self:Learner):
+    "Warn once per process when this learner's precision callback computes in a dtype known to be slow on its device (see `mpx.advisor`)"
+    cb = first(self.cbs, lambda c: isinstance(c, PrecisionCallback))
+    if cb is not None: warn_if_slow(training_device(self.dls, self.model), cb.amp_mode)
+    return self
 
 @patch
 def to_fp32(self:Learner):

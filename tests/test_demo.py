@@ -1,4 +1,4 @@
-"Tests for demo/digits.py: data, model, table formatting, and a one-epoch run of every mode against mpx's contract."
+"Tests for demo/digits.py: data, models, the advisor's lines, table formatting, and a one-epoch run of every mode against mpx's contract."
 import importlib.util, pathlib
 import pytest, torch
 
@@ -11,6 +11,20 @@ def demo():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+@pytest.fixture(scope='module')
+def advice(demo):
+    "The advisor's timed report on the demo's learner"
+    return demo.advise()
+
+def test_advice(demo, advice):
+    "The demo's learner is numerically safe in every mode; the advice names the hardware, the mode and why"
+    assert advice.recommended in demo.MODES and advice.at_risk == {} and set(advice.timings) == set(demo.MODES)
+    lines = demo.format_advice(advice).splitlines()
+    assert lines[0] == f'hardware: {advice.hardware}' and lines[0].startswith('hardware: cpu (')
+    assert lines[1] == f'advisor: {advice.recommended} recommended'
+    assert lines[2] == f'  - {advice.reasons[0]}' and len(lines) == 2 + len(advice.reasons)
+    assert any("bf16: measured" in l for l in lines) and any("fp16: measured" in l for l in lines)
 
 @pytest.fixture(scope='module')
 def rows(demo):
@@ -30,10 +44,22 @@ def test_data(demo):
 def test_dls_and_model(demo):
     dls = demo.get_dls(bs=32)
     assert (len(dls.train_ds), len(dls.valid_ds)) == (1797-359, 359)
+    assert (len(dls.train), len(dls.valid)) == ((1797-359)//32, -(-359//32)), 'train drops its last partial batch, valid keeps it'
     xb,yb = dls.one_batch()
     assert xb.shape == (32,1,8,8) and yb.shape == (32,)
     assert xb.dtype == torch.float32 and yb.dtype == torch.int64
     assert demo.get_model()(xb).shape == (32,10)
+    mlp = demo.get_mlp()
+    assert mlp(xb).shape == (32,10) and [m.out_features for m in mlp if isinstance(m, torch.nn.Linear)] == [512, 512, 10]
+
+def test_dls_batches(demo):
+    "Batches are the data's own rows: the validation rows in order; the training rows shuffled, the same from the same seed"
+    (xt,yt),(xv,yv) = demo.get_data()
+    xs,ys = map(torch.cat, zip(*demo.get_dls(bs=100).valid))
+    assert torch.equal(xs, xv) and torch.equal(ys, yv)
+    def train_ys(seed): demo.set_seed(seed); return torch.cat([y for _,y in demo.get_dls(bs=100).train])
+    a,b = train_ys(0),train_ys(0)
+    assert torch.equal(a, b) and len(a) == (len(yt)//100)*100 and not torch.equal(a, yt[:len(a)])
 
 def test_format_table(demo):
     rs = [dict(mode='fp32', accuracy=0.98, secs_per_epoch=2.0, loss_scale=None, skipped_steps=None, total_steps=None),
@@ -57,7 +83,7 @@ def test_train_fp32(rows):
 
 @pytest.mark.parametrize('mode', ['bf16', 'fp16'])
 def test_train_mixed(rows, mode):
-    r,n_batches = rows[mode],(1797-359)//64  # fastai drops the last partial training batch
+    r,n_batches = rows[mode],(1797-359)//128  # fastai drops the last partial training batch
     assert set(r) == KEYS and r['mode'] == mode and 0 <= r['accuracy'] <= 1
     assert r['total_steps'] == n_batches and 0 <= r['skipped_steps'] <= r['total_steps']
     if mode == 'bf16': assert r['loss_scale'] == 1.0 and r['skipped_steps'] == 0
@@ -70,3 +96,17 @@ def test_table_from_runs(demo, rows):
 
 def test_unknown_mode(demo):
     with pytest.raises(ValueError): demo.train('fp8', epochs=1)
+
+def test_main_prints_advice_before_table(demo, advice, rows, monkeypatch, capsys):
+    "main prints the hardware and the recommendation first, and again just above the table"
+    monkeypatch.setattr(demo, 'advise', lambda *a, **k: advice)
+    monkeypatch.setattr(demo, 'train', lambda mode, *a, **k: rows[mode])
+    threads = torch.get_num_threads()
+    try: demo.main(epochs=1, threads=1)
+    finally: torch.set_num_threads(threads)
+    out = capsys.readouterr().out.splitlines()
+    hw = [i for i,l in enumerate(out) if l == f'hardware: {advice.hardware}']
+    table = out.index(next(l for l in out if l.startswith('mode ')))
+    assert len(hw) == 2 and hw[0] == 0 and out[1] == f'advisor: {advice.recommended} recommended'
+    assert out[table-1].startswith(f'advisor: {advice.recommended} recommended (') and hw[1] == table-2
+    assert [l.split()[0] for l in out[table+2:]] == list(demo.MODES)

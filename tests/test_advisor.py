@@ -1,0 +1,285 @@
+"Tests for mpx.advisor: hardware verdicts from mocked capabilities, known numerics, the decision rule, 'changes nothing', slow-mode warnings."
+import math, random, re, warnings
+from pathlib import Path
+import numpy as np
+import pytest, torch
+from torch import nn
+from fastai.basics import Learner, first, set_seed
+from fastai.test_utils import synth_learner
+from mpx.all import *
+import mpx.advisor as advisor
+from mpx.advisor import *
+from mpx.test_utils import tiny_learner
+
+# ---- hardware, from mocked capability values (runs the same on every machine) ---------------------------------
+
+@pytest.mark.parametrize('flags,bf16,fp16,bf16_says', [
+    ({'sse4_2', 'avx2'}, False, False, 'not even AVX512'),                              # e.g. a laptop or an older EPYC
+    ({'avx2', 'avx512f'}, False, False, 'no AVX512-BF16/AMX'),                          # Skylake-SP: bf16 emulated
+    ({'avx2', 'avx512f', 'avx512_bf16'}, True, False, 'AVX512-BF16 (no AMX)'),          # Zen 4/5, Cooper Lake
+    ({'avx512f', 'avx512_bf16', 'amx_tile', 'amx_bf16'}, True, False, 'AMX-BF16'),      # Sapphire Rapids
+    ({'avx512f', 'avx512_bf16', 'avx512_fp16', 'amx_tile', 'amx_bf16'}, True, True, 'AMX-BF16'),
+    ({'avx512f', 'amx_tile', 'amx_bf16', 'amx_fp16'}, True, True, 'AMX-BF16'),          # Granite Rapids
+    ({'fp', 'asimd', 'bf16'}, True, False, 'ARM'),                                      # e.g. Graviton 3
+])
+def test_cpu_hardware(flags, bf16, fp16, bf16_says):
+    "The CPU verdicts follow the ISA flags alone, and the notes say which flag decided."
+    hw = cpu_hardware(flags, 'AVX512', 'Mock CPU')
+    assert (hw.device, hw.name, hw.bf16_fast, hw.fp16_fast) == ('cpu', 'Mock CPU', bf16, fp16)
+    assert set(hw.flags) <= set(flags) and bf16_says in hw.notes[0]
+    assert hw.notes[0].startswith('bf16: ') and hw.notes[1].startswith('fp16: ')
+    assert ('AVX512-FP16' in hw.notes[1] or 'AMX-FP16' in hw.notes[1])
+    assert f"bf16 {'fast' if bf16 else 'slow'}, fp16 {'fast' if fp16 else 'slow'}" in str(hw)
+
+@pytest.mark.parametrize('cc,bf16_supported,bf16,fp16', [((6,1), False, False, False), ((7,0), False, False, True),
+    ((7,5), True, False, True), ((8,0), True, True, True), ((8,6), True, True, True), ((9,0), True, True, True)])
+def test_cuda_hardware(cc, bf16_supported, bf16, fp16):
+    "Tensor cores (cc 7.0+) make fp16 fast; bf16 needs cc 8.0+ (below, torch may emulate it: slow)."
+    hw = cuda_hardware('Mock GPU', cc, bf16_supported)
+    assert (hw.bf16_fast, hw.fp16_fast) == (bf16, fp16)
+    assert f'sm_{cc[0]}{cc[1]}' in hw.flags and ('tensor_cores' in hw.flags) == fp16
+    assert (slow_reason(hw, 'bf16') is None) == bf16 and slow_reason(hw, 'fp16') is None
+
+def test_mps_hardware():
+    hw = mps_hardware(True)
+    assert (hw.device, hw.bf16_fast, hw.fp16_fast) == ('mps', False, True)
+    assert slow_reason(hw, 'bf16') is None and slow_reason(hw, 'fp16') is None
+
+def _cpuinfo_flags():
+    "This machine's ISA flags, read here independently of mpx.advisor"
+    p = Path('/proc/cpuinfo')
+    if not p.exists(): pytest.skip('no /proc/cpuinfo on this machine')
+    line = next((l for l in p.read_text().splitlines() if l.startswith(('flags', 'Features'))), '')
+    return set(line.partition(':')[2].split())
+
+def test_detect_hardware_this_machine():
+    "The real detection agrees with this machine's /proc/cpuinfo."
+    flags,hw = _cpuinfo_flags(),detect_hardware('cpu')
+    assert hw.device == 'cpu' and hw.name
+    assert hw.bf16_fast == bool(flags & {'avx512_bf16', 'amx_bf16', 'bf16', 'sve_bf16'})
+    assert hw.fp16_fast == bool(flags & {'avx512_fp16', 'amx_fp16'})
+    assert {f for f in ('avx2', 'avx512f', 'avx512_bf16', 'amx_bf16', 'avx512_fp16', 'amx_fp16') if f in flags} <= set(hw.flags)
+    print(hw, *hw.notes, sep='\n')
+
+# ---- known numerics ---------------------------------------------------------------------------------------------
+
+V100 = cuda_hardware('Tesla V100 (mock)', (7,0), False)   # only fp16 fast: the numerics alone decide between fp16 and fp32
+A100 = cuda_hardware('A100 (mock)', (8,0), True)          # both fast
+
+@pytest.fixture
+def mock_hw(monkeypatch):
+    "Make the report see `hw`, whatever this machine is"
+    def use(hw): monkeypatch.setattr(advisor, 'detect_hardware', lambda device=None: hw)
+    return use
+
+def scaled_learner(factor=1e6):
+    "A tiny learner whose first layer's activations reach about `factor`"
+    learn = tiny_learner()
+    with torch.no_grad(): learn.model[0].weight.mul_(factor)
+    return learn
+
+def test_overflow_named(mock_hw):
+    "A layer scaled past 65504 rules fp16 out and is named; without the scaling fp16 is recommended."
+    mock_hw(V100)
+    assert tiny_learner().precision_report().recommended == 'fp16'
+    r = scaled_learner().precision_report()
+    assert r.recommended == 'fp32' and '0' in r.at_risk and 'activations' in r.at_risk['0']
+    assert any(re.fullmatch(r"fp16: activations of `0` reach [\d.]+e\d > 65504.*", s) for s in r.reasons), r.reasons
+    assert r.to_frame().loc['0', 'max |activation|'] > 65504
+    mock_hw(A100)
+    assert scaled_learner().precision_report().recommended == 'bf16'  # bf16 has fp32's range
+
+def test_exact_numerics():
+    "A 1x1 layer of weight 1e5 on ones, MSE against zeros: activations 1e5 and gradients 2e5/4 exactly."
+    lin = nn.Linear(1, 1)
+    with torch.no_grad(): lin.weight.fill_(1e5); lin.bias.zero_()
+    mods,under = module_numerics(nn.Sequential(lin), (torch.ones(4,1),), (torch.zeros(4,1),), nn.MSELoss())
+    assert [(m.name, m.act_max, m.grad_max, m.n_grad) for m in mods[1:]] == [('0', 1e5, 5e4, 4), ('(model)', 1e5, 5e4, 4)]
+    safe,at_risk,why = assess_numerics(mods, under)
+    assert safe == dict(bf16=True, fp16=False) and list(at_risk) == ['0']
+
+def test_underflow_named(mock_hw):
+    "Gradients made tiny (loss x 1e-12) underflow fp16 at 2**16: the share is reported and the modules named."
+    mock_hw(V100)
+    learn = tiny_learner()
+    lf = learn.loss_func
+    learn.loss_func = lambda p,y: lf(p, y)*1e-12
+    r = learn.precision_report()
+    assert r.underflow > .5 and r.recommended == 'fp32'
+    assert {'0', '2'} <= set(r.at_risk) and all('underflow' in r.at_risk[n] for n in ('0', '2'))
+    assert any(s.startswith('fp16: ') and 'underflow to zero at the loss scale 2**16' in s and '`0`' in s for s in r.reasons)
+    learn.loss_func = lambda p,y: lf(p, y)*1e-6  # small, but 2**16 lifts it into fp16's range
+    r = learn.precision_report()
+    assert r.underflow == 0 and r.recommended == 'fp16' and not r.at_risk
+
+def test_recommendation_this_machine():
+    "Without timings, a numerically safe learner on this CPU gets what its flags (read here) allow."
+    flags = _cpuinfo_flags()
+    expected = 'bf16' if flags & {'avx512_bf16', 'amx_bf16', 'bf16', 'sve_bf16'} else 'fp16' if flags & {'avx512_fp16', 'amx_fp16'} else 'fp32'
+    r = tiny_learner().precision_report()
+    assert r.recommended == expected and r.hardware.device == 'cpu', r
+    if 'amx_bf16' in flags: assert any('AMX-BF16' in s for s in r.reasons)
+    elif 'avx512_bf16' in flags: assert any('AVX512-BF16' in s for s in r.reasons)
+    print(r)
+
+def test_timed_decision(mock_hw, monkeypatch):
+    "With `time=True` the measured speed decides among the safe modes: >= 1.1x fp32, fp16 only if 1.1x bf16 too."
+    mock_hw(A100)
+    def fake(times): monkeypatch.setattr(advisor, 'time_steps', lambda model, xb, yb, loss_func, modes, n=5: {m: times[m] for m in modes})
+    for times,rec in [(dict(fp32=1., bf16=.5, fp16=.4), 'fp16'), (dict(fp32=1., bf16=.5, fp16=.48), 'bf16'),
+                      (dict(fp32=1., bf16=.95, fp16=.93), 'fp32'), (dict(fp32=1., bf16=2., fp16=.5), 'fp16')]:
+        fake(times)
+        r = tiny_learner().precision_report(time=True)
+        assert r.recommended == rec, (times, r.reasons)
+        assert r.speedups == {m: 1/t for m,t in times.items()}
+        assert any(f"measured {1/times['bf16']:.2f}x fp32's speed" in s for s in r.reasons)
+    fake(dict(fp32=1., bf16=.5, fp16=.1))
+    r = scaled_learner().precision_report(time=True)  # fp16 unsafe: not timed, and not chosen however fast
+    assert r.recommended == 'bf16' and set(r.timings) == {'fp32', 'bf16'}
+
+def test_real_timings():
+    "Real timed steps: every mode's median is positive and the report lists them."
+    r = tiny_learner().precision_report(time=True, n_steps=2)
+    assert set(r.timings) == {'fp32', 'bf16', 'fp16'} and all(t > 0 for t in r.timings.values())
+    assert r.speedups['fp32'] == 1 and 'step time: fp32' in str(r)
+
+def test_report_views():
+    "str/repr for the console, an HTML table for notebooks, a DataFrame of the modules."
+    r = scaled_learner().precision_report()
+    s = str(r)
+    assert s.splitlines()[0] == f'recommended: {r.recommended}' and repr(r) == s
+    assert f'hardware: {r.hardware}' in s and 'at risk in 16 bits: `0`' in s
+    h = r._repr_html_()
+    assert '<table' in h and f'recommended: {r.recommended}' in h and '65504' in h
+    df = r.to_frame()
+    assert list(df.index) == ['(input)', '0', '1', '2', '(model)']
+    assert {'type', 'max |activation|', 'max |gradient|', 'fp16 underflow', 'at risk'} <= set(df.columns)
+
+# ---- changes nothing --------------------------------------------------------------------------------------------
+
+def _autocast_state(): return (torch.is_autocast_enabled('cpu'), torch.get_autocast_dtype('cpu'), torch.is_autocast_cache_enabled())
+
+def state(learn):
+    "Everything the report must leave as it was, copied"
+    dl = learn.dls.train
+    return dict(
+        weights={k: v.clone() for k,v in learn.model.state_dict().items()},
+        grads=[None if p.grad is None else p.grad.clone() for p in learn.model.parameters()],
+        dtypes=[p.dtype for p in learn.model.parameters()], training=[m.training for m in learn.model.modules()],
+        opt=learn.opt, opt_state=None if learn.opt is None else _flat(learn.opt.state_dict()),
+        cbs=list(learn.cbs), torch_rng=torch.get_rng_state(), py_rng=random.getstate(), np_rng=np.random.get_state(),
+        autocast=_autocast_state(), dl_attrs=dict(vars(dl)), dl_rng=dl.rng.getstate(), loss_func=learn.loss_func)
+
+def _flat(o):
+    "A nested state dict as a flat list of (path, value), tensors cloned"
+    if isinstance(o, dict): return [(f'{k}/{p}', v) for k,x in o.items() for p,v in _flat(x)]
+    if isinstance(o, (list, tuple)): return [(f'{i}/{p}', v) for i,x in enumerate(o) for p,v in _flat(x)]
+    return [('', o.clone() if isinstance(o, torch.Tensor) else o)]
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor): return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, np.ndarray): return np.array_equal(a, b)
+    if isinstance(a, dict): return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)): return len(a) == len(b) and all(_same(x, y) for x,y in zip(a, b))
+    return a is b or a == b
+
+def assert_unchanged(before, after):
+    for k in before:
+        if k in ('opt', 'cbs', 'loss_func'): assert _same_ids(before[k], after[k]), k
+        elif k == 'dl_attrs': assert before[k].keys() == after[k].keys() and all(before[k][n] is after[k][n] for n in before[k]), k
+        else: assert _same(before[k], after[k]), k
+
+def _same_ids(a, b): return [id(x) for x in a] == [id(x) for x in b] if isinstance(a, list) else a is b
+
+def make(setup):
+    learn = tiny_learner()
+    if 'fp16' in setup: learn.to_fp16()
+    if 'fit' in setup: learn.fit(1)
+    if 'eval' in setup: learn.model.eval()
+    return learn
+
+@pytest.mark.parametrize('time', [False, True])
+@pytest.mark.parametrize('setup', ['fresh', 'fp16', 'fit', 'fit_fp16', 'fit_eval'])
+def test_changes_nothing(setup, time):
+    "Weights, grads, optimizer and its state, callbacks, train/eval modes, RNGs, autocast and the DataLoader: bitwise as before."
+    learn = make(setup)
+    before = state(learn)
+    learn.precision_report(time=time)
+    assert_unchanged(before, state(learn))
+
+def test_next_batch_unchanged():
+    "After a report, the DataLoader yields the batches it would have yielded without one."
+    a,b = tiny_learner(),tiny_learner()
+    a.precision_report(time=True)
+    for (xa,ya),(xb,yb) in zip(a.dls.train, b.dls.train): assert torch.equal(xa, xb) and torch.equal(ya, yb)
+
+def test_inside_autocast_and_no_grad():
+    "Called inside autocast and no_grad (e.g. from a callback), the numerics are still fp32 and both states survive."
+    learn = tiny_learner()
+    ref = learn.precision_report()
+    with torch.autocast('cpu', dtype=torch.bfloat16), torch.no_grad():
+        inside = _autocast_state()
+        r = learn.precision_report()
+        assert _autocast_state() == inside and not torch.is_grad_enabled()
+    assert r.modules == ref.modules
+
+def test_model_hooks_and_dropout_untouched():
+    "Forward hooks callbacks put on the model do not see the advisor's pass; dropout and BatchNorm run on the copy."
+    set_seed(0)
+    model = nn.Sequential(nn.Linear(1, 16), nn.BatchNorm1d(16), nn.Dropout(.5), nn.ReLU(), nn.Linear(16, 1))
+    learn = synth_learner(model=model)
+    calls = []
+    learn.model.register_forward_hook(lambda m,i,o: calls.append(1))
+    before = state(learn)
+    r = learn.precision_report(time=True, n_steps=1)
+    assert calls == [] and r.to_frame().loc['2', 'type'] == 'Dropout'
+    assert_unchanged(before, state(learn))
+
+def test_half_model():
+    "A model left in half precision (e.g. mid-fit in the master-weights mode) is examined in fp32 and stays half."
+    learn = tiny_learner()
+    learn.model.half()
+    before = state(learn)
+    r = learn.precision_report()
+    assert r.recommended in {'fp32', 'bf16', 'fp16'} and r.modules[1].act_max > 0
+    assert_unchanged(before, state(learn))
+
+# ---- applying it, and the slow-mode warning ---------------------------------------------------------------------
+
+@pytest.mark.parametrize('hw,mode', [(A100, 'bf16'), (V100, 'fp16'), (cpu_hardware({'avx2'}), 'fp32')])
+def test_to_auto_precision(mock_hw, hw, mode):
+    "to_auto_precision applies the recommendation through to_bf16/to_fp16/to_fp32 and returns the learner."
+    mock_hw(hw)
+    learn = tiny_learner().to_bf16()  # a callback already there is replaced, or removed for fp32
+    with warnings.catch_warnings(): warnings.simplefilter('ignore'); assert learn.to_auto_precision() is learn
+    cbs = [c for c in learn.cbs if isinstance(c, MixedPrecision)]
+    assert [str(c.amp_mode) for c in cbs] == ([] if mode == 'fp32' else [mode])
+
+def test_warn_if_slow_once():
+    "A slow mode warns once per process per device type and mode, saying 'slow' and why; reset forgets."
+    old_cpu = cpu_hardware({'avx2'}, 'AVX2', 'Mock CPU')
+    reset_slow_warnings()
+    try:
+        with warnings.catch_warnings(record=True) as ws:
+            warnings.simplefilter('always')
+            assert warn_if_slow(old_cpu, 'bf16') and not warn_if_slow(old_cpu, AMPMode.BF16)
+            assert not warn_if_slow(A100, 'bf16') and not warn_if_slow(A100, 'fp16')
+            reset_slow_warnings()
+            assert warn_if_slow(old_cpu, 'bf16')
+        assert len(ws) == 2 and all(w.category is UserWarning for w in ws)
+        msg = str(ws[0].message)
+        assert 'slow' in msg and 'no AVX512-BF16/AMX' in msg and 'slower than fp32' in msg, msg
+    finally: reset_slow_warnings()
+
+def test_warn_if_slow_this_machine():
+    "On this CPU, fp16 and bf16 warn exactly when its flags (read here) lack their fast kernels."
+    flags = _cpuinfo_flags()
+    reset_slow_warnings()
+    try:
+        for mode,fast in (('bf16', {'avx512_bf16', 'amx_bf16', 'bf16', 'sve_bf16'}), ('fp16', {'avx512_fp16', 'amx_fp16'})):
+            with warnings.catch_warnings(record=True) as ws:
+                warnings.simplefilter('always')
+                warn_if_slow('cpu', mode); warn_if_slow(torch.device('cpu'), mode)
+            assert len(ws) == (0 if flags & fast else 1), (mode, [str(w.message) for w in ws])
+            assert (slow_reason('cpu', mode) is None) == bool(flags & fast)
+    finally: reset_slow_warnings()
