@@ -7,6 +7,7 @@ from __future__ import annotations
 from fastai.basics import *
 from torch.amp import GradScaler
 from .core import *
+from .scaler import *
 from .callback import *
 
 # %% auto #0

@@ -10,6 +10,7 @@ from fastai.basics import *
 import fastai.callback.fp16 as fastai_fp16
 from torch.nn.modules.batchnorm import _NormBase
 from .core import *
+from .scaler import *
 
 # %% auto #0
 __all__ = ['ScaleTelemetry', 'check_one_precision', 'check_single_autocast', 'NormStats', 'PrecisionCallback']

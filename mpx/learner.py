@@ -8,6 +8,7 @@ import itertools
 from contextlib import contextmanager, ExitStack
 from fastai.basics import *
 from .core import *
+from .scaler import *
 from .callback import *
 from .callback import _fastai_types
 from .amp import *

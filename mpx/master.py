@@ -11,6 +11,7 @@ from fastai.basics import *
 from fastai.optimizer import _BaseOptimizer
 from torch.nn.modules.batchnorm import _BatchNorm
 from .core import *
+from .scaler import *
 from .callback import *
 
 # %% auto #0

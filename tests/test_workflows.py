@@ -1,0 +1,273 @@
+"Workflow matrix: sequences of fastai calls x master modes x optimizers x clients leave what fp32 leaves."
+import functools
+from contextlib import nullcontext
+import pytest, torch
+from torch import Tensor
+from fastai.basics import Callback, OptimWrapper, Lookahead, load_learner
+from fastai.callback.core import CancelFitException, CancelEpochException, CancelBatchException
+from fastai.callback.tracker import SaveModelCallback
+import fastai.callback.schedule  # lr_find, fit_one_cycle, fine_tune
+from mpx.all import *
+from mpx.test_utils import tiny_learner, tiny_split, tabular_app_learner, collab_app_learner, text_app_learner, MASTER_MODES, OPTIMIZERS
+
+pytestmark = pytest.mark.filterwarnings('ignore::UserWarning')  # load_learner's pickle warning, fastai's freeze warnings
+
+def tiny(opt='adam'):
+    "`tiny_learner` with BatchNorm, two parameter groups, weight decay and 4 training batches of 16"
+    return tiny_learner(bn=True, splitter=tiny_split, opt_func=OPTIMIZERS[opt], lr=1e-2, wd=1e-2, n_trn=4, n_val=1)
+CLIENTS = dict(tiny=tiny, tabular=lambda opt='adam': tabular_app_learner(opt_func=OPTIMIZERS[opt], lr=1e-2),
+               collab=lambda opt='adam': collab_app_learner(opt_func=OPTIMIZERS[opt], lr=1e-2),
+               text=lambda opt='adam': text_app_learner(opt_func=OPTIMIZERS[opt], lr=1e-2))
+
+# ---- what a learner between fits must show, and what fp32 decides
+
+def problems(learn) -> list:
+    "What must never show between fits: weights not fp32 or not finite, an optimizer off the model's parameters, stale optimizer state, a shadowed `learn.parameters`"
+    res,ps = [],list(learn.model.parameters())
+    ts = ps + [b for b in learn.model.buffers() if b.is_floating_point()]
+    if any(t.dtype != torch.float32 for t in ts): res.append(f'model dtypes {sorted({str(t.dtype) for t in ts})}')
+    if not all(t.isfinite().all() for t in ts): res.append('non-finite weights')
+    if 'parameters' in learn.__dict__: res.append("'parameters' in learn.__dict__")
+    opt = learn.opt
+    if opt is None: return res
+    ids = {id(p) for p in ps}
+    ops = [p for pg in opt.param_lists for p in pg]
+    if sorted(map(id, ops)) != sorted(ids): res.append(f'optimizer holds {len(ops)} tensors, {len(ids & set(map(id, ops)))} of them model parameters, of {len(ids)}')
+    try: opt.all_params()
+    except KeyError: res.append('opt.all_params() raises KeyError')
+    stale = lambda st: sum(isinstance(k, Tensor) and id(k) not in ids for k in st)  # fastai itself keys `do_wd` by collab's `bias` method: not a tensor
+    if stale(opt.state): res.append(f'stale keys in opt.state: {stale(opt.state)}')
+    if isinstance(opt, OptimWrapper) and stale(opt.opt.state): res.append(f'stale keys in the torch optimizer state: {stale(opt.opt.state)}')
+    if isinstance(opt, Lookahead) and opt.slow_weights is not None:
+        if [[s.shape for s in pg] for pg in opt.slow_weights] != [[p.shape for p in pg] for pg in opt.param_lists]: res.append('Lookahead slow weights not shaped like the parameters')
+    return res
+
+def _entry(k, v):
+    "An optimizer-state value as fp32 training would leave it: step counts exactly, tensors by shape and dtype"
+    if k == 'step' or isinstance(v, (bool, int, str)): return float(v) if isinstance(v, Tensor) else v
+    if isinstance(v, float) or (isinstance(v, Tensor) and v.dim() == 0): return 'scalar'
+    return ('tensor', tuple(v.shape), v.dtype) if isinstance(v, Tensor) else type(v).__name__
+
+def summary(learn) -> dict:
+    "What fp32 decides after a sequence: trainable set, hyper-parameters, and per parameter its optimizer-state keys, flags and step counts"
+    ps,opt = list(learn.model.parameters()),learn.opt
+    res = dict(requires_grad=[p.requires_grad for p in ps], n_groups=len(opt.param_lists), hypers=[dict(h) for h in opt.hypers],
+               flags=[{k: v for k,v in opt.state.get(p, {}).items() if k in ('do_wd', 'force_train')} for p in ps],
+               # a frozen parameter's state only where it trains: fp32 fastai keeps stepping a parameter frozen again after `unfreeze`
+               # (its zeroed gradient is not None), a master is built without a gradient
+               state=[{k: _entry(k, v) for k,v in opt.state.get(p, {}).items()} for p in ps if p.requires_grad])
+    if isinstance(opt, OptimWrapper): res['torch_state'] = [{k: _entry(k, v) for k,v in opt.opt.state.get(p, {}).items()} for p in ps if p.requires_grad]
+    if isinstance(opt, Lookahead): res['lookahead_count'] = opt.count
+    return res
+
+def _diff(got, ref) -> str:
+    "The first entry where two `summary` values differ"
+    if isinstance(got, list) and isinstance(ref, list) and len(got) == len(ref):
+        i = next(i for i,(a,b) in enumerate(zip(got, ref)) if a != b)
+        return f'[{i}] {got[i]} vs fp32 {ref[i]}'
+    return f'{got} vs fp32 {ref}'
+
+class FitCheck(Callback):
+    "Last of all `after_fit`s: record the `problems` every fit leaves"
+    order = 100
+    def __init__(self): self.found = []
+    def after_fit(self): self.found += [f'after_fit at step {self.learn.train_iter}: {p}' for p in problems(self.learn)]
+
+# ---- the sequences: each takes a learner and the mode (None: fp32) and returns the learner to check
+
+def _lr_find(learn): learn.lr_find(num_it=10, show_plot=False, suggest_funcs=None)
+
+def lrfind_onecycle(learn, mode): _lr_find(learn); learn.fit_one_cycle(1, 1e-2); return learn
+def lrfind_finetune(learn, mode): _lr_find(learn); learn.fine_tune(1, freeze_epochs=1); return learn
+def fit_fit(learn, mode): learn.fit(1); learn.fit(1); return learn
+def create_opt(learn, mode): learn.fit(1); learn.create_opt(); learn.fit(1); return learn
+def reset_opt(learn, mode): learn.fit(1); learn.fit(1, reset_opt=True); return learn
+
+def _save_load(learn, with_opt):
+    learn.fit(1); learn.freeze()
+    learn.save('ck', with_opt=with_opt); learn.load('ck', with_opt=with_opt)
+    learn.unfreeze(); learn.fit(1)
+    return learn
+def save_load_opt(learn, mode): return _save_load(learn, True)
+def save_load_noopt(learn, mode): return _save_load(learn, False)
+
+def freeze_discrim(learn, mode):
+    learn.freeze(); learn.fit(1, slice(1e-3, 1e-2))
+    learn.unfreeze(); learn.fit(1, slice(1e-3, 1e-2))
+    learn.freeze_to(-1); learn.fit(1, slice(1e-3, 1e-2))
+    return learn
+
+def save_model_cb(learn, mode):
+    learn.fit(2, cbs=SaveModelCallback(every_epoch=True, with_opt=True))
+    learn.load('model_1', with_opt=True); learn.fit(1)
+    return learn
+
+def _exported(learn, cpu):
+    learn.fit(1); learn.export('ex.pkl')
+    return load_learner(learn.path/'ex.pkl', cpu=cpu)
+
+def export_cpu(learn, mode):
+    "Export, `load_learner(cpu=True)` predicts in fp32 with no precision callback; the exporting learner trains on"
+    new = _exported(learn, cpu=True)
+    assert not [c for c in new.cbs if isinstance(c, (MixedPrecision, MasterPrecision))], 'load_learner(cpu=True) kept a precision callback'
+    dtypes = set()
+    hooks = [m.register_forward_hook(lambda m,i,o: dtypes.update({o.dtype} if isinstance(o, Tensor) else set())) for m in new.model.modules()]
+    try: preds,_ = new.get_preds(dl=learn.dls.valid)
+    finally:
+        for h in hooks: h.remove()
+    assert preds.dtype == torch.float32 and dtypes <= {torch.float32, torch.int64, torch.bool}, f'load_learner(cpu=True) predicts in {dtypes}'
+    learn.fit(1)
+    return learn
+
+def export_nocpu(learn, mode):
+    "`load_learner(cpu=False)` keeps the mode and trains on the exporter's data"
+    new = _exported(learn, cpu=False)
+    new.dls = learn.dls; new.add_cb(FitCheck())
+    new.fit(1)
+    return new
+
+def switch(learn, mode):
+    "The mode, fp16 masters, bf16 autocast, fp32 and the mode again, a fit after each (fp32 all along for the reference)"
+    for f in [mode, MASTER_MODES['fp16'], lambda l: l.to_bf16(), lambda l: l.to_fp32(), mode]:
+        if mode is not None: f(learn)
+        learn.fit(1)
+    return learn
+
+SEQUENCES = {f.__name__: f for f in [lrfind_onecycle, lrfind_finetune, fit_fit, save_load_opt, save_load_noopt, freeze_discrim, save_model_cb,
+                                      export_cpu, export_nocpu, create_opt, reset_opt, switch]}
+
+def run(client, seq, mode, opt, path):
+    "Run `seq` on a fresh `client` learner with `opt` in `mode` (None: fp32) in `path`; its `problems` after every fit and at the end, and its `summary`"
+    learn = CLIENTS[client](opt)
+    learn.path = path; learn.add_cb(FitCheck())
+    if mode is not None: MASTER_MODES[mode](learn)
+    learn = SEQUENCES[seq](learn, None if mode is None else MASTER_MODES[mode])
+    return learn.fit_check.found + problems(learn),summary(learn)
+
+@functools.cache
+def reference(client, seq, opt, path):
+    "`run` in fp32, once per client, sequence and optimizer"
+    path.mkdir(parents=True, exist_ok=True)
+    found,ref = run(client, seq, None, opt, path)
+    assert found == [], f'the fp32 reference itself shows {found}'
+    return ref
+
+def check_like_fp32(client, seq, mode, opt, tmp_path):
+    "Run `seq` in `mode`: no exception, no `problems` after any fit, and the `summary` fp32 leaves"
+    found,got = run(client, seq, mode, opt, tmp_path)
+    assert found == [], f'{found}'
+    ref = reference(client, seq, opt, tmp_path.parent/f'ref-{client}-{seq}-{opt}')
+    for k in ref: assert got.get(k) == ref[k], f'{k} differs from fp32: {_diff(got.get(k), ref[k])}'
+
+@pytest.mark.parametrize('mode', ['fp16', 'fp16_flat', 'bf16'])  # fp16_dynamic and bf16_flat: in the optimizer and application matrices
+@pytest.mark.parametrize('seq', SEQUENCES)
+def test_sequence(seq, mode, tmp_path):
+    "Every sequence of fastai calls in every master mode (tiny model with BatchNorm, two groups, Adam with weight decay) leaves what fp32 leaves."
+    check_like_fp32('tiny', seq, mode, 'adam', tmp_path)
+
+# Each optimizer meets several modes and each sequence every mode: diagonals of the product, not the whole of it
+_OPT_SEQS = ['save_load_opt', 'freeze_discrim', 'lrfind_onecycle']  # fit_fit: in test_state_lives
+_OPT_CELLS = [(o, s, list(MASTER_MODES)[(i+j) % len(MASTER_MODES)]) for i,o in enumerate(OPTIMIZERS) for j,s in enumerate(_OPT_SEQS)]
+
+@pytest.mark.parametrize('opt,seq,mode', _OPT_CELLS, ids=['-'.join(c) for c in _OPT_CELLS])
+def test_optimizer_sequence(opt, seq, mode, tmp_path):
+    "fastai's optimizers and torch's through OptimWrapper go through the sequences in master modes as they do in fp32."
+    check_like_fp32('tiny', seq, mode, opt, tmp_path)
+
+_APP_CELLS = [('tabular', 'lrfind_onecycle', 'fp16'), ('tabular', 'lrfind_finetune', 'bf16_flat'), ('tabular', 'save_load_opt', 'fp16_dynamic'),
+              ('tabular', 'export_cpu', 'fp16'), ('tabular', 'freeze_discrim', 'fp16_flat'), ('tabular', 'save_model_cb', 'bf16'),
+              ('collab', 'lrfind_onecycle', 'bf16'), ('collab', 'fit_fit', 'fp16_flat'), ('collab', 'save_load_opt', 'fp16'),
+              ('collab', 'export_cpu', 'bf16_flat'), ('collab', 'switch', 'fp16_dynamic'),
+              ('text', 'lrfind_finetune', 'fp16'), ('text', 'fit_fit', 'bf16_flat'), ('text', 'save_load_opt', 'bf16'),
+              ('text', 'export_cpu', 'fp16_flat'), ('text', 'freeze_discrim', 'fp16_dynamic'), ('text', 'export_nocpu', 'bf16')]
+
+@pytest.mark.parametrize('client,seq,mode', _APP_CELLS, ids=['-'.join(c) for c in _APP_CELLS])
+def test_app_sequence(client, seq, mode, tmp_path):
+    "fastai's own applications (tabular with embeddings and BatchNorm, collab, AWD_LSTM text) go through the sequences in master modes as in fp32."
+    check_like_fp32(client, seq, mode, 'adam', tmp_path)
+
+# ---- optimizer state lives across fits and checkpoints
+
+def _steps(learn) -> list:
+    "Each model parameter's step count: fastai's `state['step']`, torch's `state['step']`, or None where the optimizer keeps none"
+    st = learn.opt.opt.state if isinstance(learn.opt, OptimWrapper) else learn.opt.state
+    return [float(st[p]['step']) if 'step' in st.get(p, {}) else None for p in learn.model.parameters()]
+
+@pytest.mark.parametrize('mode', ['fp16', 'bf16_flat'])
+@pytest.mark.parametrize('opt', OPTIMIZERS)
+def test_state_lives(opt, mode, tmp_path):
+    "Optimizer state carries across fits and a with_opt checkpoint: step counts add up (4 per fit), every parameter keeps its state entries."
+    learn = tiny(opt); learn.path = tmp_path
+    MASTER_MODES[mode](learn)
+    learn.fit(1); learn.fit(1)
+    learn.save('ck', with_opt=True); learn.load('ck', with_opt=True)
+    learn.fit(1)
+    assert (found := problems(learn)) == [], f'{found}'
+    steps = _steps(learn)
+    if opt not in ('sgd', 'larc'): assert steps == [12.]*len(steps), steps
+    if opt == 'ranger': assert learn.opt.count == 12
+    st = learn.opt.opt.state if isinstance(learn.opt, OptimWrapper) else learn.opt.state
+    assert all(any(isinstance(v, Tensor) and v.dim() > 0 for v in st[p].values()) for p in learn.model.parameters()), 'a parameter lost its optimizer state'
+
+# ---- fits that die
+
+class Boom(Callback):
+    "Raise `exc` at the `at`-th time `event` runs; keep the model's trainable weights as the masters hold them when it raises"
+    def __init__(self, event, exc, order=0, at=3): self.event,self.exc,self.order,self.at,self.n = event,exc,order,at,0
+    def _hit(self, event):
+        if event != self.event: return
+        self.n += 1
+        if self.n == self.at: raise self.exc(f'Boom at {event}')  # fastai re-raises an exception with its message: give it one
+
+_EVENTS = ['before_fit', 'before_epoch', 'before_train', 'before_batch', 'after_pred', 'after_loss', 'before_backward', 'after_backward',
+           'before_step', 'after_step', 'after_batch', 'after_train', 'before_validate', 'after_validate', 'after_epoch', 'after_fit']
+for _e in _EVENTS: setattr(Boom, _e, lambda self, _e=_e: self._hit(_e))
+
+_FAILS = [('before_fit', RuntimeError, 11, 1), ('before_batch', RuntimeError, 0, 3), ('after_pred', RuntimeError, 0, 3),
+          ('after_loss', KeyboardInterrupt, 0, 3), ('after_backward', RuntimeError, 11, 3), ('before_step', KeyboardInterrupt, 11, 3),
+          ('after_step', RuntimeError, 9, 3), ('after_step', RuntimeError, 11, 3), ('after_batch', CancelFitException, 0, 3),
+          ('after_backward', CancelBatchException, 11, 3), ('after_batch', CancelEpochException, 0, 3), ('before_validate', KeyboardInterrupt, 0, 1),
+          ('after_epoch', RuntimeError, 11, 1), ('after_fit', RuntimeError, 0, 1)]
+_FAIL_IDS = [f'{e}-{x.__name__}-order{o}' for e,x,o,_ in _FAILS]
+
+def _rounded_through(learn, dtype) -> bool:
+    "Whether every model weight is exactly representable in `dtype`: the masters were lost"
+    return all(torch.equal(p, p.to(dtype).float()) for p in learn.model.parameters() if p.dtype == torch.float32)
+
+def _die_then_fit(learn, event, exc, order, at):
+    "Fit with a `Boom`; the problems it leaves; another fit; the problems that leaves"
+    learn.add_cb(FitCheck())
+    with pytest.raises(exc) if not issubclass(exc, (CancelFitException, CancelEpochException, CancelBatchException)) else nullcontext():
+        learn.fit(1, cbs=Boom(event, exc, order, at))
+    after_fail = problems(learn)
+    learn.fit(1)
+    return after_fail,learn.fit_check.found + problems(learn)
+
+@functools.cache
+def _failed_ref(event, exc, order, at):
+    "The `summary` fp32 leaves after `_die_then_fit`"
+    ref = tiny(); _die_then_fit(ref, event, exc, order, at)
+    return summary(ref)
+
+@pytest.mark.parametrize('mode', ['fp16', 'bf16_flat'])
+@pytest.mark.parametrize('event,exc,order,at', _FAILS, ids=_FAIL_IDS)
+def test_failed_fit(event, exc, order, at, mode):
+    "A fit that dies at any event (error, Ctrl-C, Cancel*) leaves an fp32 model from the masters and the optimizer on it; the next fit ends like fp32's."
+    learn = MASTER_MODES[mode](tiny())
+    after_fail,after_next = _die_then_fit(learn, event, exc, order, at)
+    assert after_fail == [], f'after the failed fit: {after_fail}'
+    assert not _rounded_through(learn, torch.float16 if mode.startswith('fp16') else torch.bfloat16), 'the fp32 masters were lost'
+    assert after_next == [], f'after the next fit: {after_next}'
+    got,ref = summary(learn),_failed_ref(event, exc, order, at)
+    for k in ref: assert got.get(k) == ref[k], f'{k} differs from fp32: {_diff(got.get(k), ref[k])}'
+
+@pytest.mark.parametrize('client,mode', [('tabular', 'fp16_flat'), ('text', 'bf16')])
+def test_app_failed_fit(client, mode):
+    "A Ctrl-C after a step of a real application leaves an fp32 model and the optimizer on it; the next fit ends like fp32's."
+    ref = CLIENTS[client]()
+    _die_then_fit(ref, 'after_step', KeyboardInterrupt, 11, 2)
+    learn = MASTER_MODES[mode](CLIENTS[client]())
+    after_fail,after_next = _die_then_fit(learn, 'after_step', KeyboardInterrupt, 11, 2)
+    assert after_fail == [], f'after the failed fit: {after_fail}'
+    assert after_next == [], f'after the next fit: {after_next}'
+    assert summary(learn) == summary(ref)
