@@ -16,10 +16,11 @@ class ManyParams(Module):
 
 MODES = {  # name: (the callback, syncs per step on CUDA: mpx's as tests/test_gpu.py checks, fastai's from its code)
     'mpx AMP fp16':                 (lambda: MixedPrecision('fp16'), '1'),
-    'mpx AMP bf16':                 (lambda: MixedPrecision('bf16'), '0'),
+    'mpx AMP bf16':                 (lambda: MixedPrecision('bf16'), '1'),
+    'mpx AMP bf16, check_finite=False': (lambda: MixedPrecision('bf16', check_finite=False), '0'),
     'mpx master fp16 per-tensor':   (lambda: MasterPrecision('fp16'), '1'),
     'mpx master fp16 flat':         (lambda: MasterPrecision('fp16', flat_master=True), '1'),
-    'mpx master bf16':              (lambda: MasterPrecision('bf16'), '0'),
+    'mpx master bf16':              (lambda: MasterPrecision('bf16'), '1'),
     'fastai AMP fp16 (off on CPU)': (lambda: ffp16.MixedPrecision(), '2'),
     'fastai AMP bf16 (off on CPU)': (lambda: ffp16.MixedPrecision(amp_mode='bf16'), '0'),
     'fastai AMP fp16 (on CPU)':     (lambda: FastaiAMPOnCPU(), '2'),

@@ -14,24 +14,23 @@ from .callback import *
 __all__ = ['MixedPrecision']
 
 # %% ../nbs/03_amp.ipynb #451da1d2
-_scaler_defaults = dict(init_scale=2.**16, growth_factor=2., backoff_factor=.5, growth_interval=2000)
-
 class MixedPrecision(PrecisionCallback):
     "Mixed-precision training with `torch.autocast` and, for fp16, a `GradScaler` whose state outlives each fit"
     def __init__(self,
         amp_mode:str|AMPMode=AMPMode.FP16, # Compute dtype: 'fp16' or 'bf16'
-        init_scale:float=None, # fp16: the first loss scale (default 2**16)
-        growth_factor:float=None, # fp16: multiply the scale by this after `growth_interval` clean steps in a row (default 2)
-        backoff_factor:float=None, # fp16: multiply the scale by this when a step overflows (default 0.5)
-        growth_interval:int=None, # fp16: clean steps in a row before the scale grows (default 2000)
+        init_scale:float=default(2.**16), # fp16: the first loss scale
+        growth_factor:float=default(2.), # fp16: multiply the scale by this after `growth_interval` clean steps in a row
+        backoff_factor:float=default(.5), # fp16: multiply the scale by this when a step overflows
+        growth_interval:int=default(2000), # fp16: clean steps in a row before the scale grows
         enabled:bool=True, # False: no autocast and no scaling, the callback stays in place
         check_finite:bool=True, # Skip a step whose gradients hold inf/nan; fp16 always checks
     ):
         super().__init__(amp_mode, check_finite)
-        given = {k:v for k,v in dict(init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor, growth_interval=growth_interval).items() if v is not None}
+        given = passed(init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor, growth_interval=growth_interval)
         if self.amp_mode is AMPMode.BF16 and given: _no_effect(*next(iter(given.items())))
         check_args(enabled=enabled, **given)
-        for k,v in {**_scaler_defaults, **given}.items(): setattr(self, k, v)
+        self.init_scale,self.growth_factor,self.backoff_factor = float(init_scale),float(growth_factor),float(backoff_factor)
+        self.growth_interval = int(growth_interval)
         self.enabled,self.scaler = enabled,None
         self._autocast,self._in_autocast = None,False
         self._scaler_state_to_load = None  # a checkpoint's scaler state, loaded before `before_fit` builds the scaler
@@ -55,7 +54,7 @@ def _no_effect(k, v):
 @patch
 def _check_model(self:MixedPrecision, model:nn.Module):
     "Raise a `ValueError` when a floating parameter of `model` is not fp32"
-    bad = first((n, p.dtype) for n,p in model.named_parameters() if p.is_floating_point() and p.dtype != torch.float32)
+    bad = first_not_fp32(model)
     if bad and self.enabled: raise ValueError(f"AMP needs fp32 weights: parameter {bad[0]!r} is {bad[1]}. Call learn.to_fp32() first, or keep a half model with fp32 master weights: learn.to_{self.amp_mode}(master=True)")
 
 @patch

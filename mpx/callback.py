@@ -13,7 +13,7 @@ from .core import *
 from .scaler import *
 
 # %% auto #0
-__all__ = ['ScaleTelemetry', 'check_one_precision', 'check_single_autocast', 'NormStats', 'PrecisionCallback']
+__all__ = ['ScaleTelemetry', 'check_one_precision', 'check_single_autocast', 'NormStats', 'PrecisionCallback', 'first_not_fp32']
 
 # %% ../nbs/02_callback.ipynb #cb000007
 class ScaleTelemetry:
@@ -90,14 +90,15 @@ class NormStats:
 # %% ../nbs/02_callback.ipynb #cb000020
 class PrecisionCallback(Callback, ScaleTelemetry):
     "What every precision mode shares: checks before the fit, fp32 predictions, one fused finite check per step that skips a bad step whole, telemetry and state"
-    order,scaling = 10,False
+    order,scaling,input_dtype = 10,False,None
     def __init__(self,
         amp_mode:str|AMPMode=AMPMode.FP16, # The 16-bit dtype: 'fp16' or 'bf16'
         check_finite:bool=True, # Skip a step whose gradients hold inf/nan (one host sync a step); a scaled loss is always checked
     ):
         check_args(check_finite=check_finite)
         self.amp_mode,self.check_finite,self.step_log = AMPMode(amp_mode),check_finite,StepLog()
-        self.device_type,self._norms,self._norms_due = None,None,False
+        self.device_type,self.fit_state = None,None
+        self._norms,self._norms_due = None,False
         self._checked,self._found = False,False  # this step was checked, and found non-finite
 
     @property
@@ -112,15 +113,23 @@ class PrecisionCallback(Callback, ScaleTelemetry):
 @patch
 def _check_model(self:PrecisionCallback, model:nn.Module):
     "Raise a `ValueError` before anything changes when the mode cannot train `model`"
+
+def first_not_fp32(model:nn.Module) -> tuple|None:
+    "The `(name, dtype)` of `model`'s first floating parameter that is not fp32, or None"
+    return first((n, p.dtype) for n,p in model.named_parameters() if p.is_floating_point() and p.dtype != torch.float32)
 @patch
-def _begin_fit(self:PrecisionCallback):
-    "Set the mode up for a fit (or a `get_preds`)"
+def _new_fit_state(self:PrecisionCallback):
+    "What the mode changes for one fit (or `get_preds`), made now: an object whose `undo()` puts it all back; None where nothing changes"
+@patch
+def _begin_fit(self:PrecisionCallback): self.fit_state = self._new_fit_state()
 @patch
 def _end_fit(self:PrecisionCallback):
     "Undo `_begin_fit` exactly; a no-op when there is nothing to undo"
+    if self.fit_state is not None: self.fit_state.undo(); self.fit_state = None
 @patch
 def _begin_batch(self:PrecisionCallback):
-    "Prepare a batch's forward pass"
+    "Prepare a batch's forward pass: floating inputs to `input_dtype`, where the mode has one (integer inputs such as token ids untouched)"
+    if self.input_dtype is not None: self.learn.xb = apply(lambda t: t.to(self.input_dtype) if isinstance(t, Tensor) and t.is_floating_point() else t, self.xb)
 @patch
 def _end_forward(self:PrecisionCallback):
     "Leave what `_begin_batch` entered; a no-op when there is nothing to leave"
@@ -143,9 +152,13 @@ def _unscale_and_check(self:PrecisionCallback) -> tuple:
     "The scale this step's loss was multiplied by, and whether its gradients hold an inf or nan: one fused pass, one host sync"
     return 1.0, has_inf_or_nan(self._step_grads())
 @patch
+@contextlib.contextmanager
 def suspended(self:PrecisionCallback):
     "Context manager: while inside, a fit under way is undone (fp32 weights in the model, its parameters in the optimizer), then resumed"
-    return contextlib.nullcontext()
+    if self.fit_state is None: yield; return
+    self._end_fit()
+    try: yield
+    finally: self._begin_fit()
 
 # %% ../nbs/02_callback.ipynb #cb000024
 @patch(as_prop=True)

@@ -13,7 +13,7 @@ from fastai.torch_core import apply
 
 # %% auto #0
 __all__ = ['AMPMode', 'model_device', 'training_device', 'autocast_device_type', 'check_amp_support', 'to_float32',
-           'unscale_and_find_inf_', 'has_inf_or_nan', 'CountSyncs', 'check_args']
+           'unscale_and_find_inf_', 'has_inf_or_nan', 'CountSyncs', 'check_args', 'default', 'passed']
 
 # %% ../nbs/00_core.ipynb #9dc79e19
 _dtype2mode = {torch.float16: 'fp16', torch.bfloat16: 'bf16'}
@@ -128,3 +128,15 @@ def check_args(**kwargs) -> None:
         if not ok(v): raise ValueError(f"{k}={v!r} is out of range: {k} must be {allowed}")
     if kwargs.get('min_scale', 0) > kwargs.get('max_scale', math.inf):
         raise ValueError(f"min_scale={kwargs['min_scale']!r} > max_scale={kwargs['max_scale']!r}: min_scale must be <= max_scale")
+
+# %% ../nbs/00_core.ipynb #cr000002
+class _DefaultFloat(float): "A float left at its default"
+class _DefaultInt(int): "An int left at its default"
+
+def default(v):
+    "`v` marked as a default value, so that `passed` can tell it from a value the user passed"
+    return _DefaultInt(v) if isinstance(v, int) else _DefaultFloat(v)
+
+def passed(**kwargs) -> dict:
+    "The arguments in `kwargs` the user passed: those not left at a `default`"
+    return {k:v for k,v in kwargs.items() if not isinstance(v, (_DefaultFloat, _DefaultInt))}

@@ -25,7 +25,7 @@ def _halvable(model:nn.Module) -> list:
 
 def _check_fp32(model:nn.Module):
     "Raise a `ValueError` naming the first floating parameter of `model` that is not fp32"
-    bad = first((n, p.dtype) for n,p in model.named_parameters() if p.is_floating_point() and p.dtype != torch.float32)
+    bad = first_not_fp32(model)
     if bad: raise ValueError(f"MasterPrecision needs an fp32 model: parameter {bad[0]!r} is {bad[1]}; call learn.to_fp32() or model.float() first")
 
 # %% ../nbs/04_master.ipynb #971f8fad
@@ -163,24 +163,25 @@ class MasterPrecision(PrecisionCallback):
     "Half-precision model with fp32 master weights stepped by the optimizer, and loss scaling (static by default)"
     def __init__(self,
         amp_mode:str|AMPMode=AMPMode.FP16, # Model dtype: 'fp16' (with loss scaling) or 'bf16' (without)
-        loss_scale:float=None, # fp16: the loss scale, the first one when `dynamic` (default 512)
+        loss_scale:float=default(512.), # fp16: the loss scale, the first one when `dynamic`
         flat_master:bool=False, # Keep each parameter group's masters in one flat fp32 buffer
         dynamic:bool=False, # fp16: adapt the scale to overflows
-        growth_interval:int=None, # Dynamic: clean steps in a row before the scale grows (default 2000)
-        growth_factor:float=None, # Dynamic: multiply the scale by this after `growth_interval` clean steps (default 2)
-        backoff_factor:float=None, # Dynamic: multiply the scale by this after an overflow (default 0.5)
-        min_scale:float=None, # Dynamic: the scale never goes below this (default 1)
-        max_scale:float=None, # Dynamic: the scale never goes above this (default 2**24)
+        growth_interval:int=default(2000), # Dynamic: clean steps in a row before the scale grows
+        growth_factor:float=default(2.), # Dynamic: multiply the scale by this after `growth_interval` clean steps
+        backoff_factor:float=default(.5), # Dynamic: multiply the scale by this after an overflow
+        min_scale:float=default(1.), # Dynamic: the scale never goes below this
+        max_scale:float=default(2.**24), # Dynamic: the scale never goes above this
         check_finite:bool=True, # bf16: skip a step whose gradients hold inf/nan (fp16 always checks)
     ):
         super().__init__(amp_mode, check_finite)
         check_args(flat_master=flat_master, dynamic=dynamic)
-        given = {k:v for k,v in dict(loss_scale=loss_scale, growth_interval=growth_interval, growth_factor=growth_factor, backoff_factor=backoff_factor, min_scale=min_scale, max_scale=max_scale).items() if v is not None}
+        args = dict(loss_scale=loss_scale, growth_interval=growth_interval, growth_factor=growth_factor, backoff_factor=backoff_factor, min_scale=min_scale, max_scale=max_scale)
+        given = passed(**args)
         if self.amp_mode is AMPMode.BF16 and (given or dynamic): _no_effect(*next(iter(given.items()), ('dynamic', dynamic)))
         if not dynamic and given.keys() & set(_dynamic_only): k = first(k for k in _dynamic_only if k in given); raise ValueError(f"{k}={given[k]!r} has no effect with a static loss scale: pass dynamic=True to use it, or drop {k}")
         check_args(**given)
-        self.scaler = None if self.amp_mode is AMPMode.BF16 else _scaler(dynamic, **given)
-        self.flat_master,self.masters = flat_master,None
+        self.scaler = None if self.amp_mode is AMPMode.BF16 else _scaler(dynamic, **args)
+        self.flat_master = flat_master
 
     @property
     def loss_scale(self) -> float:
@@ -188,42 +189,32 @@ class MasterPrecision(PrecisionCallback):
         return 1.0 if self.scaler is None else self.scaler.scale
     @property
     def scaling(self) -> bool: return self.scaler is not None
+    @property
+    def input_dtype(self) -> torch.dtype: return self.amp_mode.dtype
+    @property
+    def masters(self) -> MasterCopies|None:
+        "During a fit, its `MasterCopies`"
+        return self.fit_state
     def _repr_extra(self): return f'flat_master={self.flat_master}, '
 
 def _no_effect(k, v): raise ValueError(f"{k}={v!r} has no effect with amp_mode='bf16': bf16 has fp32's range and needs no loss scaling. Drop {k}, or use amp_mode='fp16'")
 
-def _scaler(dynamic:bool, loss_scale:float=512., min_scale:float=1., max_scale:float=2.**24, **kwargs) -> LossScaler:
-    "The `LossScaler`; a dynamic scale outside its bounds is reported as the `loss_scale` the user passed"
+def _scaler(dynamic:bool, loss_scale:float, growth_interval:int, min_scale:float, max_scale:float, **kwargs) -> LossScaler:
+    "The `LossScaler`, in plain floats and ints; a dynamic scale outside its bounds is reported as the `loss_scale` the user passed"
     if dynamic and not min_scale <= loss_scale <= max_scale: raise ValueError(f"loss_scale={loss_scale!r} is outside [min_scale, max_scale] = [{min_scale!r}, {max_scale!r}]: it must lie within them when dynamic=True")
-    return LossScaler(loss_scale, dynamic, min_scale=min_scale, max_scale=max_scale, **kwargs)
+    return LossScaler(float(loss_scale), dynamic, int(growth_interval), min_scale=float(min_scale), max_scale=float(max_scale), **{k: float(v) for k,v in kwargs.items()})
 
 # %% ../nbs/04_master.ipynb #e5d94c9a
 @patch
 def _check_model(self:MasterPrecision, model:nn.Module):
     "Raise a `ValueError` naming the first floating parameter of `model` that is not fp32"
-    bad = first((n, p.dtype) for n,p in model.named_parameters() if p.is_floating_point() and p.dtype != torch.float32)
+    bad = first_not_fp32(model)
     if bad: raise ValueError(f"MasterPrecision needs an fp32 model: parameter {bad[0]!r} is {bad[1]}; call learn.to_fp32() or model.float() first")
 
 @patch
-def _begin_fit(self:MasterPrecision): self.masters = MasterCopies(self.learn, self.amp_mode.dtype, self.flat_master)
-
-@patch
-def _end_fit(self:MasterPrecision):
-    if self.masters is not None: self.masters.undo(); self.masters = None
-
-@patch
-@contextmanager
-def suspended(self:MasterPrecision):
-    "While inside, a fit under way is undone (fp32 masters in the model, the model's parameters in the optimizer); then it resumes"
-    if self.masters is None: yield; return
-    self._end_fit()
-    try: yield
-    finally: self._begin_fit()
+def _new_fit_state(self:MasterPrecision): return MasterCopies(self.learn, self.amp_mode.dtype, self.flat_master)
 
 # %% ../nbs/04_master.ipynb #mb000002
-@patch
-def _begin_batch(self:MasterPrecision):
-    self.learn.xb = apply(lambda t: t.to(self.amp_mode.dtype) if isinstance(t, Tensor) and t.is_floating_point() else t, self.xb)
 @patch
 def _scale_loss(self:MasterPrecision, loss): return self.scaler.scale_loss(loss)
 @patch
