@@ -4,8 +4,7 @@
 
 # %% ../nbs/02_callback.ipynb #cb000004
 from __future__ import annotations
-import itertools, warnings
-import contextlib
+import contextlib, itertools, warnings
 from fastai.basics import *
 import fastai.callback.fp16 as fastai_fp16
 from torch.nn.modules.batchnorm import _NormBase
@@ -110,13 +109,13 @@ class PrecisionCallback(Callback, ScaleTelemetry):
     def _repr_extra(self) -> str: return ''
 
 # %% ../nbs/02_callback.ipynb #cb000022
-@patch
-def _check_model(self:PrecisionCallback, model:nn.Module):
-    "Raise a `ValueError` before anything changes when the mode cannot train `model`"
-
 def first_not_fp32(model:nn.Module) -> tuple|None:
     "The `(name, dtype)` of `model`'s first floating parameter that is not fp32, or None"
     return first((n, p.dtype) for n,p in model.named_parameters() if p.is_floating_point() and p.dtype != torch.float32)
+
+@patch
+def _check_model(self:PrecisionCallback, model:nn.Module):
+    "Raise a `ValueError` before anything changes when the mode cannot train `model`"
 @patch
 def _new_fit_state(self:PrecisionCallback):
     "What the mode changes for one fit (or `get_preds`), made now: an object whose `undo()` puts it all back; None where nothing changes"

@@ -1,4 +1,4 @@
-"fastai integrations of `to_fp16`/`to_bf16` on CPU: schedules, predictions, logging, export, patches, host syncs, bad input."
+"fastai integrations of `to_fp16`/`to_bf16` on CPU: schedules, predictions, logging, export, patches, bad input (host syncs: `test_syncs.py`)."
 import math, subprocess, sys
 import pytest, torch
 import fastai.callback.fp16 as fastai_fp16
@@ -6,8 +6,8 @@ from fastai.callback.schedule import *  # lr_find, fit_one_cycle, fine_tune
 from fastai.callback.core import Callback, CancelBatchException
 from fastai.callback.training import GradientAccumulation
 from fastai.learner import load_learner
-from mpx.all import MixedPrecision, MasterPrecision, CountSyncs
-from _helpers import *
+from mpx.all import MixedPrecision, MasterPrecision
+from mpx.test_utils import tiny_learner, fit_quiet, weights, precision_cbs, TupleModel, first_mse, DtypeHook, PredProbe, LossProbe
 
 HALF = dict(fp16=torch.float16, bf16=torch.bfloat16)
 MODES = list(HALF)
@@ -16,12 +16,10 @@ def to_mode(learn, mode, **kwargs):
     "`learn.to_fp16(**kwargs)` or `learn.to_bf16()`"
     return learn.to_fp16(**kwargs) if mode == 'fp16' else learn.to_bf16()
 
-def weights(learn): return [p.detach().clone() for p in learn.model.parameters()]
-
 @pytest.mark.parametrize('mode', MODES)
 def test_lr_find_restores_weights(mode, tmp_path):
     "`lr_find` runs and afterwards the weights, the loss scale and the telemetry are those from before it."
-    learn = to_mode(tiny_learner(path=tmp_path), mode)
+    learn = to_mode(tiny_learner(lr=1e-2, path=tmp_path), mode)
     w,scale = weights(learn),learn.mixed_precision.loss_scale
     with learn.no_bar(), learn.no_logging(): res = learn.lr_find(num_it=10, show_plot=False)
     assert math.isfinite(res.valley) and learn.mixed_precision.total_steps == 0 and learn.mixed_precision.loss_scale == scale
@@ -31,7 +29,7 @@ def test_lr_find_restores_weights(mode, tmp_path):
 @pytest.mark.parametrize('method,kw', [('fit_one_cycle', {}), ('fine_tune', dict(freeze_epochs=1))], ids=['fit_one_cycle','fine_tune'])
 def test_schedules(mode, method, kw):
     "`fit_one_cycle` and `fine_tune` train through the callback: every optimizer step counted, weights moved, losses finite."
-    learn = to_mode(tiny_learner(), mode, init_scale=2.**8)
+    learn = to_mode(tiny_learner(lr=1e-2), mode, init_scale=2.**8)
     w = weights(learn)
     fit_quiet(learn, 2 if method == 'fit_one_cycle' else 1, method=method, **kw)
     mp = learn.mixed_precision
@@ -42,7 +40,7 @@ def test_schedules(mode, method, kw):
 @pytest.mark.parametrize('mode', MODES)
 def test_get_preds_and_validate_autocast(mode):
     "`get_preds` and `validate` compute in half precision (a forward hook sees it) and return fp32."
-    learn = to_mode(tiny_learner(), mode)
+    learn = to_mode(tiny_learner(lr=1e-2), mode)
     with DtypeHook(learn.model[0]) as hook: preds,targs = learn.get_preds()
     assert hook.dtypes and set(hook.dtypes) == {HALF[mode]}
     assert preds.dtype == torch.float32 and preds.shape == targs.shape == (32, 1)
@@ -55,7 +53,7 @@ def test_get_preds_and_validate_autocast(mode):
 @pytest.mark.parametrize('as_list', [False, True], ids=['tuple','list'])
 def test_listy_preds_are_fp32(mode, as_list):
     "A model returning a tuple or list of half tensors gives the loss a tuple or list of fp32 tensors."
-    learn = to_mode(tiny_learner(model=TupleModel(as_list), loss_func=first_mse), mode, init_scale=2.**8)
+    learn = to_mode(tiny_learner(lr=1e-2, model=TupleModel(as_list), loss_func=first_mse), mode, init_scale=2.**8)
     probe = PredProbe()
     with DtypeHook(learn.model.body[2]) as hook: fit_quiet(learn, 1, cbs=probe)
     assert set(hook.dtypes) == {HALF[mode]}
@@ -78,7 +76,7 @@ def test_logged_loss_is_unscaled(mode, acc):
 
 def test_export_round_trip(tmp_path):
     "After a fit, `export` + `load_learner` keep the callback with its scale, mode and log, and the loaded learner fits on."
-    learn = tiny_learner(path=tmp_path, model=TupleModel(), loss_func=first_mse).to_fp16()
+    learn = tiny_learner(lr=1e-2, path=tmp_path, model=TupleModel(), loss_func=first_mse).to_fp16()
     fit_quiet(learn, 1)
     mp = learn.mixed_precision
     learn.export(tmp_path/'learn.pkl')
@@ -94,7 +92,7 @@ def test_export_round_trip(tmp_path):
 
 def test_load_learner_cpu_goes_fp32(tmp_path):
     "`load_learner(cpu=True)` calls `Learner.to_fp32`, which is mpx's: the loaded learner has no precision callback and fp32 weights."
-    learn = tiny_learner(path=tmp_path).to_bf16()
+    learn = tiny_learner(lr=1e-2, path=tmp_path).to_bf16()
     fit_quiet(learn, 1)
     learn.export(tmp_path/'learn.pkl')
     learn2 = load_learner(tmp_path/'learn.pkl')
@@ -126,7 +124,7 @@ CALLS = [
 @pytest.mark.parametrize('calls,expect', CALLS, ids=[f"{'>'.join(c)}=>{e}" for c,e in CALLS])
 def test_one_precision_callback(calls, expect):
     "Any mix of `to_fp16`, `to_bf16`, `to_fp32` and fastai's precision callbacks leaves exactly the last mpx mode, or none after `to_fp32`."
-    learn = tiny_learner()
+    learn = tiny_learner(lr=1e-2)
     for c in calls: _apply(learn, c)
     cbs = precision_cbs(learn)
     if expect is None: assert cbs == [] and not hasattr(learn, 'mixed_precision') and not hasattr(learn, 'master_precision')
@@ -135,7 +133,7 @@ def test_one_precision_callback(calls, expect):
 
 def test_to_fp32_after_fit():
     "`to_fp32` after an fp16 fit leaves an fp32 model, computed in fp32, that still trains."
-    learn = tiny_learner().to_fp16(init_scale=2.**8)
+    learn = tiny_learner(lr=1e-2).to_fp16(init_scale=2.**8)
     fit_quiet(learn, 1)
     learn.to_fp32()
     assert precision_cbs(learn) == [] and all(p.dtype == torch.float32 for p in learn.model.parameters())
@@ -143,29 +141,6 @@ def test_to_fp32_after_fit():
     with DtypeHook(learn.model[0]) as hook: fit_quiet(learn, 1)
     assert set(hook.dtypes) == {torch.float32} and not any(map(torch.equal, w, learn.model.parameters()))
     assert all(math.isfinite(l) for l in learn.recorder.losses)
-
-@pytest.mark.parametrize('precision,acc,extra', [
-    (dict(init_scale=2.**8), False, 10), (dict(), False, 10), (dict(amp_mode='bf16'), False, 10), (dict(amp_mode='bf16', check_finite=False), False, 0),
-    (dict(init_scale=2.**8), True, 5), (dict(amp_mode='bf16'), True, 5),
-], ids=['fp16','fp16_overflowing','bf16','bf16_unchecked','fp16_grad_acc','bf16_grad_acc'])
-def test_host_syncs(precision, acc, extra):
-    "fp16 and bf16 add exactly one host sync per optimizer step (not per micro-batch), bf16 with check_finite=False none; only a skipped step pays for its diagnosis."
-    base,_ = count_syncs(acc=acc)
-    n,learn = count_syncs(precision, acc)
-    mp = learn.mixed_precision
-    assert mp.total_steps == (5 if acc else 10)
-    assert extra <= n - base <= extra + 4*mp.skipped_steps
-    if mp.skipped_steps == 0: assert n - base == extra
-    else: assert mp.last_overflow is not None and n - base > extra
-
-def test_telemetry_reads_do_not_sync():
-    "Reading the step counters costs no host sync, and reading `scales` at most one."
-    learn = fit_quiet(tiny_learner().to_fp16(), 1)
-    mp = learn.mixed_precision
-    with CountSyncs() as c: mp.total_steps, mp.skipped_steps, mp.overflow_rate, mp.step_log.skips
-    assert c.n == 0
-    with CountSyncs() as c: s = mp.scales
-    assert c.n <= 1 and len(s) == 10
 
 BAD = [  # kwargs, exception, the bad value its message must contain
     (dict(growth_factor=1.), ValueError, '1.0'), (dict(growth_factor=.5), ValueError, '0.5'),
@@ -190,14 +165,14 @@ def test_bad_args(kwargs, exc, bad):
                                         (dict(init_scale=2.**8, loss_scale=512), ValueError)])
 def test_failed_to_fp16_keeps_previous_callback(kwargs, exc):
     "A `to_fp16` call that raises leaves the learner's previous precision callback in place."
-    learn = tiny_learner().to_bf16()
+    learn = tiny_learner(lr=1e-2).to_bf16()
     prev = learn.mixed_precision
     with pytest.raises(exc): learn.to_fp16(**kwargs)
     assert precision_cbs(learn) == [prev] and learn.mixed_precision is prev and prev.learn is learn
 
 def test_disabled():
     "`enabled=False` keeps the callback but computes in fp32 with no scaling: every logged scale is 1.0."
-    learn = tiny_learner(cbs=MixedPrecision(enabled=False))
+    learn = tiny_learner(lr=1e-2, cbs=MixedPrecision(enabled=False))
     with DtypeHook(learn.model[0]) as hook: fit_quiet(learn, 1)
     mp = learn.mixed_precision
     assert set(hook.dtypes) == {torch.float32} and mp.scaler is None
@@ -222,14 +197,14 @@ def autocast_off():
 
 def test_fit_after_interrupt_in_forward(autocast_off):
     "A fit interrupted during the forward pass (Ctrl-C in a notebook) does not break the next fit, which ends with autocast off."
-    learn = tiny_learner().to_fp16(init_scale=2.**8)
+    learn = tiny_learner(lr=1e-2).to_fp16(init_scale=2.**8)
     with pytest.raises(Interrupt): fit_quiet(learn, 1, cbs=InterruptAt('after_pred', MixedPrecision.order-1))
     fit_quiet(learn, 1)
     assert learn.mixed_precision.total_steps == 12 and not torch.is_autocast_enabled('cpu')
 
 def test_fit_after_interrupt_in_step():
     "A fit interrupted during the optimizer step (Ctrl-C in a notebook) does not break the next fit."
-    learn = tiny_learner().to_fp16(init_scale=2.**8)
+    learn = tiny_learner(lr=1e-2).to_fp16(init_scale=2.**8)
     with pytest.raises(Interrupt): fit_quiet(learn, 1, cbs=InterruptAt('before_step', MixedPrecision.order+1))
     fit_quiet(learn, 1)
     assert learn.mixed_precision.total_steps == 13
@@ -242,6 +217,6 @@ class CancelThirdStep(Callback):
 
 def test_cancel_batch_after_check():
     "A callback after `MixedPrecision` that cancels a batch in `before_step` does not break the following steps."
-    learn = tiny_learner().to_fp16(init_scale=2.**8)
+    learn = tiny_learner(lr=1e-2).to_fp16(init_scale=2.**8)
     fit_quiet(learn, 1, cbs=CancelThirdStep())
     assert learn.mixed_precision.total_steps == 10

@@ -5,7 +5,7 @@ from functools import partial
 from fastai.optimizer import SGD, Adam
 from fastai.callback.training import GradientAccumulation, GradientClip
 from mpx.all import MixedPrecision
-from _helpers import *
+from mpx.test_utils import tiny_learner, fit_quiet, InjectGrad, Snapshot, check_skips_change_nothing, GradNormProbe
 
 OPTS = dict(sgd_mom=partial(SGD, mom=.9), adam=Adam)
 SCALE = 2.**8  # small enough that the tiny regression never overflows by itself
@@ -26,7 +26,7 @@ def check_scale_halves(mp, init=SCALE):
 ], ids=['first_weight','last_bias','two_layers','epoch_boundary'])
 def test_injected_overflow_skips_step(opt, value, names, at):
     "An inf/nan written into chosen gradients at chosen steps skips exactly those steps, bit-identically, and halves the scale."
-    learn = tiny_learner(opt_func=OPTS[opt], cbs=MixedPrecision(init_scale=SCALE))
+    learn = tiny_learner(lr=1e-2, opt_func=OPTS[opt], cbs=MixedPrecision(init_scale=SCALE))
     inj,snap = InjectGrad(at, value, names),Snapshot()
     fit_quiet(learn, 2, cbs=[inj, snap])
     mp = learn.mixed_precision
@@ -39,7 +39,7 @@ def test_injected_overflow_skips_step(opt, value, names, at):
 @pytest.mark.parametrize('opt', OPTS)
 def test_natural_overflow_changes_nothing(opt):
     "At the default init_scale the tiny regression overflows by itself: those steps and an injected one change nothing either."
-    learn = tiny_learner(opt_func=OPTS[opt], cbs=MixedPrecision())
+    learn = tiny_learner(lr=1e-2, opt_func=OPTS[opt], cbs=MixedPrecision())
     snap = Snapshot()
     fit_quiet(learn, 1, cbs=[InjectGrad([7]), snap])
     mp = learn.mixed_precision
@@ -50,7 +50,7 @@ def test_natural_overflow_changes_nothing(opt):
 
 def test_no_overflow_no_skip():
     "Without injection at a small scale no step is skipped and every step moves every weight (the checks can pass for the right reason)."
-    learn = tiny_learner(cbs=MixedPrecision(init_scale=SCALE))
+    learn = tiny_learner(lr=1e-2, cbs=MixedPrecision(init_scale=SCALE))
     snap = Snapshot()
     fit_quiet(learn, 1, cbs=snap)
     mp = learn.mixed_precision
@@ -62,7 +62,7 @@ def test_no_overflow_no_skip():
 @pytest.mark.parametrize('value', [math.inf, math.nan], ids=['inf','nan'])
 def test_gradient_accumulation(opt, batch, value):
     "With `GradientAccumulation` (2 batches per step) steps are counted per optimizer step and a poisoned micro-batch skips its step."
-    learn = tiny_learner(opt_func=OPTS[opt], cbs=[MixedPrecision(init_scale=SCALE), GradientAccumulation(n_acc=32)])
+    learn = tiny_learner(lr=1e-2, opt_func=OPTS[opt], cbs=[MixedPrecision(init_scale=SCALE), GradientAccumulation(n_acc=32)])
     snap = Snapshot()
     fit_quiet(learn, 1, cbs=[InjectGrad([batch], value, ('2.weight',), micro=True), snap])
     mp = learn.mixed_precision
@@ -82,7 +82,7 @@ def test_gradient_clip(opt, at):
     "`GradientClip` runs after unscaling (the clipped norm is `max_norm`, not `max_norm/scale`) and does not run on a skipped step."
     max_norm,clip = .01,CountingClip(max_norm=.01)
     before_mp,before_clip,after_clip = GradNormProbe(MixedPrecision.order-.5),GradNormProbe(GradientClip.order-.5),GradNormProbe(GradientClip.order+.5)
-    learn = tiny_learner(opt_func=OPTS[opt], cbs=[MixedPrecision(init_scale=SCALE), clip])
+    learn = tiny_learner(lr=1e-2, opt_func=OPTS[opt], cbs=[MixedPrecision(init_scale=SCALE), clip])
     snap = Snapshot()
     fit_quiet(learn, 1, cbs=[InjectGrad(at), before_mp, before_clip, after_clip, snap])
     mp,n_clean = learn.mixed_precision,10-len(at)

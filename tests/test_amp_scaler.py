@@ -3,11 +3,11 @@ import math
 import pytest, torch
 from hypothesis import given, settings, strategies as st
 from mpx.all import MixedPrecision
-from _helpers import tiny_learner, fit_quiet, InjectGrad, replay
+from mpx.test_utils import tiny_learner, fit_quiet, InjectGrad, replay
 
 def run_mp(at, n_epoch=2, **kwargs):
     "`MixedPrecision(**kwargs)` after `n_epoch` epochs of the tiny learner with overflows injected at the steps in `at`"
-    learn = tiny_learner(cbs=MixedPrecision(**kwargs))
+    learn = tiny_learner(lr=1e-2, cbs=MixedPrecision(**kwargs))
     fit_quiet(learn, n_epoch, cbs=InjectGrad(at))
     return learn.mixed_precision
 
@@ -55,7 +55,7 @@ def test_random_injections(at, growth_interval, backoff_factor):
 def test_persists_across_fits():
     "A second fit continues the first's scale and growth tracker with the same `GradScaler`."
     kw = dict(init_scale=2.**4, growth_interval=3)
-    learn = tiny_learner(cbs=MixedPrecision(**kw))
+    learn = tiny_learner(lr=1e-2, cbs=MixedPrecision(**kw))
     inj = InjectGrad([4, 13])  # counts steps over both fits
     fit_quiet(learn, 1, cbs=inj)
     mp = learn.mixed_precision
@@ -70,7 +70,7 @@ def test_persists_across_fits():
 def test_long_run():
     "Past the step log's 256-step buffer, with overflows around its boundary, the trajectory still equals `GradScaler`'s."
     kw = dict(init_scale=2.**8, growth_interval=7)
-    learn = tiny_learner(n_trn=130, cbs=MixedPrecision(**kw))
+    learn = tiny_learner(lr=1e-2, n_trn=130, cbs=MixedPrecision(**kw))
     fit_quiet(learn, 2, cbs=InjectGrad([10, 255, 256, 257]))
     mp = learn.mixed_precision
     assert mp.total_steps == 260
@@ -78,7 +78,7 @@ def test_long_run():
 
 def test_bf16_has_no_scaler():
     "A bf16 learner logs a scale of 1.0 for every step, never skips, and has no scaler."
-    learn = tiny_learner(cbs=MixedPrecision('bf16'))
+    learn = tiny_learner(lr=1e-2, cbs=MixedPrecision('bf16'))
     fit_quiet(learn, 2)
     mp = learn.mixed_precision
     assert mp.scaler is None and mp.loss_scale == 1.0

@@ -4,7 +4,8 @@ from unittest import mock
 import pytest, torch
 from torch import nn
 from mpx.all import *
-from _helpers import tiny_learner, fit_quiet, precision_cbs
+from mpx.core import autocast_device_type
+from mpx.test_utils import tiny_learner, fit_quiet, precision_cbs
 
 SCALER_BAD = [  # kwargs, exception, text its message must contain
     (dict(init_scale=0.), ValueError, 'init_scale=0.0 is out of range'), (dict(init_scale=math.nan), ValueError, 'init_scale=nan'),
@@ -35,7 +36,7 @@ def test_master_bad_args(kwargs, exc, msg):
     with pytest.raises(exc) as e: MasterPrecision(**kwargs)
     assert msg in str(e.value)
     if 'amp_mode' in kwargs: return  # not a `to_fp16` argument
-    learn = tiny_learner().to_bf16()
+    learn = tiny_learner(lr=1e-2).to_bf16()
     prev = learn.mixed_precision
     with pytest.raises(exc): learn.to_fp16(master=True, **kwargs)
     assert precision_cbs(learn) == [prev]
@@ -53,7 +54,7 @@ PATCH_BAD = [
 @pytest.mark.parametrize('patch,kwargs,exc,msg', PATCH_BAD, ids=[f'{p}:{k}' for p,k,*_ in PATCH_BAD])
 def test_patch_bad_args(patch, kwargs, exc, msg):
     "A bad `to_fp16`/`to_bf16` call raises before anything changes; the learner still trains with its old callback."
-    learn = tiny_learner().to_fp16(loss_scale=64.)
+    learn = tiny_learner(lr=1e-2).to_fp16(loss_scale=64.)
     prev = learn.master_precision
     with pytest.raises(exc) as e: getattr(learn, patch)(**kwargs)
     assert msg in str(e.value) and precision_cbs(learn) == [prev]
@@ -62,7 +63,7 @@ def test_patch_bad_args(patch, kwargs, exc, msg):
 def test_bf16_on_a_gpu_without_it():
     "bf16 on a CUDA device without bf16 fails in before_fit with a clear error, before the model or optimizer change."
     for to in (lambda l: l.to_bf16(), lambda l: l.to_bf16(master=True)):
-        learn = to(tiny_learner())
+        learn = to(tiny_learner(lr=1e-2))
         w = [p.detach().clone() for p in learn.model.parameters()]
         with mock.patch('mpx.core.torch.cuda.is_bf16_supported', return_value=False), mock.patch('mpx.core.torch.cuda.get_device_name', return_value='Tesla T4'), \
              mock.patch('mpx.callback.training_device', return_value=torch.device('cuda')):
@@ -76,7 +77,7 @@ def test_master_with_mixed_dtypes():
     for flat in (False, True):
         model = nn.Sequential(nn.Linear(1, 8), nn.ReLU(), nn.Linear(8, 1))
         model[2].double()
-        learn = tiny_learner(model=model).to_fp16(flat_master=flat)
+        learn = tiny_learner(lr=1e-2, model=model).to_fp16(flat_master=flat)
         with pytest.raises(ValueError, match="parameter '2.weight' is torch.float64"): fit_quiet(learn)
         assert [p.dtype for p in learn.model.parameters()] == [torch.float32]*2 + [torch.float64]*2
         learn.model.float()

@@ -6,7 +6,7 @@ from fastai.basics import Callback, set_seed, load_learner
 from fastai.callback.tracker import SaveModelCallback
 import fastai.callback.schedule  # fine_tune, lr_find
 from mpx.all import *
-from _helpers import tiny_learner, fit_quiet
+from mpx.test_utils import tiny_learner, fit_quiet, weights, precision_cb
 
 TESTS = Path(__file__).parent
 MODES = dict(
@@ -21,10 +21,7 @@ class SeedEpochs(Callback):
     "Seed every epoch by its index (the DataLoader shuffles with its own `rng`), so a resumed run sees the same batches"
     def before_epoch(self): set_seed(100 + self.epoch, reproducible=True); self.dls.train.rng = random.Random(100 + self.epoch)
 
-def learner(mode, path): return MODES[mode](tiny_learner(path=path, cbs=SeedEpochs()))
-def precision(learn): return first_cb(learn)
-def first_cb(learn): return next(c for c in learn.cbs if isinstance(c, (MixedPrecision, MasterPrecision)))
-def weights(learn): return [p.detach().clone() for p in learn.model.parameters()]
+def learner(mode, path): return MODES[mode](tiny_learner(lr=1e-2, path=path, cbs=SeedEpochs()))
 
 def first_half(mode, path):
     "Train the first epoch of two and save with the optimizer state"
@@ -54,9 +51,9 @@ def test_resume_is_bit_exact(mode, tmp_path):
     first_half(mode, tmp_path)
     resumed = second_half(mode, tmp_path)
     for a,b in zip(weights(whole), weights(resumed)): assert torch.equal(a, b)
-    assert precision(resumed).scales == precision(whole).scales
-    assert (precision(resumed).loss_scale, precision(resumed).total_steps) == (precision(whole).loss_scale, 20)
-    if 'bf16' not in mode: assert len(set(precision(whole).scales)) > 2  # the scale moved, so restoring it mattered
+    assert precision_cb(resumed).scales == precision_cb(whole).scales
+    assert (precision_cb(resumed).loss_scale, precision_cb(resumed).total_steps) == (precision_cb(whole).loss_scale, 20)
+    if 'bf16' not in mode: assert len(set(precision_cb(whole).scales)) > 2  # the scale moved, so restoring it mattered
 
 @pytest.mark.parametrize('mode', ['amp_fp16', 'master_flat'])
 def test_resume_in_a_new_process(mode, tmp_path):
@@ -66,7 +63,7 @@ def test_resume_in_a_new_process(mode, tmp_path):
     resumed = second_half(mode, tmp_path)
     whole = fit_quiet(learner(mode, tmp_path), 2)
     for a,b in zip(weights(whole), weights(resumed)): assert torch.equal(a, b)
-    assert precision(resumed).scales == precision(whole).scales
+    assert precision_cb(resumed).scales == precision_cb(whole).scales
 
 PLAIN = '''
 import sys, warnings
@@ -99,9 +96,9 @@ def test_plain_checkpoint_loads_under_mpx(tmp_path):
     for mode in ('amp_fp16', 'master'):
         init = 2.**8 if mode == 'amp_fp16' else 8.
         learn = fit_quiet(learner(mode, tmp_path))
-        assert precision(learn).loss_scale > init
+        assert precision_cb(learn).loss_scale > init
         learn.load('plain', with_opt=True)
-        assert precision(learn).loss_scale == init
+        assert precision_cb(learn).loss_scale == init
         fit_quiet(learn)
 
 def test_load_before_first_fit(tmp_path):
@@ -127,6 +124,6 @@ def test_lr_find_restores_the_scale(tmp_path):
     "lr_find's trial steps leave the loss scale and the telemetry as they were."
     for mode in ('amp_fp16', 'master'):
         learn = fit_quiet(learner(mode, tmp_path))
-        before = (precision(learn).loss_scale, precision(learn).total_steps, precision(learn).scales)
+        before = (precision_cb(learn).loss_scale, precision_cb(learn).total_steps, precision_cb(learn).scales)
         with learn.no_bar(), learn.no_logging(): learn.lr_find(num_it=20, show_plot=False)
-        assert (precision(learn).loss_scale, precision(learn).total_steps, precision(learn).scales) == before
+        assert (precision_cb(learn).loss_scale, precision_cb(learn).total_steps, precision_cb(learn).scales) == before

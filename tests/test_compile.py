@@ -5,11 +5,10 @@ import torch._dynamo
 from fastai.basics import Callback, set_seed
 from fastai.callback.channelslast import ChannelsLast
 from mpx.all import *
-from _helpers import tiny_learner, fit_quiet, synth_dls
+from mpx.test_utils import tiny_learner, fit_quiet, weights, precision_cb, MODES, BASIC_MODES
 
-MODES = dict(amp_fp16=lambda l: l.to_fp16(init_scale=2.**8), amp_bf16=lambda l: l.to_bf16(), master=lambda l: l.to_fp16(loss_scale=64.),
-             master_flat=lambda l: l.to_fp16(loss_scale=64., flat_master=True), master_bf16=lambda l: l.to_bf16(master=True))
-HALF = dict(amp_fp16=torch.float16, amp_bf16=torch.bfloat16, master=torch.float16, master_flat=torch.float16, master_bf16=torch.bfloat16)
+COMPILE_MODES = BASIC_MODES + ['master_fp16_flat']
+def half(mode): return torch.bfloat16 if mode.endswith('bf16') else torch.float16
 
 class PredDtype(Callback):
     "The dtype of the model's output, before mpx casts it to fp32 for the loss"
@@ -17,19 +16,18 @@ class PredDtype(Callback):
     def before_fit(self): self.dtypes = set()
     def after_pred(self): self.dtypes.add(self.pred.dtype)
 
-@pytest.mark.parametrize('mode', MODES)
+@pytest.mark.parametrize('mode', COMPILE_MODES)
 def test_compiled_model(mode):
     "A `torch.compile`d model trains under every mode with the same output dtype as uncompiled, and mpx causes no graph break."
     torch._dynamo.reset(); torch._dynamo.utils.counters.clear()
     set_seed(0); model = nn.Sequential(nn.Linear(1, 8), nn.ReLU(), nn.Linear(8, 1))
-    learn = MODES[mode](tiny_learner(model=torch.compile(model, backend='eager'), cbs=PredDtype()))
+    learn = MODES[mode](tiny_learner(lr=1e-2, model=torch.compile(model, backend='eager'), cbs=PredDtype()))
     fit_quiet(learn, 2)
-    assert learn.pred_dtype.dtypes == {HALF[mode]}
+    assert learn.pred_dtype.dtypes == {half(mode)}
     assert not torch._dynamo.utils.counters['graph_break'], dict(torch._dynamo.utils.counters['graph_break'])
     assert torch._dynamo.utils.counters['stats']['unique_graphs'] >= 1
     assert {p.dtype for p in learn.model.parameters()} == {torch.float32}
-    cb = next(c for c in learn.cbs if isinstance(c, (MixedPrecision, MasterPrecision)))
-    assert cb.total_steps == 20 and all(torch.isfinite(p).all() for p in learn.model.parameters())
+    assert precision_cb(learn).total_steps == 20 and all(torch.isfinite(p).all() for p in learn.model.parameters())
 
 def test_inductor_bf16():
     "A model compiled by inductor (generated C++) trains under `to_bf16()` and matches the uncompiled model's first steps."
@@ -37,8 +35,8 @@ def test_inductor_bf16():
     res = []
     for compile in (False, True):
         set_seed(0); model = nn.Sequential(nn.Linear(1, 8), nn.ReLU(), nn.Linear(8, 1))
-        learn = tiny_learner(model=torch.compile(model) if compile else model, n_trn=2).to_bf16()
-        res.append([p.detach().clone() for p in fit_quiet(learn).model.parameters()])
+        learn = tiny_learner(lr=1e-2, model=torch.compile(model) if compile else model, n_trn=2).to_bf16()
+        res.append(weights(fit_quiet(learn)))
     for a,b in zip(*res): assert torch.allclose(a, b, atol=2e-2)
 
 class TinyCNN(nn.Sequential):
@@ -57,12 +55,12 @@ class LayoutProbe(Callback):
     def after_pred(self):
         if self.training: self.cl.add((self.model[3].weight.is_contiguous(memory_format=torch.channels_last), self.xb[0].is_contiguous(memory_format=torch.channels_last)))
 
-@pytest.mark.parametrize('mode', MODES)
+@pytest.mark.parametrize('mode', COMPILE_MODES)
 def test_channels_last(mode):
     "fastai's ChannelsLast with every mode: trains, keeps the model and inputs channels_last during the fit and after it."
     set_seed(0)
     probe = LayoutProbe()
-    learn = MODES[mode](tiny_learner(model=TinyCNN(), cbs=[Image(), ChannelsLast(), probe]))
+    learn = MODES[mode](tiny_learner(lr=1e-2, model=TinyCNN(), cbs=[Image(), ChannelsLast(), probe]))
     fit_quiet(learn, 2)
     assert probe.cl == {(True, True)}
     w = learn.model[3].weight

@@ -4,7 +4,7 @@ import psutil
 from pathlib import Path
 import pytest, torch
 from mpx.all import *
-from _helpers import tiny_learner, fit_quiet
+from mpx.test_utils import tiny_learner, fit_quiet
 import dist_worker
 
 MODES = list(dist_worker.MODES)
@@ -63,7 +63,7 @@ def test_accelerate_mixed_precision_refused():
     "Accelerate's own mixed precision next to an mpx callback fails before anything changes; without it the learner trains."
     import fastai.distributed
     for to in (lambda l: l.to_bf16(), lambda l: l.to_bf16(master=True)):
-        learn = to(tiny_learner()).to_distributed(mixed_precision='bf16', cpu=True)
+        learn = to(tiny_learner(lr=1e-2)).to_distributed(mixed_precision='bf16', cpu=True)
         w = [p.detach().clone() for p in learn.model.parameters()]
         with pytest.raises(ValueError, match="runs Accelerate with mixed_precision='bf16', and an mpx callback applies mixed precision too"): fit_quiet(learn)
         assert all(torch.equal(a, b) for a,b in zip(w, learn.model.parameters())) and {p.dtype for p in learn.model.parameters()} == {torch.float32}

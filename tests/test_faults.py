@@ -8,59 +8,22 @@ from fastai.callback.progress import CSVLogger
 from fastai.callback.core import CancelStepException
 from fastai.callback.training import GradientAccumulation, GradientClip
 from mpx.all import *
-from _helpers import tiny_learner, fit_quiet, replay, InjectGrad
+from mpx.test_utils import tiny_learner, fit_quiet, replay, precision_cb, InjectGrad, PoisonLoss, PoisonInput, Snapshot, check_skips_change_nothing
 
-MODES = dict(amp=lambda: MixedPrecision(init_scale=2.**8), master=lambda: MasterPrecision(loss_scale=2.**8, dynamic=True),
-             master_flat=lambda: MasterPrecision(loss_scale=2.**8, dynamic=True, flat_master=True))
+SCALED = dict(  # fp16 callbacks whose dynamic scale starts at 2**8 in each mode: the diagnosis reports that scale
+    amp=lambda: MixedPrecision(init_scale=2.**8), master=lambda: MasterPrecision(loss_scale=2.**8, dynamic=True),
+    master_flat=lambda: MasterPrecision(loss_scale=2.**8, dynamic=True, flat_master=True))
 
-def full_state(learn):
-    "Weights, the parameters the optimizer steps (masters during a master fit) and their optimizer state"
-    ps = list(learn.parameters()) if 'parameters' in learn.__dict__ else list(learn.model.parameters())
-    return [p.detach().clone() for p in learn.model.parameters()] + [p.detach().clone() for p in ps] + [v.clone() for p in ps for v in learn.opt.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
-
-class Snap(Callback):
-    "`full_state` after every optimizer step"
-    order = 12
-    def before_fit(self): self.snaps = [full_state(self.learn)]
-    def after_step(self): self.snaps.append(full_state(self.learn))
-
-class PoisonLoss(Callback):
-    "Multiply the loss by `value` (inf or nan) on the training batches in `at`"
-    order = 9
-    def __init__(self, at, value): self.at,self.value,self.i = set(at),value,0
-    def before_backward(self):
-        if self.i in self.at: self.learn.loss_grad = self.loss_grad * self.value
-        self.i += 1
-
-class PoisonInput(Callback):
-    "Write `value` into the first input of the training batches in `at`"
-    order = 9
-    def __init__(self, at, value): self.at,self.value,self.i = set(at),value,0
-    def before_batch(self):
-        if not self.training: return
-        if self.i in self.at: self.learn.xb = (self.xb[0].clone().index_fill_(0, torch.tensor([0]), self.value),)
-        self.i += 1
-
-def check(learn, snap, skipped):
-    "Exactly the steps in `skipped` were skipped, and each left every tensor bit-identical; the others changed the weights"
-    cb = next(c for c in learn.cbs if isinstance(c, (MixedPrecision, MasterPrecision)))
-    assert [i for i,s in enumerate(cb.step_log.skips) if s] == skipped
-    for i in range(cb.total_steps):
-        same = all(torch.equal(a, b) for a,b in zip(snap.snaps[i], snap.snaps[i+1]))
-        assert same == (i in skipped), f'step {i}'
-    assert cb.last_overflow.step == skipped[-1]
-    return cb
-
-@pytest.mark.parametrize('mode', MODES)
+@pytest.mark.parametrize('mode', SCALED)
 @pytest.mark.parametrize('where', ['loss', 'input'])
 @pytest.mark.parametrize('value', [math.inf, math.nan])
 @pytest.mark.parametrize('extras', ['none', 'acc', 'clip'])
 def test_poisoned_loss_or_input(mode, where, value, extras):
     "An inf or nan in the loss or in an input batch skips that optimizer step and changes nothing, with accumulation or clipping too."
     acc = extras == 'acc'
-    poison = (PoisonLoss if where == 'loss' else PoisonInput)(at=[4] if acc else [2], value=value)
-    cbs = [MODES[mode](), poison, Snap()] + ([GradientAccumulation(n_acc=32)] if acc else []) + ([GradientClip(max_norm=.5)] if extras == 'clip' else [])
-    check(fit_quiet(tiny_learner(cbs=cbs)), next(c for c in cbs if isinstance(c, Snap)), [2])
+    poison,snap = (PoisonLoss if where == 'loss' else PoisonInput)(at=[4] if acc else [2], value=value),Snapshot()
+    cbs = [SCALED[mode](), poison, snap] + ([GradientAccumulation(n_acc=32)] if acc else []) + ([GradientClip(max_norm=.5)] if extras == 'clip' else [])
+    check_skips_change_nothing(precision_cb(fit_quiet(tiny_learner(lr=1e-2, cbs=cbs))), snap, [2])
 
 def test_gradscaler_reference_case():
     "PyTorch's reference: a scaled run with an inf at one iteration against an fp32 control that skips that step: same weights and optimizer state, exact scale."
@@ -70,9 +33,9 @@ def test_gradscaler_reference_case():
         def before_step(self):
             self.i += 1
             if self.i - 1 == self.at: raise CancelStepException()
-    control = fit_quiet(tiny_learner(cbs=SkipAt(3)))
+    control = fit_quiet(tiny_learner(lr=1e-2, cbs=SkipAt(3)))
     for cb in (MixedPrecision(init_scale=128., growth_interval=1), MasterPrecision(loss_scale=128., dynamic=True, growth_interval=1)):
-        scaled = fit_quiet(tiny_learner(cbs=[cb, InjectGrad(at=[3], micro=isinstance(cb, MasterPrecision))]))
+        scaled = fit_quiet(tiny_learner(lr=1e-2, cbs=[cb, InjectGrad(at=[3], micro=isinstance(cb, MasterPrecision))]))
         assert cb.scales == [128., 256., 512., 1024., 512., 1024., 2048., 4096., 8192., 16384.] and cb.loss_scale == 128. * 2.**9 * .5
         tol = dict(atol=2e-2, rtol=2e-2)
         for a,b in zip(control.model.parameters(), scaled.model.parameters()): assert torch.allclose(a, b, **tol)
@@ -97,12 +60,12 @@ def test_loss_scaler_state_dict_round_trip(seq, cut, dynamic):
     b = LossScaler(); b.load_state_dict(a.state_dict())
     assert [a.update(f) for f in seq[cut:]] == [b.update(f) for f in seq[cut:]] and a.state_dict() == b.state_dict()
 
-@pytest.mark.parametrize('mode', MODES)
+@pytest.mark.parametrize('mode', SCALED)
 @pytest.mark.parametrize('name,value,kind', [('2.bias', math.inf, 'inf'), ('0.weight', math.nan, 'nan'), ('2.weight', -math.inf, 'inf')])
 def test_diagnosis_names_the_parameter(mode, name, value, kind):
     "A skipped step records the first parameter, by module name, whose gradient went non-finite, and its kind."
-    cb = MODES[mode]()
-    fit_quiet(tiny_learner(cbs=[cb, InjectGrad(at=[5], value=value, names=(name,), micro=True)]))
+    cb = SCALED[mode]()
+    fit_quiet(tiny_learner(lr=1e-2, cbs=[cb, InjectGrad(at=[5], value=value, names=(name,), micro=True)]))
     assert (cb.last_overflow.step, cb.last_overflow.param, cb.last_overflow.kind, cb.last_overflow.scale) == (5, name, kind, 2.**8)
 
 def test_warns_once_when_stuck():
@@ -110,14 +73,14 @@ def test_warns_once_when_stuck():
     for cb,warned in ((MasterPrecision(), True), (MasterPrecision(loss_scale=2.**20, dynamic=True, min_scale=1.), False), (MixedPrecision(init_scale=2.**8), True)):
         with warnings.catch_warnings(record=True) as ws:
             warnings.simplefilter('always')
-            fit_quiet(tiny_learner(cbs=[cb, InjectGrad(at=range(15), names=('2.bias',), micro=True)]))
+            fit_quiet(tiny_learner(lr=1e-2, cbs=[cb, InjectGrad(at=range(15), names=('2.bias',), micro=True)]))
         msgs = [str(w.message) for w in ws if 'in a row had inf/nan gradients' in str(w.message)]
         assert len(msgs) == int(warned) and cb.skipped_steps == 10
         if warned: assert "'2.bias'" in msgs[0] and 'learn.to_bf16()' in msgs[0]
 
 def test_columns_reach_csv_logger(tmp_path):
     "With `log_loss_scale()`, CSVLogger writes the loss scale and the epoch's skipped steps."
-    learn = tiny_learner(path=tmp_path, cbs=[InjectGrad(at=[1, 12])]).to_fp16(init_scale=2.**8).log_loss_scale()
+    learn = tiny_learner(lr=1e-2, path=tmp_path, cbs=[InjectGrad(at=[1, 12])]).to_fp16(init_scale=2.**8).log_loss_scale()
     fit_quiet(learn, 2, cbs=CSVLogger())
     df = pd.read_csv(tmp_path/'history.csv')
     assert list(df['loss_scale']) == [128., 64.] and list(df['skipped_steps']) == [1, 1]

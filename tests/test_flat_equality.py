@@ -1,11 +1,11 @@
 "Flat masters are a storage choice only: for every optimizer, flat and per-tensor masters leave bit-identical weights and optimizer state."
-import pytest, torch
-from torch import nn, Tensor
+import pytest
+from torch import nn
 from hypothesis import given, settings, Phase, strategies as st
-from fastai.basics import OptimWrapper, Lookahead, set_seed
+from fastai.basics import set_seed
 import fastai.callback.schedule  # fit_one_cycle
 from mpx.all import *
-from mpx.test_utils import tiny_learner, tiny_split, MASTER_MODES, OPTIMIZERS
+from mpx.test_utils import tiny_learner, tiny_split, state_of, state_diffs, MASTER_MODES, OPTIMIZERS
 
 pytestmark = pytest.mark.filterwarnings('ignore::UserWarning')
 
@@ -17,29 +17,6 @@ def learner(opt, mode, flat, path):
     "A seeded quiet `deep_model` learner (two groups, weight decay) in `mode`, with flat or per-tensor masters"
     learn = tiny_learner(model=deep_model, n_trn=4, n_val=1, opt_func=OPTIMIZERS[opt], splitter=tiny_split, lr=1e-2, wd=1e-2, path=path)
     return MASTER_MODES[f'{mode}_flat' if flat else mode](learn)
-
-def _clone(v): return v.detach().clone() if isinstance(v, Tensor) else v
-
-def snapshot(learn) -> dict:
-    "Every weight and buffer, the trainable flags, and each parameter's optimizer state (fastai's, torch's, Lookahead's slow weights)"
-    ps,opt = list(learn.model.parameters()),learn.opt
-    res = dict(weights=[_clone(p) for p in ps], buffers=[_clone(b) for b in learn.model.buffers()], requires_grad=[p.requires_grad for p in ps],
-               state=[{k: _clone(v) for k,v in opt.state.get(p, {}).items()} for p in ps])
-    if isinstance(opt, OptimWrapper): res['torch_state'] = [{k: _clone(v) for k,v in opt.opt.state.get(p, {}).items()} for p in ps]
-    if isinstance(opt, Lookahead): res['count'],res['slow'] = opt.count,[_clone(s) for pg in (opt.slow_weights or []) for s in pg]
-    return res
-
-def differences(a, b, where='') -> list:
-    "Where two snapshots differ, `torch.equal` for tensors (shape and dtype included)"
-    if isinstance(a, dict) and isinstance(b, dict):
-        if a.keys() != b.keys(): return [f'{where} keys {sorted(a)} vs {sorted(b)}']
-        return [d for k in a for d in differences(a[k], b[k], f'{where}.{k}')]
-    if isinstance(a, list) and isinstance(b, list):
-        if len(a) != len(b): return [f'{where} length {len(a)} vs {len(b)}']
-        return [d for i,(x,y) in enumerate(zip(a, b)) for d in differences(x, y, f'{where}[{i}]')]
-    if isinstance(a, Tensor) and isinstance(b, Tensor):
-        return [] if a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b) else [f'{where}: {tuple(a.shape)} {a.dtype} vs {tuple(b.shape)} {b.dtype}' + (f', max diff {(a.float()-b.float()).abs().max().item():.3g}' if a.shape == b.shape else '')]
-    return [] if a == b else [f'{where}: {a!r} vs {b!r}']
 
 OPS = {
     'fit': lambda l: l.fit(1),
@@ -57,7 +34,7 @@ def check_lockstep(opt, mode, ops, tmp_path):
     for i,op in enumerate(ops):
         for l in (ref, flat): set_seed(i); OPS[op](l)
         if ref.opt is None: continue
-        diffs = differences(snapshot(flat), snapshot(ref))
+        diffs = state_diffs(state_of(flat), state_of(ref))
         assert diffs == [], f'after {ops[:i+1]}, flat vs per-tensor: {diffs[:6]}'
 
 _SEQ = ['fit', 'freeze', 'fit', 'unfreeze', 'fit_discrim', 'save_load', 'fit']

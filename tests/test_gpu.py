@@ -1,10 +1,10 @@
-"The key `MixedPrecision` checks on CUDA: compute dtype, scaler device and trajectory, skip-on-overflow, host syncs."
+"The key `MixedPrecision` checks on CUDA: compute dtype, scaler device and trajectory, skip-on-overflow (host syncs on CUDA: `test_syncs.py`)."
 import math
 from functools import partial
 import pytest, torch
 from fastai.optimizer import SGD, Adam
 from mpx.all import MixedPrecision
-from _helpers import tiny_learner, fit_quiet, count_syncs, replay, InjectGrad, Snapshot, check_skips_change_nothing, DtypeHook
+from mpx.test_utils import tiny_learner, fit_quiet, replay, InjectGrad, Snapshot, check_skips_change_nothing, DtypeHook
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA GPU')
 
@@ -19,7 +19,7 @@ def needs_mode(mode):
 def test_compute_dtype(mode):
     "On CUDA the model computes in the mode's dtype during fit and `get_preds`, keeps fp32 weights and returns fp32 preds."
     needs_mode(mode)
-    learn = tiny_learner(device=DEV, cbs=MixedPrecision(mode, init_scale=2.**8))
+    learn = tiny_learner(lr=1e-2, device=DEV, cbs=MixedPrecision(mode, init_scale=2.**8))
     with DtypeHook(learn.model[0]) as hook: fit_quiet(learn, 1); preds,_ = learn.get_preds()
     assert len(hook.dtypes) == 12+2 and set(hook.dtypes) == {HALF[mode]}
     assert preds.dtype == torch.float32 and all(p.dtype == torch.float32 and p.is_cuda for p in learn.model.parameters())
@@ -28,7 +28,7 @@ def test_compute_dtype(mode):
 def test_scaler_on_cuda():
     "The fp16 scaler lives on CUDA and its trajectory equals a standalone CUDA `GradScaler`'s on the same overflows."
     kw = dict(init_scale=2.**8, growth_interval=2)
-    learn = tiny_learner(device=DEV, cbs=MixedPrecision(**kw))
+    learn = tiny_learner(lr=1e-2, device=DEV, cbs=MixedPrecision(**kw))
     fit_quiet(learn, 2, cbs=InjectGrad([3, 4, 11]))
     mp = learn.mixed_precision
     assert mp.scaler._device == 'cuda' and mp.scaler._scale.device.type == 'cuda'
@@ -39,19 +39,9 @@ def test_scaler_on_cuda():
 @pytest.mark.parametrize('value', [math.inf, math.nan], ids=['inf','nan'])
 def test_skip_on_overflow(opt_func, value):
     "On CUDA a poisoned gradient skips exactly its step, leaving weights and optimizer state bit-identical, and halves the scale."
-    learn = tiny_learner(device=DEV, opt_func=opt_func, cbs=MixedPrecision(init_scale=2.**8))
+    learn = tiny_learner(lr=1e-2, device=DEV, opt_func=opt_func, cbs=MixedPrecision(init_scale=2.**8))
     snap = Snapshot()
     fit_quiet(learn, 1, cbs=[InjectGrad([0, 4, 5], value, ('0.weight', '2.bias')), snap])
     mp = learn.mixed_precision
     assert mp.step_log.skips == [i in (0, 4, 5) for i in range(10)] and mp.loss_scale == 2.**8/8
     check_skips_change_nothing(mp, snap)
-
-@pytest.mark.parametrize('precision,acc,extra', [
-    (dict(init_scale=2.**8), False, 10), (dict(amp_mode='bf16'), False, 0), (dict(init_scale=2.**8), True, 5),
-], ids=['fp16','bf16','fp16_grad_acc'])
-def test_one_sync_per_step(precision, acc, extra):
-    "On CUDA fp16 adds exactly one host sync per optimizer step, bf16 none."
-    if precision.get('amp_mode') == 'bf16': needs_mode('bf16')
-    base,_ = count_syncs(acc=acc, device=DEV)
-    n,learn = count_syncs(precision, acc, device=DEV)
-    assert learn.mixed_precision.total_steps == (5 if acc else 10) and n - base == extra

@@ -1,4 +1,4 @@
-"Nothing leaks, nothing reaches the weights: autocast after failed fits, one precision callback, the bf16 guard, BatchNorm statistics, strict arguments."
+"Nothing leaks, nothing reaches the weights: autocast after failed fits, one precision callback, the bf16 guard, BatchNorm statistics, strict arguments (its host syncs: `test_syncs.py`)."
 import math, warnings
 import pytest, torch
 from torch import nn
@@ -8,16 +8,9 @@ from fastai.learner import Learner
 from fastai.callback.core import Callback, CancelFitException
 from fastai.callback.training import GradientAccumulation
 from mpx.all import *
-from mpx.test_utils import tiny_model as bn_capable_model
-from _helpers import tiny_learner, synth_dls, fit_quiet, precision_cbs, InjectGrad
-from test_faults import Snap, PoisonLoss, check
+from mpx.test_utils import (tiny_learner, tiny_model, tiny_dls, fit_quiet, precision_cbs, precision_cb, MODES, BASIC_MODES, InjectGrad, PoisonLoss,
+                            Snapshot, check_skips_change_nothing)
 
-MODES = {  # name: what puts a learner in that mode
-    'amp_fp16':    lambda l, **kw: l.to_fp16(init_scale=2.**8, **kw),  # a scale at which the tiny model's clean steps do not overflow
-    'amp_bf16':    lambda l, **kw: l.to_bf16(**kw),
-    'master_fp16': lambda l, **kw: l.to_fp16(loss_scale=512, **kw),
-    'master_bf16': lambda l, **kw: l.to_bf16(master=True, **kw),
-}
 DEVICES = ['cpu'] + (['cuda'] if torch.cuda.is_available() else [])
 
 def autocast_state() -> list:
@@ -34,10 +27,8 @@ def reset_autocast():
 
 def learner(mode=None, bn=False, **kwargs):
     "A seeded `tiny_learner` (with a BatchNorm if `bn`) in `mode` (one of `MODES`), or fp32"
-    learn = tiny_learner(model=bn_capable_model(bn=bn), **kwargs)
+    learn = tiny_learner(lr=1e-2, bn=bn, **kwargs)
     return MODES[mode](learn) if mode else learn
-
-def the_cb(learn): (cb,) = precision_cbs(learn); return cb
 
 def assert_nothing_left(learn, before):
     "Autocast as `before`, an fp32 model whose own parameters the optimizer (and `learn.parameters`) holds, and fp32 matmuls"
@@ -68,7 +59,7 @@ SIDES = dict(before_cb=MixedPrecision.order-1, after_cb=MixedPrecision.order+1)
 
 @pytest.mark.parametrize('side', SIDES)
 @pytest.mark.parametrize('event', EVENTS)
-@pytest.mark.parametrize('mode', MODES)
+@pytest.mark.parametrize('mode', BASIC_MODES)
 def test_exception_in_event(mode, event, side):
     "An exception raised by a callback at any event, before or after the precision callback's handler, leaves autocast, the model and the optimizer as before the fit."
     learn,before = learner(mode),autocast_state()
@@ -77,7 +68,7 @@ def test_exception_in_event(mode, event, side):
 
 class FailingForward(Module):
     "`tiny_model` whose forward raises `Boom` on its third call"
-    def __init__(self): self.body,self.n = bn_capable_model(),0
+    def __init__(self): self.body,self.n = tiny_model(),0
     def forward(self, x):
         self.n += 1
         if self.n == 3: raise Boom()
@@ -92,16 +83,16 @@ class FailingLoss:
         return nn.functional.mse_loss(pred, y)
 
 @pytest.mark.parametrize('where', ['forward', 'loss'])
-@pytest.mark.parametrize('mode', MODES)
+@pytest.mark.parametrize('mode', BASIC_MODES)
 def test_exception_in_model_or_loss(mode, where):
     "An exception in the model's forward or in the loss function leaves autocast, the model and the optimizer as before the fit."
-    learn = MODES[mode](tiny_learner(model=FailingForward()) if where == 'forward' else tiny_learner(loss_func=FailingLoss()))
+    learn = MODES[mode](tiny_learner(lr=1e-2, model=FailingForward()) if where == 'forward' else tiny_learner(lr=1e-2, loss_func=FailingLoss()))
     before = autocast_state()
     with pytest.raises(Boom): fit_quiet(learn)
     assert_nothing_left(learn, before)
 
 @pytest.mark.parametrize('exc', [KeyboardInterrupt, CancelFitException], ids=['KeyboardInterrupt', 'CancelFitException'])
-@pytest.mark.parametrize('mode', MODES)
+@pytest.mark.parametrize('mode', BASIC_MODES)
 def test_interrupt_or_cancel_fit(mode, exc):
     "Ctrl-C or a `CancelFitException` in the middle of a forward pass leaves autocast, the model and the optimizer as before the fit."
     learn,before = learner(mode),autocast_state()
@@ -111,7 +102,7 @@ def test_interrupt_or_cancel_fit(mode, exc):
     assert_nothing_left(learn, before)
 
 @pytest.mark.parametrize('fails', [False, True], ids=['clean_fit', 'failed_fit'])
-@pytest.mark.parametrize('mode', MODES)
+@pytest.mark.parametrize('mode', BASIC_MODES)
 def test_fit_inside_users_autocast(mode, fails):
     "A fit started inside the user's own bf16 autocast, clean or failed, leaves that autocast on, in bf16."
     learn = learner(mode)
@@ -125,14 +116,14 @@ def test_fit_inside_users_autocast(mode, fails):
     assert autocast_state() == PRISTINE
 
 @pytest.mark.parametrize('method', ['get_preds', 'validate'])
-@pytest.mark.parametrize('mode', MODES)
+@pytest.mark.parametrize('mode', BASIC_MODES)
 def test_failed_inference(mode, method):
     "`get_preds` or `validate` that raise in the middle of a forward pass leave autocast as it was."
     learn,before = learner(mode),autocast_state()
     with pytest.raises(Boom), learn.no_bar(): getattr(learn, method)(cbs=RaiseAt('after_pred'))
     assert_nothing_left(learn, before)
 
-@pytest.mark.parametrize('mode', MODES)
+@pytest.mark.parametrize('mode', BASIC_MODES)
 def test_to_fp32_after_failed_fit(mode):
     "`to_fp32` after a failed fit leaves autocast off, an fp32 model and no precision callback, and the learner trains in fp32."
     learn = learner(mode)
@@ -155,7 +146,7 @@ SECOND = {  # name: (give the learner its first precision callback, the second o
 def test_second_precision_callback_refused(case):
     "Adding a second precision callback is a `ValueError` naming both and pointing to `to_fp16`/`to_bf16`/`to_fp32`; the first stays and trains."
     make_first,make_second = SECOND[case]
-    learn,second = make_first(tiny_learner()),make_second()
+    learn,second = make_first(tiny_learner(lr=1e-2)),make_second()
     (cb,) = precision_cbs(learn)
     with pytest.raises(ValueError) as e: learn.add_cb(second)
     msg = str(e.value)
@@ -166,12 +157,12 @@ def test_second_precision_callback_refused(case):
 
 def test_two_precision_callbacks_at_construction():
     "`Learner(cbs=[MixedPrecision(), MasterPrecision()])` is a `ValueError` naming both callbacks."
-    with pytest.raises(ValueError) as e: Learner(synth_dls(), bn_capable_model(), loss_func=nn.MSELoss(), cbs=[MixedPrecision(), MasterPrecision()])
+    with pytest.raises(ValueError) as e: Learner(tiny_dls(), tiny_model(), loss_func=nn.MSELoss(), cbs=[MixedPrecision(), MasterPrecision()])
     assert 'MixedPrecision' in str(e.value) and 'MasterPrecision' in str(e.value)
 
 def test_switching_modes_still_replaces():
     "`to_bf16` after `to_fp16` replaces the callback, with no error."
-    learn = tiny_learner().to_fp16().to_bf16()
+    learn = tiny_learner(lr=1e-2).to_fp16().to_bf16()
     assert [(type(c), c.amp_mode) for c in precision_cbs(learn)] == [(MixedPrecision, 'bf16')]
 
 # bf16 does not let inf/nan reach the weights
@@ -182,64 +173,39 @@ POISON = {  # name: (a callback poisoning training step 2, the first parameter w
 }
 
 @pytest.mark.parametrize('poison', POISON)
-@pytest.mark.parametrize('mode', MODES)
+@pytest.mark.parametrize('mode', BASIC_MODES)
 def test_nonfinite_step_skipped(mode, poison):
     "In every mode a step whose gradients hold a nan is skipped, changes no weight or optimizer state, is counted and diagnosed."
     make,param = POISON[poison]
-    snap = Snap()
+    snap = Snapshot()
     learn = fit_quiet(learner(mode, cbs=[make(), snap]))
-    cb = check(learn, snap, [2])
+    cb = precision_cb(learn)
+    check_skips_change_nothing(cb, snap, [2])
     assert cb.skipped_steps == 1 and cb.last_overflow.param == param
     assert all(p.isfinite().all() for p in learn.model.parameters())
 
-@pytest.mark.parametrize('mode', MODES)
+@pytest.mark.parametrize('mode', BASIC_MODES)
 def test_warns_after_skips_in_a_row(mode):
     "Ten non-finite steps in a row issue one `UserWarning` saying so, in every mode."
     learn = learner(mode, cbs=InjectGrad(at=range(10), value=math.nan, names=('2.bias',), micro=True))
     with warnings.catch_warnings(record=True) as ws:
         warnings.simplefilter('always')
         fit_quiet(learn)
-    assert the_cb(learn).skipped_steps == 10
+    assert precision_cb(learn).skipped_steps == 10
     assert len([w for w in ws if issubclass(w.category, UserWarning) and 'in a row' in str(w.message)]) == 1
-
-SYNCS = {  # name: (put the learner in the mode, host syncs it adds per clean optimizer step)
-    'amp_fp16':            (lambda l: l.to_fp16(init_scale=2.**8), 1),  # a scale that does not overflow: clean steps only
-    'amp_bf16':            (lambda l: l.to_bf16(), 1),
-    'master_fp16':         (lambda l: l.to_fp16(loss_scale=512), 1),
-    'master_bf16':         (lambda l: l.to_bf16(master=True), 1),
-    'amp_bf16_unchecked':  (lambda l: l.to_bf16(check_finite=False), 0),
-    'master_bf16_unchecked': (lambda l: l.to_bf16(master=True, check_finite=False), 0),
-}
-
-def fit_syncs(learn) -> int:
-    "Host syncs of one quiet fit of `learn`"
-    with learn.no_bar(), learn.no_logging(), CountSyncs() as c: learn.fit(1)
-    return c.n
-
-@pytest.mark.parametrize('bn', [False, True], ids=['mlp', 'batchnorm'])
-@pytest.mark.parametrize('mode', SYNCS)
-def test_syncs_per_clean_step(mode, bn):
-    "The guard costs exactly one host sync per clean optimizer step (none with `check_finite=False`), with a BatchNorm model too."
-    make,per_step = SYNCS[mode]
-    learn = learner(bn=bn, n_trn=4)
-    base = fit_syncs(learn)
-    added = fit_syncs(make(learn)) - base
-    cb = the_cb(learn)
-    assert (cb.total_steps, cb.skipped_steps) == (4, 0)
-    assert added == per_step * 4, f'{added} host syncs over 4 optimizer steps'
 
 @pytest.mark.parametrize('mode', ['amp_bf16', 'master_bf16'])
 def test_check_finite_false_lets_nan_through(mode):
     "With `check_finite=False` (the documented opt-out) a nan loss does reach the weights, and no step is skipped."
     learn = fit_quiet(MODES[mode](learner(cbs=PoisonLoss(at=[2], value=math.nan)), check_finite=False))
-    assert the_cb(learn).skipped_steps == 0
+    assert precision_cb(learn).skipped_steps == 0
     assert any(p.isnan().any() for p in learn.model.parameters())
 
 CHECK_FINITE = {  # name: a precision callback made with `check_finite=v`
     'MixedPrecision': lambda v: MixedPrecision('bf16', check_finite=v),
     'MasterPrecision': lambda v: MasterPrecision('bf16', check_finite=v),
-    'to_fp16': lambda v: the_cb(tiny_learner().to_fp16(check_finite=v)),
-    'to_bf16': lambda v: the_cb(tiny_learner().to_bf16(check_finite=v)),
+    'to_fp16': lambda v: precision_cb(tiny_learner(lr=1e-2).to_fp16(check_finite=v)),
+    'to_bf16': lambda v: precision_cb(tiny_learner(lr=1e-2).to_bf16(check_finite=v)),
 }
 
 @pytest.mark.parametrize('value', [True, False])
@@ -272,13 +238,13 @@ class NanSample(Callback):
         if self.iter in (self.first, self.at+1): self.stats[self.iter] = bn_stats(self.learn)  # before any forward of that batch
 
 @pytest.mark.parametrize('acc', [False, True], ids=['plain', 'grad_acc'])
-@pytest.mark.parametrize('mode', MODES)
+@pytest.mark.parametrize('mode', BASIC_MODES)
 def test_skipped_step_restores_batchnorm(mode, acc):
     "A step skipped for a nan sample leaves BatchNorm's running statistics as before its (first micro-batch's) forward, and validation finite."
     at,first = (5, 4) if acc else (3, 3)  # with 2 micro-batches per step, batch 5 is the second of step 2
     probe = NanSample(at, first)
     learn = fit_quiet(learner(mode, bn=True, cbs=[probe] + ([GradientAccumulation(n_acc=32)] if acc else [])))
-    cb = the_cb(learn)
+    cb = precision_cb(learn)
     assert cb.step_log.skips == [i == (2 if acc else 3) for i in range(5 if acc else 10)]
     assert all(map(torch.equal, probe.stats[first], probe.stats[at+1])), 'running statistics changed by a skipped step'
     assert math.isfinite(learn.validate()[0])
@@ -299,7 +265,7 @@ REFUSED = {  # name: (the call, on a learner in fp16 AMP, or with no learner; wh
 def test_refused_arguments(case):
     "An argument that cannot work in the chosen mode is a `ValueError` naming it as passed, before the learner's callback changes."
     call,says,not_says = REFUSED[case]
-    learn = tiny_learner().to_fp16(init_scale=2.**8)
+    learn = tiny_learner(lr=1e-2).to_fp16(init_scale=2.**8)
     prev = learn.mixed_precision
     with pytest.raises(ValueError) as e: call(learn)
     msg = str(e.value)
@@ -313,7 +279,7 @@ HALF = {'fp16_model,to_fp16': (torch.float16, 'amp_fp16'), 'fp16_model,to_bf16':
 def test_half_model_under_amp(case):
     "AMP on a half model fails before the fit starts, saying AMP needs fp32 weights and what to do; the model is untouched."
     dtype,mode = HALF[case]
-    learn = tiny_learner()
+    learn = tiny_learner(lr=1e-2)
     learn.model.to(dtype)
     learn = MODES[mode](learn)
     w = [p.detach().clone() for p in learn.model.parameters()]
@@ -321,7 +287,7 @@ def test_half_model_under_amp(case):
     msg = str(e.value)
     assert 'AMP needs fp32 weights' in msg and 'learn.to_fp32()' in msg and 'master=True' in msg, msg
     assert all(p.dtype == dtype for p in learn.model.parameters()) and all(map(torch.equal, w, learn.model.parameters()))
-    assert the_cb(learn).total_steps == 0 and autocast_state() == PRISTINE
+    assert precision_cb(learn).total_steps == 0 and autocast_state() == PRISTINE
 
 class LSTMRegressor(Module):
     "An LSTM over a length-1 sequence and a linear head: fp16 autocast on a CPU has no LSTM kernel"
@@ -330,9 +296,9 @@ class LSTMRegressor(Module):
 
 def test_no_kernel_for_the_dtype():
     "An op with no fp16 kernel on the CPU fails with an error naming fp16 and suggesting bf16, leaves nothing behind, and bf16 then trains."
-    learn = tiny_learner(model=LSTMRegressor()).to_fp16()
+    learn = tiny_learner(lr=1e-2, model=LSTMRegressor()).to_fp16()
     with pytest.raises(RuntimeError) as e: fit_quiet(learn)
     assert 'fp16' in str(e.value) and 'to_bf16' in str(e.value), str(e.value)
     assert_nothing_left(learn, PRISTINE)
-    assert the_cb(fit_quiet(learn.to_bf16())).total_steps == 10
+    assert precision_cb(fit_quiet(learn.to_bf16())).total_steps == 10
     assert_nothing_left(learn, PRISTINE)

@@ -1,15 +1,15 @@
-"MasterPrecision matrix: flat vs per-tensor masters, skips, accumulation, freezing, checkpoints, scaler policy, syncs."
+"MasterPrecision matrix: flat vs per-tensor masters, skips, accumulation, freezing, checkpoints, scaler policy (host syncs: `test_syncs.py`)."
 import math
 from functools import partial
 import pytest, torch
 from torch import nn
 from hypothesis import given, settings, strategies as st
-from fastai.basics import Module, Callback, Tensor, SGD, Adam, load_learner, set_seed
+from fastai.basics import Module, Callback, SGD, Adam, load_learner, set_seed
 from fastai.callback.training import GradientAccumulation, GradientClip
 from fastai.callback.tracker import SaveModelCallback
 import fastai.callback.schedule  # lr_find
 from mpx.all import *
-from _helpers import tiny_learner, fit_quiet, replay, InjectGrad
+from mpx.test_utils import tiny_learner, fit_quiet, weights, replay, InjectGrad, Snapshot, same_state, check_skips_change_nothing, GradNormProbe
 
 class Multi(Module):
     "A regression over parameters of the given `shapes` (every one used), with a BatchNorm; seeded; module level so it pickles"
@@ -21,20 +21,6 @@ def multi_splitter(k):
     def split(m): ps = list(m.ps); n = max(1, len(ps)//k); return [ps[i:i+n] for i in range(0, len(ps), n)] + [list(m.bn.parameters())]
     return split
 
-def master_state(learn):
-    "During a fit: copies of the model weights, the masters, and every optimizer-state tensor of the masters"
-    ms = list(learn.parameters())
-    return [p.detach().clone() for p in learn.model.parameters()] + [m.detach().clone() for m in ms] + [v.clone() for m in ms for v in learn.opt.state.get(m, {}).values() if isinstance(v, Tensor)]
-
-class MasterSnapshot(Callback):
-    "`master_state` after every optimizer step, skipped ones included"
-    order = MasterPrecision.order+1
-    def __init__(self): self.snaps = []
-    def before_fit(self): self.snaps.append(master_state(self.learn))
-    def after_step(self): self.snaps.append(master_state(self.learn))
-
-def weights(learn): return [p.detach().clone() for p in learn.model.parameters()]
-
 @settings(max_examples=12, deadline=None)
 @given(shapes=st.lists(st.lists(st.integers(1, 5), min_size=1, max_size=3), min_size=1, max_size=6),
        k=st.integers(1, 3), adam=st.booleans(), wd=st.sampled_from([0., 1e-2]))
@@ -42,7 +28,7 @@ def test_flat_equals_per_tensor(shapes, k, adam, wd):
     "Flat and per-tensor masters give bit-identical weights on random shapes, groups, optimizers and weight decay."
     res = []
     for flat in (False, True):
-        learn = tiny_learner(model=Multi(shapes), splitter=multi_splitter(k), opt_func=Adam if adam else partial(SGD, mom=.9), wd=wd, cbs=MasterPrecision(flat_master=flat))
+        learn = tiny_learner(lr=1e-2, model=Multi(shapes), splitter=multi_splitter(k), opt_func=Adam if adam else partial(SGD, mom=.9), wd=wd, cbs=MasterPrecision(flat_master=flat))
         res.append(weights(fit_quiet(learn)))
     for a,b in zip(*res): assert torch.equal(a, b)
 
@@ -52,14 +38,12 @@ def test_flat_equals_per_tensor(shapes, k, adam, wd):
 @pytest.mark.parametrize('clip', [False, True])
 def test_skipped_steps_change_nothing(flat, value, acc, clip):
     "A step whose gradients hold inf or nan leaves weights, masters and optimizer state bit-identical, with accumulation and clipping too."
-    snap,inj = MasterSnapshot(),InjectGrad(at=[2, 5], value=value, names=('2.bias',), micro=True)
+    snap,inj = Snapshot(),InjectGrad(at=[2, 5], value=value, names=('2.bias',), micro=True)
     cbs = [MasterPrecision(flat_master=flat, dynamic=True), inj, snap] + ([GradientAccumulation(n_acc=32)] if acc else []) + ([GradientClip(max_norm=.1)] if clip else [])
-    mp = fit_quiet(tiny_learner(cbs=cbs)).master_precision
-    skipped = [i for i,s in enumerate(mp.step_log.skips) if s]
-    assert skipped == ([1, 2] if acc else [2, 5]) and mp.total_steps == (5 if acc else 10)
-    for i in range(mp.total_steps):
-        same = all(torch.equal(a, b) for a,b in zip(snap.snaps[i], snap.snaps[i+1]))
-        assert same == (i in skipped), f'step {i}'
+    mp = fit_quiet(tiny_learner(lr=1e-2, cbs=cbs)).master_precision
+    skipped = [1, 2] if acc else [2, 5]
+    assert mp.total_steps == (5 if acc else 10)
+    check_skips_change_nothing(mp, snap, skipped)
     assert mp.scales == [512.*.5**sum(s < i for s in skipped) for i in range(mp.total_steps)]
 
 def test_accumulation_is_fp32():
@@ -72,7 +56,7 @@ def test_accumulation_is_fp32():
         order = MasterPrecision.order+1
         def before_step(self): self.learn.rec.master.append(list(self.learn.parameters())[-1].grad.clone())
     rec = Rec()
-    fit_quiet(tiny_learner(cbs=[MasterPrecision(), GradientAccumulation(n_acc=32), rec, Check()]))
+    fit_quiet(tiny_learner(lr=1e-2, cbs=[MasterPrecision(), GradientAccumulation(n_acc=32), rec, Check()]))
     assert rec.half[0].dtype == torch.float16 and len(rec.master) == 5
     for i,m in enumerate(rec.master):
         assert m.dtype == torch.float32
@@ -81,7 +65,7 @@ def test_accumulation_is_fp32():
 @pytest.mark.parametrize('flat', [False, True])
 def test_frozen_groups(flat):
     "A frozen group gets no optimizer state and keeps its exact fp32 weights; unfreezing trains it; discriminative lrs hold."
-    learn = tiny_learner(model=Multi([[3], [4], [2, 2]]), splitter=multi_splitter(3), cbs=MasterPrecision(flat_master=flat))
+    learn = tiny_learner(lr=1e-2, model=Multi([[3], [4], [2, 2]]), splitter=multi_splitter(3), cbs=MasterPrecision(flat_master=flat))
     learn.create_opt(); learn.freeze()
     frozen = [p for pg in learn.opt.param_lists[:-1] for p in pg if not p.requires_grad]
     before = [p.detach().clone() for p in frozen]
@@ -97,67 +81,53 @@ def test_frozen_groups(flat):
 def test_dynamic_policy_matches_gradscaler(growth_interval, at):
     "Dynamic master scaling follows torch.amp.GradScaler's policy on the same overflow sequence (DeepSpeed-style sequences)."
     inj = InjectGrad(at=at, names=('0.weight',), micro=True)
-    mp = fit_quiet(tiny_learner(cbs=[MasterPrecision(loss_scale=2.**8, dynamic=True, growth_interval=growth_interval), inj]), 2).master_precision
+    mp = fit_quiet(tiny_learner(lr=1e-2, cbs=[MasterPrecision(loss_scale=2.**8, dynamic=True, growth_interval=growth_interval), inj]), 2).master_precision
     assert set(at) <= {i for i,s in enumerate(mp.step_log.skips) if s}  # a fast-growing scale also overflows by itself
     assert mp.scales == replay(mp.step_log.skips, init_scale=2.**8, growth_interval=growth_interval)
 
 def test_min_scale_floor():
     "The dynamic scale never falls below min_scale, however many steps overflow in a row."
     inj = InjectGrad(at=range(10), micro=True)
-    mp = fit_quiet(tiny_learner(cbs=[MasterPrecision(loss_scale=8., dynamic=True, min_scale=2.), inj])).master_precision
+    mp = fit_quiet(tiny_learner(lr=1e-2, cbs=[MasterPrecision(loss_scale=8., dynamic=True, min_scale=2.), inj])).master_precision
     assert mp.scales == [8., 4., 2., 2., 2., 2., 2., 2., 2., 2.] and mp.skipped_steps == 10
 
 def test_static_scale_still_skips():
     "A static scale never moves, but an overflowing step is still skipped (fastai v1 stepped anyway)."
-    snap,inj = MasterSnapshot(),InjectGrad(at=[4], micro=True)
-    mp = fit_quiet(tiny_learner(cbs=[MasterPrecision(), inj, snap])).master_precision
+    snap,inj = Snapshot(),InjectGrad(at=[4], micro=True)
+    mp = fit_quiet(tiny_learner(lr=1e-2, cbs=[MasterPrecision(), inj, snap])).master_precision
     assert set(mp.scales) == {512.} and mp.skipped_steps == 1
-    assert all(torch.equal(a, b) for a,b in zip(snap.snaps[4], snap.snaps[5]))
-
-@pytest.mark.parametrize('mode,syncs', [('fp16', 1), ('bf16', 1)])
-@pytest.mark.parametrize('n', [2, 60])
-def test_host_syncs_per_step(mode, syncs, n):
-    "Master mode adds one host sync per optimizer step, in fp16 and in bf16 (its finite check), however many parameters."
-    def run(cbs):
-        learn = tiny_learner(model=Multi([[2]]*n), cbs=cbs)
-        with learn.no_bar(), learn.no_logging(), CountSyncs() as c: learn.fit(1)
-        return c.n
-    assert run([MasterPrecision(mode)]) - run([]) == syncs * 10
+    assert same_state(snap.snaps[4], snap.snaps[5])
 
 def test_gradient_clip_clips_masters():
     "GradientClip clips the unscaled fp32 master gradients: their norm after it is max_norm."
-    class Norm(Callback):
-        order = GradientClip.order+1
-        def before_fit(self): self.norms = []
-        def before_step(self): self.norms.append(torch.cat([m.grad.flatten() for m in self.learn.parameters()]).norm().item())
-    norm = Norm()
-    fit_quiet(tiny_learner(cbs=[MasterPrecision(), GradientClip(max_norm=1e-3), norm]))
+    norm = GradNormProbe(GradientClip.order+1)  # the norm of the masters' gradients
+    fit_quiet(tiny_learner(lr=1e-2, cbs=[MasterPrecision(), GradientClip(max_norm=1e-3), norm]))
     assert len(norm.norms) == 10 and all(abs(n - 1e-3) < 1e-6 for n in norm.norms)
 
 def test_matches_fp32_training():
     "Master-mode training follows fp32 training within fp16's precision, bf16 too."
-    ref = weights(fit_quiet(tiny_learner(), 2))
+    ref = weights(fit_quiet(tiny_learner(lr=1e-2), 2))
     for mode,eps in (('fp16', 2e-2), ('bf16', 5e-2)):
-        for a,b in zip(ref, weights(fit_quiet(tiny_learner(cbs=MasterPrecision(mode)), 2))): assert torch.allclose(a, b, atol=eps, rtol=eps), mode
+        for a,b in zip(ref, weights(fit_quiet(tiny_learner(lr=1e-2, cbs=MasterPrecision(mode)), 2))): assert torch.allclose(a, b, atol=eps, rtol=eps), mode
 
 def test_masters_not_rounded():
     "After the fit the model holds masters that fp16 cannot represent: nothing went through half on the way out."
-    learn = fit_quiet(tiny_learner(cbs=MasterPrecision()), 2)
+    learn = fit_quiet(tiny_learner(lr=1e-2, cbs=MasterPrecision()), 2)
     assert any((p.half().float() != p).any() for p in learn.model.parameters())
 
 @pytest.mark.parametrize('flat', [False, True])
 def test_save_model_callback(tmp_path, flat):
     "SaveModelCallback's mid-fit checkpoints hold fp32 masters, load in plain fastai, and the end-of-fit reload works."
-    learn = tiny_learner(path=tmp_path, cbs=MasterPrecision(flat_master=flat))
+    learn = tiny_learner(lr=1e-2, path=tmp_path, cbs=MasterPrecision(flat_master=flat))
     fit_quiet(learn, 3, cbs=SaveModelCallback(monitor='valid_loss', fname='best', with_opt=True, every_epoch=True))
-    plain = tiny_learner(path=tmp_path)
+    plain = tiny_learner(lr=1e-2, path=tmp_path)
     plain.create_opt(); plain.load('best_1', with_opt=True)
     assert {p.dtype for p in plain.model.parameters()} == {torch.float32}
     assert any((p.half().float() != p).any() for p in plain.model.parameters())
 
 def test_export_and_lr_find(tmp_path):
     "A learner with MasterPrecision exports, loads and trains again; lr_find leaves the weights as they were."
-    learn = tiny_learner(path=tmp_path, cbs=MasterPrecision(dynamic=True, loss_scale=64.))
+    learn = tiny_learner(lr=1e-2, path=tmp_path, cbs=MasterPrecision(dynamic=True, loss_scale=64.))
     fit_quiet(learn)
     w = weights(learn)
     with learn.no_bar(), learn.no_logging(): learn.lr_find(num_it=15, show_plot=False)
@@ -170,7 +140,7 @@ def test_export_and_lr_find(tmp_path):
 
 def test_bad_model_fails_before_changing_anything():
     "An fp64 model or a flat group spanning devices fails with a clear error and nothing is changed."
-    learn = tiny_learner(model=nn.Sequential(nn.Linear(1, 1)).double(), cbs=MasterPrecision())
+    learn = tiny_learner(lr=1e-2, model=nn.Sequential(nn.Linear(1, 1)).double(), cbs=MasterPrecision())
     with pytest.raises(ValueError, match="parameter '0.weight' is torch.float64"): fit_quiet(learn)
     assert {p.dtype for p in learn.model.parameters()} == {torch.float64} and 'parameters' not in learn.__dict__
 
@@ -183,5 +153,5 @@ def test_cancel_batch_after_check():
         def before_step(self):
             self.i += 1
             if self.i == 3: raise CancelBatchException()
-    mp = fit_quiet(tiny_learner(cbs=[MasterPrecision(loss_scale=8., dynamic=True, growth_interval=2), CancelAt()])).master_precision
+    mp = fit_quiet(tiny_learner(lr=1e-2, cbs=[MasterPrecision(loss_scale=8., dynamic=True, growth_interval=2), CancelAt()])).master_precision
     assert mp.total_steps == 10 and mp.scales == [8., 8., 16., 16., 32., 32., 64., 64., 128., 128.]

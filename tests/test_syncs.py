@@ -1,43 +1,67 @@
-"Host syncs per optimizer step, counted (never timed): one in every mode (fp16's scaler check, bf16's finite check), none with bf16's check_finite=False, at any parameter count, with gradient accumulation too."
+"Host syncs, counted (never timed): one per optimizer step in every mode (fp16's scaler check, bf16's finite check), none with check_finite=False, on any model, at any parameter count, with gradient accumulation too; what a skipped step and reading the telemetry cost."
+from functools import partial
 import pytest, torch
 from torch import nn
 from fastai.basics import Module
 from fastai.callback.training import GradientAccumulation
 from fastai.callback.fp16 import grad_overflow
-from mpx.all import *
-from _helpers import tiny_learner, precision_cbs
+import mpx.all  # `Learner.to_fp16`, `to_bf16`
+from mpx.test_utils import tiny_learner, tiny_model, fit_quiet, count_syncs, precision_cb, CountSyncs, MODES
 
 class ManyParams(Module):
     "A regression with `n` parameter tensors: a linear layer and the mean of `n`-2 scalar biases added to its output"
     def __init__(self, n): self.lin,self.ps = nn.Linear(1, 1),nn.ParameterList([nn.Parameter(torch.zeros(1)) for _ in range(n-2)])
     def forward(self, x): return self.lin(x) + sum(self.ps) / len(self.ps)  # the mean: a step moves the output as much at any `n`
 
-PRECISION = {  # name: (the callback, the host syncs it adds per optimizer step)
-    'amp_fp16':    (lambda: MixedPrecision('fp16', init_scale=2.**8), 1),  # a scale that does not overflow here: clean steps only
-    'amp_bf16':    (lambda: MixedPrecision('bf16'), 1),
-    'amp_bf16_unchecked': (lambda: MixedPrecision('bf16', check_finite=False), 0),
-    'master_fp16': (lambda: MasterPrecision('fp16'), 1),
-    'master_flat': (lambda: MasterPrecision('fp16', flat_master=True), 1),
+SYNCS = {  # name: (puts a learner in the mode, the host syncs it adds per clean optimizer step)
+    'amp_fp16':              (MODES['amp_fp16'], 1),  # a scale at which these models' steps do not overflow: clean steps only
+    'amp_bf16':              (MODES['amp_bf16'], 1),
+    'amp_bf16_unchecked':    (partial(MODES['amp_bf16'], check_finite=False), 0),
+    'master_fp16':           (MODES['master_fp16'], 1),
+    'master_fp16_flat':      (MODES['master_fp16_flat'], 1),
+    'master_bf16':           (MODES['master_bf16'], 1),
+    'master_bf16_unchecked': (partial(MODES['master_bf16'], check_finite=False), 0),
 }
+MODELS = dict(mlp=tiny_model, batchnorm=partial(tiny_model, bn=True),  # BatchNorm: its statistics are saved for a skip without a sync
+              many_params=partial(ManyParams, 200))  # a sync per parameter tensor would show 200 times over
+DEVICES = ['cpu', pytest.param('cuda', marks=pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA GPU'))]
 
-def fit_syncs(learn) -> int:
-    "Host syncs of one quiet fit of `learn`"
-    with learn.no_bar(), learn.no_logging(), CountSyncs() as c: learn.fit(1)
-    return c.n
+def needs_mode(device, mode):
+    "Skip bf16 on GPUs without bfloat16 support"
+    if device == 'cuda' and 'bf16' in mode and not torch.cuda.is_bf16_supported(): pytest.skip('GPU without bf16 support')
 
+@pytest.mark.parametrize('device', DEVICES)
 @pytest.mark.parametrize('acc', [False, True], ids=['plain', 'grad_acc'])
-@pytest.mark.parametrize('n', [10, 200])
-@pytest.mark.parametrize('name', list(PRECISION))
-def test_syncs_per_optimizer_step(name, n, acc):
-    "The callback adds exactly its syncs per optimizer step (not per micro-batch, not per parameter) to the same learner's fit without it."
-    make,per_step = PRECISION[name]
-    learn = tiny_learner(model=ManyParams(n), n_trn=4, cbs=GradientAccumulation(n_acc=32) if acc else None)  # 4 batches of 16: 4 steps, or 2 accumulated
-    base = fit_syncs(learn)
-    learn.add_cb(make())
-    added,(cb,) = fit_syncs(learn) - base,precision_cbs(learn)
-    steps = 2 if acc else 4
+@pytest.mark.parametrize('model', MODELS)
+@pytest.mark.parametrize('mode', SYNCS)
+def test_syncs_per_optimizer_step(mode, model, acc, device):
+    "The mode adds exactly its syncs per optimizer step (not per micro-batch, not per parameter) to the same fit in fp32."
+    needs_mode(device, mode)
+    make,per_step = SYNCS[mode]
+    def learner(): return tiny_learner(lr=1e-2, model=MODELS[model], n_trn=4, device=device, cbs=GradientAccumulation(n_acc=32) if acc else None)  # 4 batches of 16: 4 steps, or 2 accumulated
+    base = count_syncs(learner())
+    learn = make(learner())
+    added,cb,steps = count_syncs(learn) - base,precision_cb(learn),2 if acc else 4
     assert (cb.total_steps, cb.skipped_steps) == (steps, 0)
-    assert added == per_step * steps, f'{added} syncs over {steps} optimizer steps'
+    assert added == per_step * steps, f'{added} host syncs over {steps} optimizer steps'
+
+@pytest.mark.parametrize('device', DEVICES)
+def test_skipped_step_pays_for_its_diagnosis(device):
+    "At fp16's default scale the tiny regression overflows by itself: every step still costs one sync, and only a skipped step pays (at most 4) for naming the parameter."
+    base = count_syncs(tiny_learner(lr=1e-2, device=device))
+    learn = tiny_learner(lr=1e-2, device=device).to_fp16()
+    added,mp = count_syncs(learn) - base,learn.mixed_precision
+    assert mp.total_steps == 10 and mp.skipped_steps > 0 and mp.last_overflow is not None
+    assert 10 < added <= 10 + 4*mp.skipped_steps, f'{added} host syncs over 10 steps, {mp.skipped_steps} skipped'
+
+def test_telemetry_reads_do_not_sync():
+    "Reading the step counters costs no host sync, and reading `scales` at most one."
+    learn = fit_quiet(tiny_learner(lr=1e-2).to_fp16(), 1)
+    mp = learn.mixed_precision
+    with CountSyncs() as c: mp.total_steps, mp.skipped_steps, mp.overflow_rate, mp.step_log.skips
+    assert c.n == 0
+    with CountSyncs() as c: s = mp.scales
+    assert c.n <= 1 and len(s) == 10
 
 def test_counter_sees_per_tensor_syncs():
     "The counter is not blind: fastai's legacy `grad_overflow` reads every gradient, one sync per tensor."
