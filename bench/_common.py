@@ -10,7 +10,7 @@ from fastai.data.load import DataLoader
 from fastai.callback.progress import *
 import fastai.callback.fp16 as ffp16
 from mpx.all import *
-from mpx.core import CountSyncs
+from mpx.test_utils import CountSyncs
 
 PLOTS = Path(__file__).parent/'plots'
 torch.set_num_threads(int(os.environ.get('BENCH_THREADS', 1)))  # one thread: a busy second core stalls OpenMP's parallel ops and turns timings into noise

@@ -10,7 +10,7 @@ from fastai.basics import Learner, MSELossFlat, SGD
 from fastai.test_utils import synth_dbunch
 from fastai.callback.fp16 import get_master, to_master_grads, grad_overflow, to_model_params
 from mpx.all import *
-from mpx.core import CountSyncs
+from mpx.test_utils import CountSyncs
 
 SCALE = 512.
 

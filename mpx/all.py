@@ -4,8 +4,9 @@ from .scaler import *
 from .callback import *
 from .amp import *
 from .master import *
+from .pure import *
 from .advisor import *
 from .learner import *
 
 # Star-exported: what a user writes. Helpers stay importable from their modules (`mpx.core`, `mpx.scaler`, ...).
-__all__ = ['AMPMode', 'LossScaler', 'PrecisionCallback', 'MixedPrecision', 'MasterPrecision', 'PrecisionReport']
+__all__ = ['AMPMode', 'LossScaler', 'PrecisionCallback', 'MixedPrecision', 'MasterPrecision', 'PureBF16', 'PrecisionReport']

@@ -13,7 +13,7 @@ from fastai.torch_core import apply
 
 # %% auto #0
 __all__ = ['AMPMode', 'model_device', 'training_device', 'autocast_device_type', 'check_amp_support', 'to_float32',
-           'unscale_and_find_inf_', 'has_inf_or_nan', 'CountSyncs', 'check_args', 'default', 'passed']
+           'unscale_and_find_inf_', 'has_inf_or_nan', 'check_args', 'default', 'passed']
 
 # %% ../nbs/00_core.ipynb #9dc79e19
 _dtype2mode = {torch.float16: 'fp16', torch.bfloat16: 'bf16'}
@@ -90,16 +90,6 @@ def unscale_and_find_inf_(tensors, inv_scale=None) -> torch.Tensor:
 def has_inf_or_nan(tensors) -> bool:
     "True if any of `tensors` holds an inf or a nan: one fused pass per device and dtype, one host sync"
     return bool(unscale_and_find_inf_(tensors).item())
-
-# %% ../nbs/00_core.ipynb #9f97b5f9
-from torch.utils._python_dispatch import TorchDispatchMode
-
-class CountSyncs(TorchDispatchMode):
-    "Context manager counting host syncs (`aten._local_scalar_dense` calls) made inside it, in `n`"
-    n = 0
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default: self.n += 1
-        return func(*args, **(kwargs or {}))
 
 # %% ../nbs/00_core.ipynb #b7f12928
 _pos = lambda v: 0 < v < math.inf

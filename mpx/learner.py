@@ -13,6 +13,7 @@ from .callback import *
 from .callback import _fastai_types
 from .amp import *
 from .master import *
+from .pure import *
 from .advisor import warn_if_slow
 
 # %% auto #0
@@ -36,13 +37,23 @@ def _set_precision(self:Learner, cb:Callback|None=None):
 
 # %% ../nbs/07_learner.ipynb #d87a8c7a
 _amp_only,_master_only = {'init_scale', 'enabled'},{'loss_scale', 'flat_master', 'dynamic', 'min_scale', 'max_scale'}
+_pure_args = {'update', 'seed', 'check_finite'}
 
-def _precision_cb(mode:AMPMode, master:bool, kwargs:dict) -> Callback:
-    "`MasterPrecision` when `master` or one of its own arguments is in `kwargs`, else `MixedPrecision`"
-    check_args(master=master)
+def _precision_cb(mode:AMPMode, master:bool, kwargs:dict, pure:bool=False) -> Callback:
+    "`PureBF16` with `pure`; `MasterPrecision` when `master` or one of its own arguments is in `kwargs`; else `MixedPrecision`"
+    check_args(master=master, pure=pure)
+    if pure: return _pure_cb(master, kwargs)
+    if 'update' in kwargs: raise ValueError(f"update={kwargs['update']!r} chooses how pure bf16 folds its updates: pass pure=True with it (learn.to_bf16(pure=True, update=...))")
     amp,legacy = sorted(_amp_only & kwargs.keys()),sorted(_master_only & kwargs.keys())
     if (master or legacy) and amp: raise ValueError(f"{amp} are MixedPrecision arguments but {legacy or ['master=True']} select MasterPrecision: pass one or the other")
     return (MasterPrecision if master or legacy else MixedPrecision)(mode, **kwargs)
+
+def _pure_cb(master:bool, kwargs:dict) -> PureBF16:
+    "`PureBF16(**kwargs)`, refusing what pure bf16 cannot do: fp32 masters, and loss scaling (bf16 needs none)"
+    if master: raise ValueError("pure=True keeps no fp32 master weights and master=True keeps them: pass one or the other")
+    bad = sorted(kwargs.keys() - _pure_args)
+    if bad: raise ValueError(f"{bad} have no effect with pure=True: pure bf16 has no loss scale and no masters; it takes {sorted(_pure_args)}")
+    return PureBF16(**kwargs)
 
 # %% ../nbs/07_learner.ipynb #dd31e57e
 @patch
@@ -52,9 +63,12 @@ def to_fp16(self:Learner, master:bool=False, **kwargs):
     return self._set_precision(_precision_cb(AMPMode.FP16, master, kwargs))._warn_if_slow()
 
 @patch
-def to_bf16(self:Learner, master:bool=False, **kwargs):
-    "bf16 mixed precision: autocast without loss scaling, or a bf16 model with fp32 masters (`master=True`)"
-    return self._set_precision(_precision_cb(AMPMode.BF16, master, kwargs))._warn_if_slow()
+def to_bf16(self:Learner,
+    master:bool=False, # A bf16 model with fp32 master weights (`MasterPrecision`)
+    pure:bool=False, # bf16 weights and no masters, updates folded back with `update` ('kahan' or 'stochastic'; `PureBF16`)
+    **kwargs):
+    "bf16 mixed precision: autocast without loss scaling, a bf16 model with fp32 masters (`master=True`), or bf16 weights without masters (`pure=True`)"
+    return self._set_precision(_precision_cb(AMPMode.BF16, master, kwargs, pure))._warn_if_slow()
 
 @patch
 def _warn_if_slow(self:Learner):
