@@ -15,9 +15,9 @@ from typing import NamedTuple
 from .core import *
 
 # %% auto #0
-__all__ = ['FP16_MAX', 'BF16_MAX', 'FP16_SCALE', 'Hardware', 'cpu_hardware', 'cuda_hardware', 'mps_hardware', 'detect_hardware',
-           'slow_reason', 'warn_if_slow', 'reset_slow_warnings', 'fp32_copy', 'ModuleStats', 'module_numerics',
-           'time_steps', 'assess_numerics', 'PrecisionReport', 'precision_report']
+__all__ = ['Hardware', 'cpu_hardware', 'cuda_hardware', 'mps_hardware', 'detect_hardware', 'slow_reason', 'warn_if_slow',
+           'reset_slow_warnings', 'fp32_copy', 'ModuleStats', 'module_numerics', 'time_steps', 'assess_numerics',
+           'PrecisionReport', 'precision_report']
 
 # %% ../nbs/06_advisor.ipynb #e100d25d
 class Hardware(NamedTuple):
@@ -152,8 +152,8 @@ def reset_slow_warnings():
     _slow_warned.clear()
 
 # %% ../nbs/06_advisor.ipynb #2540fca5
-FP16_MAX,BF16_MAX = torch.finfo(torch.float16).max,torch.finfo(torch.bfloat16).max
-FP16_SCALE = 2.**16  # the default `init_scale` of `GradScaler` and `LossScaler`
+_FP16_MAX,_BF16_MAX = torch.finfo(torch.float16).max,torch.finfo(torch.bfloat16).max
+_FP16_SCALE = 2.**16  # the default `init_scale` of `GradScaler` and `LossScaler`
 
 def _rng_states() -> dict:
     "The state of every RNG a batch or a forward pass may draw from: torch's (CPU and initialized CUDA), `random`'s, numpy's"
@@ -215,7 +215,7 @@ def _abs_max(t:torch.Tensor) -> float: return t.detach().float().abs().nan_to_nu
 # %% ../nbs/06_advisor.ipynb #f4d198fc
 class _Probe:
     "Forward hooks on every module of a model: each output's largest |value|, and through a tensor hook its gradient's"
-    def __init__(self, model:nn.Module, scale:float=FP16_SCALE):
+    def __init__(self, model:nn.Module, scale:float=_FP16_SCALE):
         self.scale,self.recs,self.mods = scale,{},{}  # recs: id(output) -> stats (an output shared by modules counts once); mods: name -> (kind, ids)
         self.handles = [m.register_forward_hook(partial(self.forward, n or '(model)')) for n,m in model.named_modules()]
 
@@ -249,7 +249,7 @@ def module_numerics(
     xb:tuple, # the inputs of one batch
     yb:tuple, # its targets
     loss_func:callable, # called as `loss_func(pred, *yb)`
-    scale:float=FP16_SCALE, # the fp16 loss scale to test the gradients against
+    scale:float=_FP16_SCALE, # the fp16 loss scale to test the gradients against
 ) -> tuple[list, float]:
     "A `ModuleStats` for the input and each module of `model` (in the order their forwards end) from one fp32 forward and backward, and the share of all nonzero gradient elements that underflow in fp16 at `scale`. Syncs the host once per module output"
     probe,dt = _Probe(model, scale),(_floats(list(xb)) or [next(model.parameters())])[0].device.type
@@ -276,7 +276,7 @@ def _stepper(model:nn.Module, mode:str) -> callable:
     "`f(xb, yb, loss_func)` running one training step of `model` in `mode`"
     dt = model_device(model).type
     ctx = nullcontext() if mode == 'fp32' else torch.autocast(dt, dtype=AMPMode(mode).dtype, cache_enabled=False)  # no cache: a nested autocast keeps it, and an fp16 step would get a bf16 step's weights
-    scaler = torch.amp.GradScaler(dt, init_scale=FP16_SCALE) if mode == 'fp16' else None
+    scaler = torch.amp.GradScaler(dt, init_scale=_FP16_SCALE) if mode == 'fp16' else None
     opt = torch.optim.SGD(model.parameters(), lr=0.)  # lr=0: every step does the same work on the same weights
     return partial(_step, model, opt=opt, ctx=ctx, scaler=scaler)
 
@@ -324,7 +324,7 @@ def _overflows(mods:list, limit:float) -> dict:
     return res
 
 # %% ../nbs/06_advisor.ipynb #65a12b0f
-_limits = dict(bf16=(BF16_MAX, '3.4e38'), fp16=(FP16_MAX, '65504'))
+_limits = dict(bf16=(_BF16_MAX, '3.4e38'), fp16=(_FP16_MAX, '65504'))
 
 def _fp32_failures(mods:list) -> tuple[dict, list]:
     "The modules whose activations or gradients are already inf/nan in fp32, and the reasons"
