@@ -115,7 +115,9 @@ def first_not_fp32(model:nn.Module) -> tuple|None:
 
 @patch
 def _check_model(self:PrecisionCallback, model:nn.Module):
-    "Raise a `ValueError` before anything changes when the mode cannot train `model`"
+    "Raise a `ValueError` before anything changes when the mode cannot train `model`: by default, one that is not all fp32"
+    bad = first_not_fp32(model)
+    if bad: raise ValueError(f"{type(self).__name__} needs an fp32 model: parameter {bad[0]!r} is {bad[1]}; call learn.to_fp32() or model.float() first")
 @patch
 def _new_fit_state(self:PrecisionCallback):
     "What the mode changes for one fit (or `get_preds`), made now: an object whose `undo()` puts it all back; None where nothing changes"

@@ -206,12 +206,6 @@ def _scaler(dynamic:bool, loss_scale:float, growth_interval:int, min_scale:float
 
 # %% ../nbs/04_master.ipynb #e5d94c9a
 @patch
-def _check_model(self:MasterPrecision, model:nn.Module):
-    "Raise a `ValueError` naming the first floating parameter of `model` that is not fp32"
-    bad = first_not_fp32(model)
-    if bad: raise ValueError(f"MasterPrecision needs an fp32 model: parameter {bad[0]!r} is {bad[1]}; call learn.to_fp32() or model.float() first")
-
-@patch
 def _new_fit_state(self:MasterPrecision): return MasterCopies(self.learn, self.amp_mode.dtype, self.flat_master)
 
 # %% ../nbs/04_master.ipynb #mb000002

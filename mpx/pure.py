@@ -195,12 +195,6 @@ class PureBF16(PrecisionCallback):
 
 # %% ../nbs/05_pure.ipynb #pb000026
 @patch
-def _check_model(self:PureBF16, model:nn.Module):
-    "Raise a `ValueError` naming the first floating parameter of `model` that is not fp32"
-    bad = first_not_fp32(model)
-    if bad: raise ValueError(f"PureBF16 needs an fp32 model: parameter {bad[0]!r} is {bad[1]}; call learn.to_fp32() or model.float() first")
-
-@patch
 def _generator(self:PureBF16):
     "The stochastic rounding's generator on the model's device, seeded with `seed` the first time"
     if self.update != 'stochastic': return None
