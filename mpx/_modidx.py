@@ -270,7 +270,6 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                           'mpx.pure._split': ('pure.html#_split', 'mpx/pure.py'),
                           'mpx.pure._wraps': ('pure.html#_wraps', 'mpx/pure.py'),
                           'mpx.pure.round_stochastic': ('pure.html#round_stochastic', 'mpx/pure.py'),
-                          'mpx.pure.round_to_zero': ('pure.html#round_to_zero', 'mpx/pure.py'),
                           'mpx.pure.split_kahan': ('pure.html#split_kahan', 'mpx/pure.py')},
             'mpx.scaler': { 'mpx.scaler.LossScaler': ('scaler.html#lossscaler', 'mpx/scaler.py'),
                             'mpx.scaler.LossScaler.__init__': ('scaler.html#lossscaler.__init__', 'mpx/scaler.py'),

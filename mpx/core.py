@@ -107,6 +107,7 @@ _arg_rules = dict(
     master          = (bool, lambda v: True,                'True or False'),
     pure            = (bool, lambda v: True,                'True or False'),
     check_finite    = (bool, lambda v: True,                'True or False'),
+    seed            = (numbers.Integral, lambda v: v >= 0,  'an integer >= 0'),
 )
 
 # %% ../nbs/00_core.ipynb #d19bb1e4

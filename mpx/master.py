@@ -95,10 +95,9 @@ class MasterCopies:
         self.bufs = [_Buffer(ps) for ps in _runs(self.opt, _opt_params(self.opt), flat)]
         self.params,self.masters = [p for b in self.bufs for p in b.params],[m for b in self.bufs for m in b.masters]
         self._step_lists()
-        model = learn.model
-        ours = {id(p) for p in self.params}
-        self.kept = [(t, t.detach().clone()) for t in _halvable(model) if id(t) not in ours]
-        for t in _halvable(model): t.data = t.data.to(dtype)
+        ours,halved = {id(p) for p in self.params},_halvable(learn.model)
+        self.kept = [(t, t.detach().clone()) for t in halved if id(t) not in ours]
+        for t in halved: t.data = t.data.to(dtype)
         if self.opt is not None:
             self.lists = self.opt.param_lists
             self.opt.param_lists = _mapped(self.lists, dict(zip(map(id, self.params), self.masters)))
@@ -135,7 +134,6 @@ def take_grads(self:MasterCopies):
 def put_masters(self:MasterCopies):
     "Copy the stepped masters into the half model in one fused copy"
     if self.train_params: torch._foreach_copy_(self.train_params, self.train_masters)
-    self.fresh = True
 
 @patch
 def named_grads(self:MasterCopies, model:nn.Module) -> list:

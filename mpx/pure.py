@@ -12,14 +12,10 @@ from .callback import *
 from .master import _halvable, _opt_params
 
 # %% auto #0
-__all__ = ['round_to_zero', 'round_stochastic', 'split_kahan', 'BF16Weights', 'PureBF16']
+__all__ = ['round_stochastic', 'split_kahan', 'BF16Weights', 'PureBF16']
 
 # %% ../nbs/05_pure.ipynb #pb000007
 _hi = -65536  # 0xFFFF0000 as an int32: the bits of an fp32 that a bf16 keeps
-
-def round_to_zero(x:Tensor) -> Tensor:
-    "fp32 `x` rounded toward zero to bf16 (its low 16 bits dropped); exact where `x.bfloat16()` rounds to nearest"
-    return (x.view(torch.int32) & _hi).view(torch.float32).bfloat16()
 
 def round_stochastic(x:Tensor, gen:torch.Generator|None=None) -> Tensor:
     "fp32 `x` rounded to bf16 away from zero with probability (dropped bits)/2**16, else toward zero: unbiased; random bits from `gen`"
@@ -184,7 +180,7 @@ class PureBF16(PrecisionCallback):
     ):
         super().__init__(AMPMode.BF16, check_finite)
         if update not in _updates: raise ValueError(f"update={update!r} is not a pure bf16 update: allowed are 'kahan' and 'stochastic'")
-        if not isinstance(seed, int) or isinstance(seed, bool): raise TypeError(f"seed={seed!r} is a {type(seed).__name__}: seed must be an integer")
+        check_args(seed=seed)
         self.update,self.seed,self.rng = update,seed,None
     input_dtype = torch.bfloat16
     @property
