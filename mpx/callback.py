@@ -12,7 +12,8 @@ from .core import *
 from .scaler import *
 
 # %% auto #0
-__all__ = ['ScaleTelemetry', 'check_one_precision', 'check_single_autocast', 'NormStats', 'PrecisionCallback', 'first_not_fp32']
+__all__ = ['ScaleTelemetry', 'check_one_precision', 'check_single_autocast', 'NormStats', 'PrecisionCallback', 'is_mpx_precision',
+           'first_not_fp32']
 
 # %% ../nbs/02_callback.ipynb #cb000007
 class ScaleTelemetry:
@@ -59,7 +60,7 @@ def _qualname(c) -> str: return f"{type(c).__module__}.{type(c).__name__}"
 
 def check_one_precision(cbs, new=None) -> None:
     "Raise a `ValueError` naming both when `cbs` (with `new` added) holds two precision callbacks, mpx's or fastai's"
-    found = [c for c in L(cbs) + L(new) if isinstance(c, (PrecisionCallback,) + _fastai_types)]
+    found = [c for c in L(cbs) + L(new) if is_mpx_precision(c) or isinstance(c, _fastai_types)]
     for a,b in itertools.combinations(found, 2):
         if a is not b and not (isinstance(a, _fastai_pair) and isinstance(b, _fastai_pair)):
             raise ValueError(f"This learner already has the precision callback {_qualname(a)}; adding {_qualname(b)} would apply mixed precision twice. "
@@ -90,6 +91,7 @@ class NormStats:
 class PrecisionCallback(Callback, ScaleTelemetry):
     "What every precision mode shares: checks before the fit, fp32 predictions, one fused finite check per step that skips a bad step whole, telemetry and state"
     order,scaling,input_dtype = 10,False,None
+    _mpx_precision = True  # see `is_mpx_precision`
     def __init__(self,
         amp_mode:str|AMPMode=AMPMode.FP16, # The 16-bit dtype: 'fp16' or 'bf16'
         check_finite:bool=True, # Skip a step whose gradients hold inf/nan (one host sync a step); a scaled loss is always checked
@@ -107,6 +109,10 @@ class PrecisionCallback(Callback, ScaleTelemetry):
 
     def __repr__(self): return f"{type(self).__name__}(amp_mode='{self.amp_mode}', loss_scale={self.loss_scale:g}, {self._repr_extra()}skipped_steps={self.skipped_steps}/{self.total_steps})"
     def _repr_extra(self) -> str: return ''
+
+def is_mpx_precision(c) -> bool:
+    "Whether `c` is an mpx precision callback: by a class marker, not `isinstance`, so that the `Learner` patches below still know mpx's callbacks after this module is executed again (a reload, or this notebook run in a process that imported mpx)"
+    return getattr(type(c), '_mpx_precision', False)
 
 # %% ../nbs/02_callback.ipynb #cb000022
 def first_not_fp32(model:nn.Module) -> tuple|None:
@@ -277,7 +283,7 @@ def _with_events(self:Learner, f, event_type, ex, final=noop):
     try: _fastai_with_events(self, f, event_type, ex, final)
     except BaseException as e:
         if event_type in ('fit', 'validate'):
-            for c in self.cbs.filter(lambda c: isinstance(c, PrecisionCallback)):
+            for c in self.cbs.filter(is_mpx_precision):
                 c._explain(e)
                 if event_type == 'fit': c._finish()
                 else: c._end_forward()
@@ -295,13 +301,13 @@ def add_cb(self:Learner, cb):
     if isinstance(cb, type): cb = cb()
     check_one_precision(self.cbs, cb)
     _fastai_add_cb(self, cb)
-    if isinstance(cb, PrecisionCallback): self.__dict__['mixed_precision'] = cb
+    if is_mpx_precision(cb): self.__dict__['mixed_precision'] = cb
     return self
 
 @patch
 def remove_cb(self:Learner, cb):
     "fastai's `remove_cb`; a removed mpx precision callback first finishes any fit it left half done"
-    if isinstance(cb, PrecisionCallback): cb._finish()
+    if is_mpx_precision(cb): cb._finish()
     if not isinstance(cb, type) and self.__dict__.get('mixed_precision') is cb: del self.__dict__['mixed_precision']
     return _fastai_remove_cb(self, cb)
 

@@ -20,8 +20,6 @@ from .advisor import warn_if_slow
 __all__ = []
 
 # %% ../nbs/07_learner.ipynb #b0ecfdcb
-_precision_types = (PrecisionCallback,) + _fastai_types
-
 def _float_(model:nn.Module):
     "Cast `model`'s fp16 and bf16 parameters (with their gradients) and buffers to fp32 in place, keeping every tensor object"
     for t in itertools.chain(model.parameters(), model.buffers()):
@@ -31,7 +29,7 @@ def _float_(model:nn.Module):
 @patch
 def _set_precision(self:Learner, cb:Callback|None=None):
     "Remove every precision callback, mpx's and fastai's (finishing any fit one left half done), then add `cb`; with none, put the model back in fp32"
-    self.remove_cbs([c for c in self.cbs if isinstance(c, _precision_types)])
+    self.remove_cbs([c for c in self.cbs if is_mpx_precision(c) or isinstance(c, _fastai_types)])
     if cb is None: _float_(self.model)
     return self if cb is None else self.add_cb(cb)
 
@@ -73,7 +71,7 @@ def to_bf16(self:Learner,
 @patch
 def _warn_if_slow(self:Learner):
     "Warn once per process when this learner's precision callback computes in a dtype known to be slow on its device (see `mpx.advisor`)"
-    cb = first(self.cbs, lambda c: isinstance(c, PrecisionCallback))
+    cb = first(self.cbs, is_mpx_precision)
     if cb is not None: warn_if_slow(training_device(self.dls, self.model), cb.amp_mode)
     return self
 
@@ -83,7 +81,7 @@ def to_fp32(self:Learner):
     return self._set_precision(None)
 
 # %% ../nbs/07_learner.ipynb #c520b3a6
-def _precision_cbs(learn:Learner) -> L: return learn.cbs.filter(lambda c: isinstance(c, PrecisionCallback))
+def _precision_cbs(learn:Learner) -> L: return learn.cbs.filter(is_mpx_precision)
 def _mpx_cb(learn:Learner): return first(_precision_cbs(learn))
 
 @patch
