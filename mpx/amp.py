@@ -82,6 +82,12 @@ def _begin_batch(self:MixedPrecision):
 def _end_forward(self:MixedPrecision):
     if self._in_autocast: self._autocast.__exit__(None, None, None); self._in_autocast = False
 
+@patch(as_prop=True)
+def _in_forward(self:MixedPrecision) -> bool: return self._in_autocast
+
+@patch
+def _resume_forward(self:MixedPrecision): self._begin_batch()
+
 @patch
 def _end_fit(self:MixedPrecision): self._autocast = None
 

@@ -101,6 +101,7 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         self.device_type,self.fit_state = None,None
         self._norms,self._norms_due = None,False
         self._checked,self._found = False,False  # this step was checked, and found non-finite
+        self._outer = None  # during a fit, what each fit or validation nested in it put aside
 
     @property
     def checking(self) -> bool:
@@ -140,6 +141,13 @@ def _begin_batch(self:PrecisionCallback):
 @patch
 def _end_forward(self:PrecisionCallback):
     "Leave what `_begin_batch` entered; a no-op when there is nothing to leave"
+@patch(as_prop=True)
+def _in_forward(self:PrecisionCallback) -> bool:
+    "Whether `_begin_batch` entered something `_end_forward` has not left yet"
+    return False
+@patch
+def _resume_forward(self:PrecisionCallback):
+    "Enter again what `_end_forward` left (not the inputs: they are cast already)"
 @patch
 def _apply_step(self:PrecisionCallback):
     "After an optimizer step that was not skipped"
@@ -163,9 +171,10 @@ def _unscale_and_check(self:PrecisionCallback) -> tuple:
 def suspended(self:PrecisionCallback):
     "Context manager: while inside, a fit under way is undone (fp32 weights in the model, its parameters in the optimizer), then resumed"
     if self.fit_state is None: yield; return
+    grads = self.fit_state.grads_in_flight()  # a gradient-accumulation window stays open across a `save`
     self._end_fit()
     try: yield
-    finally: self._begin_fit()
+    finally: self._begin_fit(); self.fit_state.restore_grads(grads)
 
 # %% ../nbs/02_callback.ipynb #cb000024
 @patch(as_prop=True)
@@ -185,7 +194,8 @@ def _load_scaler_state(self:PrecisionCallback, sd:dict): pass
 # %% ../nbs/02_callback.ipynb #cb000026
 @patch
 def before_fit(self:PrecisionCallback):
-    "Finish a fit left half done, check everything, then begin this mode's fit"
+    "Finish a fit left half done, check everything, then begin this mode's fit; inside a fit, a nested one (see below)"
+    if self._outer is not None: return self._nest()
     self._finish()
     self.device_type = autocast_device_type(training_device(self.dls, self.model))
     check_amp_support(self.device_type, self.amp_mode)
@@ -194,17 +204,41 @@ def before_fit(self:PrecisionCallback):
     self._check_model(get_model(self.model))
     self._begin_fit()
     self._norms,self._norms_due = (NormStats(self.model) if self.checking else None),True
+    self._outer = []  # a fit is under way: a `before_fit` now begins a nested one
 
 @patch
-def after_fit(self:PrecisionCallback): self._finish()
+def after_fit(self:PrecisionCallback): self._leave_fit()
+
+@patch
+def _leave_fit(self:PrecisionCallback):
+    "End a nested fit or validation, else finish the fit: `after_fit`, or an exception that ends the fit"
+    if self._outer: self._unnest()
+    else: self._finish()
 
 @patch
 def _finish(self:PrecisionCallback):
     "Leave autocast, settle a checked step's scale update, end the mode's fit: what `after_fit` does, safe to repeat"
-    self._end_forward(); self._close_step(); self._end_fit(); self._norms = None
+    self._end_forward(); self._close_step(); self._end_fit(); self._norms,self._outer = None,None
 
 @patch
 def before_epoch(self:PrecisionCallback): self._epoch_start = self.step_log.total
+
+# %% ../nbs/02_callback.ipynb #84a4e104
+_in_flight = ('_checked', '_found', '_norms_due', '_epoch_start')
+
+@patch
+def _nest(self:PrecisionCallback):
+    "Begin a fit or validation nested in the one under way: put aside what the outer one has in flight"
+    self._outer.append((self._in_forward, {k: getattr(self, k, None) for k in _in_flight}))
+    self._end_forward(); self._checked = self._found = False
+
+@patch
+def _unnest(self:PrecisionCallback):
+    "End a nested fit or validation: settle its own step, then give the outer one back what it had in flight"
+    self._end_forward(); self._close_step()
+    in_forward,state = self._outer.pop()
+    for k,v in state.items(): setattr(self, k, v)
+    if in_forward: self._resume_forward()
 
 # %% ../nbs/02_callback.ipynb #cb000028
 @patch
@@ -285,7 +319,7 @@ def _with_events(self:Learner, f, event_type, ex, final=noop):
         if event_type in ('fit', 'validate'):
             for c in self.cbs.filter(is_mpx_precision):
                 c._explain(e)
-                if event_type == 'fit': c._finish()
+                if event_type == 'fit': c._leave_fit()
                 else: c._end_forward()
         raise
 

@@ -92,14 +92,16 @@ def has_inf_or_nan(tensors) -> bool:
     return bool(unscale_and_find_inf_(tensors).item())
 
 # %% ../nbs/00_core.ipynb #b7f12928
-_pos = lambda v: 0 < v < math.inf
+_f32 = torch.finfo(torch.float32)
+_scale = lambda v: _f32.tiny <= v <= _f32.max  # a scale is an fp32 number in the kernels: a normal one, or steps die
+_in_fp32 = f'a finite number > 0 that fp32 holds (from {_f32.tiny:.4g} to {_f32.max:.4g})'
 _arg_rules = dict(
-    init_scale      = (numbers.Real, _pos,                  'a finite number > 0'),
-    loss_scale      = (numbers.Real, _pos,                  'a finite number > 0'),
-    min_scale       = (numbers.Real, _pos,                  'a finite number > 0'),
-    max_scale       = (numbers.Real, _pos,                  'a finite number > 0'),
-    growth_factor   = (numbers.Real, lambda v: 1 < v < math.inf, 'a finite number > 1'),
-    backoff_factor  = (numbers.Real, lambda v: 0 < v < 1,   'a number in (0, 1)'),
+    init_scale      = (numbers.Real, _scale,                 _in_fp32),
+    loss_scale      = (numbers.Real, _scale,                 _in_fp32),
+    min_scale       = (numbers.Real, _scale,                 _in_fp32),
+    max_scale       = (numbers.Real, _scale,                 _in_fp32),
+    growth_factor   = (numbers.Real, lambda v: 1 < v <= _f32.max, f'a finite number > 1 that fp32 holds (at most {_f32.max:.4g})'),
+    backoff_factor  = (numbers.Real, lambda v: _f32.tiny <= v < 1, f'a number in (0, 1) that fp32 holds (at least {_f32.tiny:.4g})'),
     growth_interval = (numbers.Integral, lambda v: v > 0,   'an integer > 0'),
     enabled         = (bool, lambda v: True,                'True or False'),
     dynamic         = (bool, lambda v: True,                'True or False'),

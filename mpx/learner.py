@@ -4,7 +4,7 @@
 
 # %% ../nbs/07_learner.ipynb #f136417a
 from __future__ import annotations
-import itertools
+import difflib, inspect, itertools
 from contextlib import contextmanager, ExitStack
 from fastai.basics import *
 from .core import *
@@ -37,9 +37,24 @@ def _set_precision(self:Learner, cb:Callback|None=None):
 _amp_only,_master_only = {'init_scale', 'enabled'},{'loss_scale', 'flat_master', 'dynamic', 'min_scale', 'max_scale'}
 _pure_args = {'update', 'seed', 'check_finite'}
 
+def _known_args(mode:AMPMode) -> list:
+    "Every keyword `to_fp16`/`to_bf16` takes in `mode`, whichever callback it selects"
+    cbs = (MixedPrecision, MasterPrecision) + ((PureBF16,) if mode is AMPMode.BF16 else ())
+    return sorted({k for c in cbs for k in inspect.signature(c).parameters} - {'amp_mode'})
+
+def _check_known(mode:AMPMode, kwargs:dict):
+    "Raise a `TypeError` naming a keyword no precision callback takes, a close match, and the allowed ones"
+    known = _known_args(mode)
+    for k in kwargs:
+        if k in known: continue
+        close = difflib.get_close_matches(k, known, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ''
+        raise TypeError(f"to_{mode}() got an unexpected keyword argument {k!r}{hint}: it takes master, {'pure, ' * (mode is AMPMode.BF16)}and {known}")
+
 def _precision_cb(mode:AMPMode, master:bool, kwargs:dict, pure:bool=False) -> Callback:
     "`PureBF16` with `pure`; `MasterPrecision` when `master` or one of its own arguments is in `kwargs`; else `MixedPrecision`"
     check_args(master=master, pure=pure)
+    _check_known(mode, kwargs)
     if pure: return _pure_cb(master, kwargs)
     if 'update' in kwargs: raise ValueError(f"update={kwargs['update']!r} chooses how pure bf16 folds its updates: pass pure=True with it (learn.to_bf16(pure=True, update=...))")
     amp,legacy = sorted(_amp_only & kwargs.keys()),sorted(_master_only & kwargs.keys())

@@ -72,7 +72,7 @@ def _opt_params(opt) -> list:
 
 def _runs(opt, params:list, flat:bool) -> list:
     "`params` in the runs that share a buffer: one each, or (`flat`) those of one group on one device"
-    if not flat: return [[p] for p in params]
+    if not flat or opt is None: return [[p] for p in params]  # no optimizer (a `validate` before the first fit): no masters
     ours,runs,seen = {id(p) for p in params},{},set()
     for i,pg in enumerate(opt.param_lists):
         for p in pg:
@@ -134,6 +134,21 @@ def take_grads(self:MasterCopies):
 def put_masters(self:MasterCopies):
     "Copy the stepped masters into the half model in one fused copy"
     if self.train_params: torch._foreach_copy_(self.train_params, self.train_masters)
+
+@patch
+def grads_in_flight(self:MasterCopies) -> dict:
+    "The master gradients accumulated since the last optimizer step (still scaled), by model parameter: what `restore_grads` takes"
+    self.take_grads()  # a backward's half gradients not yet taken (a `save` before `after_backward`): the same fp32 add, made now
+    return {id(p): m.grad.clone() for p,m in zip(self.params, self.masters) if m.grad is not None}
+
+@patch
+@torch.no_grad()
+def restore_grads(self:MasterCopies, grads:dict):
+    "Put back gradients `grads_in_flight` took from the masters of an earlier fit state of the same fit (a `save` mid-accumulation)"
+    if not grads: return
+    torch._foreach_zero_(self.grad_bufs); self.fresh = False
+    for p,m,g in zip(self.params, self.masters, itertools.chain(*[b.grads for b in self.bufs])):
+        if id(p) in grads: g.copy_(grads[id(p)]); m.grad = g
 
 @patch
 def named_grads(self:MasterCopies, model:nn.Module) -> list:

@@ -168,6 +168,17 @@ def undo(self:BF16Weights):
         t.data = k if k is not None and torch.equal(t, k.bfloat16()) else self.wide(t) if t in self.comp else t.float()
     self.done = True
 
+@patch
+def grads_in_flight(self:BF16Weights) -> dict:
+    "The bf16 gradients accumulated since the last optimizer step, by parameter: what `restore_grads` takes"
+    return {id(t): t.grad for t in self.halved if t.grad is not None and t.dtype is torch.bfloat16}
+
+@patch
+def restore_grads(self:BF16Weights, grads:dict):
+    "Put back the gradients `grads_in_flight` took from an earlier fit state of the same fit (a `save` mid-accumulation)"
+    for t in self.halved:
+        if id(t) in grads and t.dtype is torch.bfloat16: t.grad = grads[id(t)]
+
 # %% ../nbs/05_pure.ipynb #pb000023
 _updates = ('kahan', 'stochastic')
 

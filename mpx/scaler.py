@@ -107,15 +107,24 @@ class LossScaler:
         min_scale:float=1., # Dynamic scale never goes below this
         max_scale:float=2.**24, # Dynamic scale never goes above this
     ):
-        check_args(init_scale=init_scale, dynamic=dynamic, growth_interval=growth_interval, growth_factor=growth_factor, backoff_factor=backoff_factor, min_scale=min_scale, max_scale=max_scale)
-        if dynamic and not min_scale <= init_scale <= max_scale: raise ValueError(f"init_scale={init_scale!r} is outside [min_scale, max_scale] = [{min_scale!r}, {max_scale!r}]: it must lie within them when dynamic=True")
-        store_attr('init_scale,dynamic,growth_interval,growth_factor,backoff_factor,min_scale,max_scale')
+        check_args(dynamic=dynamic, growth_interval=growth_interval, growth_factor=growth_factor, backoff_factor=backoff_factor,
+                   min_scale=min_scale, max_scale=max_scale)
+        store_attr('dynamic,growth_interval,growth_factor,backoff_factor,min_scale,max_scale')
+        self.init_scale = self._checked_scale(init_scale)
         self.reset()
+
+    def _checked_scale(self, v:float) -> float:
+        "`v` if it may start this scaler: an fp32 number, and within [`min_scale`, `max_scale`] when dynamic"
+        check_args(init_scale=v)
+        if self.dynamic and not self.min_scale <= v <= self.max_scale:
+            raise ValueError(f"init_scale={v!r} is outside [min_scale, max_scale] = [{self.min_scale!r}, {self.max_scale!r}]: "
+                             "it must lie within them when dynamic=True")
+        return v
 
     def reset(self, init_scale:float|None=None):
         "Start again at `init_scale` (default: the constructor's), with no growth run and zeroed counters"
-        if init_scale is not None: check_args(init_scale=init_scale)
-        self.scale,self.growth_tracker,self.total_updates,self.skipped_updates = _f32(ifnone(init_scale, self.init_scale)),0,0,0
+        self.scale = _f32(self.init_scale if init_scale is None else self._checked_scale(init_scale))
+        self.growth_tracker,self.total_updates,self.skipped_updates = 0,0,0
 
     @property
     def overflow_rate(self) -> float: return self.skipped_updates / self.total_updates if self.total_updates else 0.

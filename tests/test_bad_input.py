@@ -15,6 +15,10 @@ SCALER_BAD = [  # kwargs, exception, text its message must contain
     (dict(min_scale=0.), ValueError, 'min_scale=0.0'), (dict(max_scale=-2.), ValueError, 'max_scale=-2.0'),
     (dict(min_scale=4., max_scale=2.), ValueError, 'min_scale=4.0 > max_scale=2.0'), (dict(dynamic='no'), TypeError, "dynamic='no'"),
     (dict(init_scale=2.**30), ValueError, 'outside [min_scale, max_scale]'), (dict(init_scale=.5), ValueError, 'outside [min_scale, max_scale]'),
+    # at and beyond fp32's limits: a scale is an fp32 number in the kernels
+    (dict(init_scale=1e39, dynamic=False), ValueError, 'init_scale=1e+39 is out of range'),
+    (dict(max_scale=1e39), ValueError, 'max_scale=1e+39 is out of range'), (dict(min_scale=1e-39), ValueError, 'min_scale=1e-39'),
+    (dict(growth_factor=1e39), ValueError, 'growth_factor=1e+39'), (dict(backoff_factor=1e-46), ValueError, 'backoff_factor=1e-46'),
 ]
 ids = lambda table: [','.join(f'{k}={v!r}' for k,v in kw.items()) for kw,*_ in table]
 
@@ -28,7 +32,8 @@ MASTER_BAD = [(dict(loss_scale=0), ValueError, 'loss_scale=0 is out of range'), 
               (dict(flat_master='yes'), TypeError, "flat_master='yes'"), (dict(dynamic=1), TypeError, 'dynamic=1'),
               (dict(amp_mode='fp32'), ValueError, "Unknown amp_mode 'fp32'"), (dict(dynamic=True, growth_factor=.9), ValueError, 'growth_factor=0.9'),
               (dict(dynamic=True, loss_scale=2.**25), ValueError, 'outside [min_scale, max_scale]'), (dict(dynamic=True, min_scale=8., max_scale=4.), ValueError, 'min_scale=8.0 > max_scale=4.0'),
-              (dict(growth_interval=10), ValueError, 'growth_interval=10 has no effect with a static loss scale'), (dict(check_finite='no'), TypeError, "check_finite='no'")]
+              (dict(growth_interval=10), ValueError, 'growth_interval=10 has no effect with a static loss scale'), (dict(check_finite='no'), TypeError, "check_finite='no'"),
+              (dict(loss_scale=1e39), ValueError, 'loss_scale=1e+39 is out of range'), (dict(loss_scale=math.inf), ValueError, 'loss_scale=inf')]
 
 @pytest.mark.parametrize('kwargs,exc,msg', MASTER_BAD, ids=ids(MASTER_BAD))
 def test_master_bad_args(kwargs, exc, msg):
@@ -49,6 +54,11 @@ PATCH_BAD = [
     ('to_fp16', dict(loss_scel=8.), TypeError, 'loss_scel'),
     ('to_bf16', dict(master=1), TypeError, 'master=1 is a int'),
     ('to_bf16', dict(flat_master=True, enabled=True), ValueError, "['enabled'] are MixedPrecision arguments"),
+    ('to_fp16', dict(lossscale=512), TypeError, "unexpected keyword argument 'lossscale' (did you mean 'loss_scale'?): it takes master, and ["),
+    ('to_bf16', dict(updat='kahan', pure=True), TypeError, "'updat' (did you mean 'update'?)"),
+    ('to_fp16', dict(init_scale=1e39), ValueError, 'init_scale=1e+39 is out of range'),
+    ('to_fp16', dict(loss_scale=1e39), ValueError, 'loss_scale=1e+39 is out of range'),
+    ('to_fp16', dict(growth_factor=math.inf), ValueError, 'growth_factor=inf is out of range'),
 ]
 
 @pytest.mark.parametrize('patch,kwargs,exc,msg', PATCH_BAD, ids=[f'{p}:{k}' for p,k,*_ in PATCH_BAD])

@@ -6,6 +6,7 @@ from torch import Tensor
 from fastai.basics import Callback, OptimWrapper, Lookahead, load_learner
 from fastai.callback.core import CancelFitException, CancelEpochException, CancelBatchException
 from fastai.callback.tracker import SaveModelCallback
+from fastai.callback.training import GradientAccumulation
 import fastai.callback.schedule  # lr_find, fit_one_cycle, fine_tune
 from mpx.all import *
 from mpx.test_utils import tiny_learner, tiny_split, tabular_app_learner, collab_app_learner, text_app_learner, MASTER_MODES, OPTIMIZERS
@@ -71,7 +72,9 @@ class FitCheck(Callback):
     "Last of all `after_fit`s: record the `problems` every fit leaves"
     order = 100
     def __init__(self): self.found = []
-    def after_fit(self): self.found += [f'after_fit at step {self.learn.train_iter}: {p}' for p in problems(self.learn)]
+    def after_fit(self):
+        if any(getattr(c, '_outer', None) is not None for c in self.learn.cbs): return  # a nested validate: its fit goes on
+        self.found += [f'after_fit at step {self.learn.train_iter}: {p}' for p in problems(self.learn)]
 
 # ---- the sequences: each takes a learner and the mode (None: fp32) and returns the learner to check
 
@@ -82,6 +85,20 @@ def lrfind_finetune(learn, mode): _lr_find(learn); learn.fine_tune(1, freeze_epo
 def fit_fit(learn, mode): learn.fit(1); learn.fit(1); return learn
 def create_opt(learn, mode): learn.fit(1); learn.create_opt(); learn.fit(1); return learn
 def reset_opt(learn, mode): learn.fit(1); learn.fit(1, reset_opt=True); return learn
+def validate_first(learn, mode): learn.validate(); learn.get_preds(); learn.fit(1); learn.validate(); return learn
+
+class _ValidateEachEpoch(Callback):
+    "Calls `validate()` from `after_epoch`: a nested fastai call inside the fit"
+    order = 11
+    def after_epoch(self):
+        if not getattr(self, 'busy', False): self.busy = True; self.learn.validate(); self.busy = False
+def nested_validate(learn, mode): learn.fit(2, cbs=_ValidateEachEpoch()); learn.fit(1); return learn
+
+class _AccumulateAndSave(Callback):
+    "Saves the learner after every batch, inside `GradientAccumulation`'s windows too"
+    order = 11
+    def after_batch(self): self.learn.save('acc', with_opt=True)
+def accumulate_save(learn, mode): learn.fit(2, cbs=[GradientAccumulation(48), _AccumulateAndSave()]); return learn
 
 def _save_load(learn, with_opt):
     learn.fit(1); learn.freeze()
@@ -134,7 +151,7 @@ def switch(learn, mode):
     return learn
 
 SEQUENCES = {f.__name__: f for f in [lrfind_onecycle, lrfind_finetune, fit_fit, save_load_opt, save_load_noopt, freeze_discrim, save_model_cb,
-                                      export_cpu, export_nocpu, create_opt, reset_opt, switch]}
+                                      export_cpu, export_nocpu, create_opt, reset_opt, switch, validate_first, nested_validate, accumulate_save]}
 
 def run(client, seq, mode, opt, path):
     "Run `seq` on a fresh `client` learner with `opt` in `mode` (None: fp32) in `path`; its `problems` after every fit and at the end, and its `summary`"
@@ -178,6 +195,8 @@ _APP_CELLS = [('tabular', 'lrfind_onecycle', 'fp16'), ('tabular', 'lrfind_finetu
               ('tabular', 'export_cpu', 'fp16'), ('tabular', 'freeze_discrim', 'fp16_flat'), ('tabular', 'save_model_cb', 'bf16'),
               ('collab', 'lrfind_onecycle', 'bf16'), ('collab', 'fit_fit', 'fp16_flat'), ('collab', 'save_load_opt', 'fp16'),
               ('collab', 'export_cpu', 'bf16_flat'), ('collab', 'switch', 'fp16_dynamic'),
+              ('tabular', 'validate_first', 'fp16_flat'), ('collab', 'nested_validate', 'bf16'), ('text', 'nested_validate', 'bf16_flat'),
+              ('tabular', 'accumulate_save', 'fp16_flat'),
               ('text', 'lrfind_finetune', 'fp16'), ('text', 'fit_fit', 'bf16_flat'), ('text', 'save_load_opt', 'bf16'),
               ('text', 'export_cpu', 'fp16_flat'), ('text', 'freeze_discrim', 'fp16_dynamic'), ('text', 'export_nocpu', 'bf16')]
 
