@@ -325,6 +325,29 @@ def _with_events(self:Learner, f, event_type, ex, final=noop):
 
 Learner._with_events._fastai = _fastai_with_events
 
+# %% ../nbs/02_callback.ipynb #5ce9ad23
+_fastai_enter = getattr(Learner.__enter__, '_fastai', Learner.__enter__)
+
+@patch
+def __enter__(self:Learner):
+    "fastai's `Learner.__enter__` (`before_fit`, `before_epoch` of a validation); the precision callbacks finished if it fails"
+    try: return _fastai_enter(self)
+    except BaseException:
+        for c in self.cbs.filter(is_mpx_precision): c._leave_fit()
+        raise
+
+Learner.__enter__._fastai = _fastai_enter
+
+_fastcore_cms_enter = getattr(ContextManagers.__enter__, '_fastcore', ContextManagers.__enter__)
+
+@patch
+def __enter__(self:ContextManagers):
+    "fastcore's `ContextManagers.__enter__`, exiting the managers it entered when a later one fails"
+    try: return _fastcore_cms_enter(self)
+    except BaseException: self.stack.close(); raise
+
+ContextManagers.__enter__._fastcore = _fastcore_cms_enter
+
 # %% ../nbs/02_callback.ipynb #cb000037
 _fastai_add_cb = getattr(Learner.add_cb, '_fastai', Learner.add_cb)
 _fastai_remove_cb = getattr(Learner.remove_cb, '_fastai', Learner.remove_cb)

@@ -138,3 +138,23 @@ def test_nested_call(mode, event, call):
     ref = nested_run(mode, None, None)
     assert not state_diffs(ref[0], got[0]), state_diffs(ref[0], got[0])[:3]
     assert got[1] == ref[1] == 20
+
+# ---- a callback failing in the before_fit of a validation
+
+class FailFirstBeforeFit(Callback):
+    "Raises in the first `before_fit`, after the precision callback's"
+    order,n = 11,0
+    def before_fit(self):
+        self.n += 1
+        if self.n == 1: raise RuntimeError('boom')
+
+@pytest.mark.parametrize('call', ['validate', 'get_preds'])
+@pytest.mark.parametrize('mode', ALL_MODES)
+def test_failed_validation_start(mode, call):
+    "A callback that raises in a validation's `before_fit` leaves an fp32 model and a learner whose next calls run (not wait forever)."
+    learn = tiny_learner(bn=True, cbs=FailFirstBeforeFit())
+    ALL_MODES[mode](learn)
+    with pytest.raises(RuntimeError, match='boom'): BEFORE[call](learn)
+    assert fp32_model(learn)
+    BEFORE[call](learn)
+    assert fit_quiet(learn).mixed_precision.total_steps == 10 and fp32_model(learn)
