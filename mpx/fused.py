@@ -391,6 +391,8 @@ def bf16_hooks(comp:dict, kept:dict|None=None, gen:torch.Generator|None=None) ->
             if k is not None and p.dtype is torch.bfloat16:
                 if k is not x: k.copy_(x)
                 p.copy_(x)
+        fs = [i for i,(p,x) in enumerate(zip(ps, data)) if p.dtype is not torch.bfloat16 and x is not p]  # Lookahead's slow weights
+        if fs: torch._foreach_copy_(_pick(ps, fs), _pick(data, fs))
         ks = [i for i,p in enumerate(ps) if p.dtype is torch.bfloat16 and p not in kept and p in comp]
         ss = [i for i,p in enumerate(ps) if p.dtype is torch.bfloat16 and p not in kept and p not in comp]
         if ks: fold_kahan(_pick(data, ks), _pick(ps, ks), [comp[ps[i]] for i in ks])
