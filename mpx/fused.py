@@ -11,7 +11,7 @@ from fastai.torch_basics import *
 from fastai.optimizer import *
 
 # %% auto #0
-__all__ = ['FusedChunk', 'fused_cb', 'why_not_fused', 'FusedSteps', 'CountOps', 'count_step_ops', 'widen_bf16', 'float32s',
+__all__ = ['FusedChunk', 'fused_cb', 'why_not_fused', 'FusedSteps', 'CountOps', 'count_step_ops', 'float32s', 'widen_bf16',
            'fold_kahan', 'fold_stochastic', 'bf16_hooks']
 
 # %% ../nbs/01a_fused.ipynb #fz000006
@@ -278,6 +278,7 @@ def step(self:FusedSteps, closure=None):
     fcbs = [fused_cb(cb) for cb in o.cbs]
     if any(f is None for f,_ in fcbs): return Optimizer.step(o)  # step functions changed since install: fastai's loop
     for pg,hyper in zip(o.param_lists, o.hypers):
+        pg = list(pg)  # fastcore's `L` indexes slowly
         states = [o.state[p] for p in pg]  # as fastai's `all_params`, which makes every parameter's entry
         live = [i for i,p in enumerate(pg) if p.grad is not None]
         for run in _runs([pg[i].numel() for i in live], self.chunk):
@@ -300,6 +301,7 @@ def lookahead_step(self:FusedSteps, la:Lookahead, closure=None):
     la.count += 1
     if la.count % la.k != 0: return
     for spg,fpg in zip(la.slow_weights, la.param_lists):
+        spg,fpg = list(spg),list(fpg)
         for run in _runs([p.numel() for p in fpg], self.chunk):
             ps,slow = _pick(fpg, run),_pick(spg, run)
             fast = self._wide(ps)[0]
@@ -322,19 +324,22 @@ def count_step_ops(opt) -> int:
     return c.n
 
 # %% ../nbs/01a_fused.ipynb #fz000055
+def float32s(ts:list) -> list:
+    "`t.float()` of each of `ts` in one multi-tensor op"
+    one,one0 = torch.ones(1, dtype=torch.float32, device=ts[0].device),torch.ones((), dtype=torch.float32, device=ts[0].device)
+    return torch._foreach_mul(ts, [one if t.dim() else one0 for t in ts])  # bf16 * fp32 is fp32, exactly `t`; a 0-dim `t` keeps its shape
+
 @torch.no_grad()
-def widen_bf16(ws:list, cs:list|None=None) -> list:
-    "fp32 values `w + c` of bf16 tensors `ws` (plus bf16 compensations `cs`), as views shaped like `ws` into one new flat buffer"
-    flat = torch.empty(sum(w.numel() for w in ws), dtype=torch.float32, device=ws[0].device)
-    xs = [v.view(w.shape) for v,w in zip(flat.split([w.numel() for w in ws]), ws)]
-    torch._foreach_copy_(xs, ws)
+def widen_bf16(ws:list, cs:list|None=None, flat:bool=False) -> list:
+    "fp32 values `w + c` of bf16 tensors `ws` (plus bf16 compensations `cs`); with `flat`, as views shaped like `ws` into one flat buffer"
+    if flat:
+        buf = torch.empty(sum(w.numel() for w in ws), dtype=torch.float32, device=ws[0].device)
+        xs = [v.view(w.shape) for v,w in zip(buf.split([w.numel() for w in ws]), ws)]  # a view a tensor: metadata, no kernel
+        torch._foreach_copy_(xs, ws)
+    else: xs = float32s(ws)
     pairs = [(x,c) for x,c in zip(xs, cs or []) if c is not None]
     if pairs: torch._foreach_add_([x for x,_ in pairs], [c for _,c in pairs])
     return xs
-
-def float32s(ts:list) -> list:
-    "`t.float()` of each of `ts` in one multi-tensor op"
-    return torch._foreach_mul(ts, [torch.ones(1, dtype=torch.float32, device=ts[0].device)]*len(ts))  # bf16 * fp32 is fp32, exactly `t`
 
 # %% ../nbs/01a_fused.ipynb #fz000058
 @torch.no_grad()
@@ -366,7 +371,7 @@ def _flat_under(xs:list) -> Tensor|None:
 def fold_stochastic(xs:list, ws:list, gen:torch.Generator|None=None):
     "Write fp32 `xs` into bf16 `ws`, each rounded away from zero with probability (dropped bits)/2**16: unbiased; random bits from `gen`"
     flat = _flat_under(xs)
-    if flat is None: xs = widen_bf16(xs); flat = _flat_under(xs)  # a fresh flat copy: the rounding works on it in place
+    if flat is None: xs = widen_bf16(xs, flat=True); flat = _flat_under(xs)  # a fresh flat copy: the rounding works on it in place
     bits = flat.view(torch.int32)
     bits.add_(torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=bits.device, generator=gen)).bitwise_and_(_hi)
     torch._foreach_copy_(ws, xs)  # exact: every value is a bf16 now
@@ -379,7 +384,8 @@ def bf16_hooks(comp:dict, kept:dict|None=None, gen:torch.Generator|None=None) ->
         data = [kept.get(p, p) if p.dtype is torch.bfloat16 else p for p in ps]
         hs = [i for i,p in enumerate(ps) if p.dtype is torch.bfloat16 and p not in kept]
         if hs:
-            for i,x in zip(hs, widen_bf16(_pick(ps, hs), [comp.get(ps[i]) for i in hs])): data[i] = x
+            cs = [comp.get(ps[i]) for i in hs]
+            for i,x in zip(hs, widen_bf16(_pick(ps, hs), cs, flat=any(c is None for c in cs))): data[i] = x  # stochastic folds want one flat buffer
         grads = [p.grad for p in ps]
         gs = [i for i,g in enumerate(grads) if g is not None and g.dtype is torch.bfloat16]
         if gs:

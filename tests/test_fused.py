@@ -183,9 +183,10 @@ def test_widen_bf16():
     g = torch.Generator().manual_seed(0)
     ws = [torch.randn(s, generator=g).bfloat16() for s in ((3, 4), (5,), (2, 2, 2))]
     cs = [(torch.randn(w.shape, generator=g)*1e-3).bfloat16() for w in ws]
-    xs = widen_bf16(ws, cs)
-    for x,w,c in zip(xs, ws, cs): assert x.shape == w.shape and torch.equal(x, w.float() + c.float())
-    assert _flat_under(xs) is not None and _flat_under([x.clone() for x in xs]) is None
+    for flat in (False, True):
+        xs = widen_bf16(ws, cs, flat=flat)
+        for x,w,c in zip(xs, ws, cs): assert x.shape == w.shape and torch.equal(x, w.float() + c.float())
+    assert _flat_under(xs) is not None and _flat_under([x.clone() for x in xs]) is None and _flat_under(widen_bf16(ws, cs)) is None
     assert all(torch.equal(x, w.float()) for x,w in zip(widen_bf16(ws), ws))
 
 def test_fold_kahan_bit_equal():
