@@ -39,12 +39,14 @@ def ops_per_step(opt_func, n, fused, warm=10, k=6) -> float:
         for _ in range(k): opt.step()
     return c.n / k
 
+def _num(x) -> str: return f'{x:.1f}'.removesuffix('.0')
+
 def count_table(sizes=(10, 100, 1000)):
     rows = []
     for name,f in OPTS.items():
         for n in sizes:
             loop,fused = ops_per_step(f, n, False),ops_per_step(f, n, True)
-            rows.append([name, n, f'{loop:.4g}', f'{fused:.4g}', f'{100*fused/loop:.2f}%'])
+            rows.append([name, n, _num(loop), _num(fused), f'{100*fused/loop:.2f}%'])
     table(['optimizer', 'tensors:', 'loop ops/step:', 'fused ops/step:', 'fused/loop:'], rows)
 
 def bf16_ops(update, n, warm=3) -> int:
