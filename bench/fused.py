@@ -100,7 +100,8 @@ def time_table(rounds=7):
     table(['200 Linear(64, 64), Adam', 'loop ms:', 'fused ms:', 'speed-up (paired median):'], rows)
 
 if __name__ == '__main__':
-    header('Fused optimizer steps vs fastai loop', f'CPU flags: {cpu_flags()}', 'ops: aten ops dispatched per optimizer step (CountOps); 64-element tensors')
+    header('Fused optimizer steps vs fastai loop', f'CPU flags: {cpu_flags()}',
+           'ops: aten ops dispatched per optimizer step (CountOps); 64-element tensors')
     count_table()
     bf16_table()
     time_table()
