@@ -1,5 +1,8 @@
-"""GPU suite: a ResNet-style CNN (channels_last) and a small GPT in fp32, TF32, mpx bf16/fp16/master fp16 (flat), fastai 2.8's
-`MixedPrecision` fp16/bf16 and raw PyTorch AMP loops: step time, throughput, MFU against the dense bf16 peak, peak memory.
+"""GPU suite: a ResNet-style CNN (channels_last) and a small GPT in fp32, TF32, mpx bf16/fp16/master fp16 (flat)/pure bf16
+(kahan, stochastic), fastai 2.8's `MixedPrecision` fp16/bf16 and raw PyTorch AMP loops: step time, throughput, MFU against the
+dense bf16 peak, peak memory; then, on the same device, the master mode's per-step bookkeeping against fastai's legacy helpers
+(`master_bookkeeping.py`'s steps, timed between synchronisations) and the host syncs per optimizer step of every mode
+(`syncs.py`'s count, on CUDA).
 
 Without CUDA it prints one line and exits 0 (`make bench` runs every bench/*.py); `--smoke` runs it in miniature on the CPU
 to check the code paths. Every mode trains its own copy of one model with `torch.optim.AdamW` (wrapped in fastai's
@@ -12,8 +15,8 @@ once with `torch.utils.flop_counter.FlopCounterMode`.
 On a GPU machine with PyTorch but without fastai or a network (as the project's lent H100/H200 machines are):
     here:  bash bench/gpu_wheels.sh          # wheels of fastai and the pure-Python packages it needs that the image lacks
     carry `bench/wheels` with the working tree (it ignores itself in git), then there:
-           python3 -m pip install --no-index --no-deps bench/wheels/*.whl
-           PYTHONPATH=. python3 bench/gpu.py --plots $OUT     # --cnn-bs/--gpt-bs to change the batch sizes
+           python3 -m pip install -q --no-index --no-deps --target /tmp/site bench/wheels/*.whl && export PYTHONPATH=/tmp/site:$PWD
+           python3 bench/gpu.py --plots $OUT     # --cnn-bs/--gpt-bs to change the batch sizes
 The default batch sizes leave room on an 80 GB H100 for every mode's copy of the model to stay resident."""
 import argparse, gc, sys, time
 import torch
@@ -104,6 +107,7 @@ MODES = {  # name: (what makes a learner's precision, or the raw loop's autocast
     'fp32': (lambda l: l, False), 'tf32': (lambda l: l, True),
     'mpx bf16': (lambda l: l.to_bf16(), False), 'mpx fp16': (lambda l: l.to_fp16(), False),
     'mpx master fp16 flat': (lambda l: l.to_fp16(flat_master=True, dynamic=True), False),
+    'mpx pure bf16 kahan': (lambda l: l.to_bf16(pure=True, update='kahan'), False), 'mpx pure bf16 stochastic': (lambda l: l.to_bf16(pure=True, update='stochastic'), False),
     'fastai fp16': (lambda l: l.add_cb(ffp16.MixedPrecision()), False), 'fastai bf16': (lambda l: l.add_cb(ffp16.MixedPrecision(amp_mode='bf16')), False),
     'raw AMP bf16 loop': (torch.bfloat16, False), 'raw AMP fp16 loop': (torch.float16, False),
 }
@@ -161,14 +165,56 @@ def rows(name, r, peak) -> list:
 
 def summary(name, t) -> list:
     "mpx against the raw loops (speed as a share of theirs), and mpx bf16's speed-up over fp32 and TF32"
-    return [name, f"{ratio(t['raw AMP bf16 loop'], t['mpx bf16']):.1%}", f"{ratio(t['raw AMP fp16 loop'], t['mpx fp16']):.1%}", f"{ratio(t['fp32'], t['mpx bf16']):.2f}x", f"{ratio(t['tf32'], t['mpx bf16']):.2f}x"]
+    return [name, f"{ratio(t['raw AMP bf16 loop'], t['mpx bf16']):.1%}", f"{ratio(t['raw AMP fp16 loop'], t['mpx fp16']):.1%}", f"{ratio(t['fp32'], t['mpx bf16']):.2f}x",
+            f"{ratio(t['tf32'], t['mpx bf16']):.2f}x", f"{ratio(t['mpx bf16'], t['mpx pure bf16 kahan']):.2f}x"]
+
+def bookkeeping(sizes=(100, 1000), numel=1024, rounds=7, k=5) -> list:
+    "`master_bookkeeping.py`'s fastai and mpx steps with their tensors on `DEV`, each timed between two synchronisations: table rows"
+    import master_bookkeeping as mb
+    def mpx_setup(n, numel, flat):  # `mb.mpx_setup`, the callback's fit state begun as `before_fit` begins it
+        learn,cb = mb.make_learner(n, numel),MasterPrecision(loss_scale=mb.SCALE, flat_master=flat)
+        learn.add_cb(cb); cb._begin_fit()
+        give = mb.grad_source(list(learn.model.parameters()))
+        def step(): give(); cb.after_backward(); cb.before_step(); cb.after_step(); learn.opt.zero_grad()
+        return step
+    res = []
+    for n in sizes:
+        for flat in (False, True):
+            with torch.device(DEV): steps = dict(fastai=mb.fastai_setup(n, numel, flat), mpx=mpx_setup(n, numel, flat))
+            def timed(step):
+                sync(); t0 = time.perf_counter()
+                for _ in range(k): step()
+                sync(); return (time.perf_counter() - t0) / k
+            t = interleaved({name: partial(timed, st) for name,st in steps.items()}, rounds)
+            res.append([n, flat, f"{med(t['fastai'])*1e3:.3f}", f"{med(t['mpx'])*1e3:.3f}", f"{ratio(t['fastai'], t['mpx']):.1f}x",
+                        mb.syncs(steps['fastai']), mb.syncs(steps['mpx'])])
+    return res
+
+SYNC_MODES = {  # name: the precision callback whose host syncs per optimizer step are counted
+    'mpx AMP fp16': lambda: MixedPrecision('fp16'), 'mpx AMP bf16': lambda: MixedPrecision('bf16'),
+    'mpx AMP bf16, check_finite=False': lambda: MixedPrecision('bf16', check_finite=False),
+    'mpx master fp16 per-tensor': lambda: MasterPrecision('fp16'), 'mpx master fp16 flat': lambda: MasterPrecision('fp16', flat_master=True),
+    'mpx master bf16': lambda: MasterPrecision('bf16'), 'mpx pure bf16 kahan': lambda: PureBF16(update='kahan'),
+    'mpx pure bf16 stochastic': lambda: PureBF16(update='stochastic'),
+    'fastai AMP fp16': lambda: ffp16.MixedPrecision(), 'fastai AMP bf16': lambda: ffp16.MixedPrecision(amp_mode='bf16'),
+}
+
+def sync_counts(sizes=(10, 1000)) -> list:
+    "Host syncs per optimizer step each mode adds on `DEV` (`syncs.py`'s count: a fit with the callback less one without): table rows"
+    import syncs as sy
+    def per_step(cb, n):
+        learn = learner(sy.ManyParams(n), synth_batches((16, 8), 2, n=sy.N_BATCHES), device=DEV)
+        base = sy.fit_syncs(learn)
+        return (sy.fit_syncs(learn.add_cb(cb)) - base) / sy.N_BATCHES
+    return [[k] + [f"{per_step(cb(), n):g}" for n in sizes] for k,cb in SYNC_MODES.items()]
 
 def plot(res, out, gpu_name):
     plt = plt_agg()
     fig,axs = plt.subplots(1, len(res), figsize=(6*len(res), 3.8))
     for ax,(name,r) in zip(axs, res.items()):
         f = r['t']['fp32']
-        bars = ax.bar(range(len(r['t'])), [ratio(f, t) for t in r['t'].values()], color=['C7', 'C7']+['C0']*3+['C1']*2+['C2']*2)
+        colors = ['C2' if 'raw' in k else 'C1' if 'fastai' in k else 'C0' if 'mpx' in k else 'C7' for k in r['t']]
+        bars = ax.bar(range(len(r['t'])), [ratio(f, t) for t in r['t'].values()], color=colors)
         ax.bar_label(bars, fmt='%.2fx', fontsize=7)
         ax.set_xticks(range(len(r['t'])), [k.replace(' ', '\n', 1) for k in r['t']], fontsize=7)
         ax.axhline(1, color='k', lw=.8); ax.set(title=name, ylabel='speed-up vs fp32')
@@ -183,9 +229,14 @@ def main(args):
     torch.backends.cudnn.benchmark = True
     res = dict(measure(case, bs, args.smoke, args.rounds) for case,bs in ((cnn_case, args.cnn_bs), (gpt_case, args.gpt_bs)))
     table(['model', 'mode', 'ms/step:', 'throughput:', 'vs fp32:', 'TFLOP/s:', 'MFU:', 'peak GiB:', 'fp16 skipped/steps:'], [row for n,r in res.items() for row in rows(n, r, peak)])
-    table(['model', 'mpx bf16 / raw bf16 loop speed:', 'mpx fp16 / raw fp16 loop speed:', 'mpx bf16 vs fp32:', 'mpx bf16 vs tf32:'],
+    table(['model', 'mpx bf16 / raw bf16 loop speed:', 'mpx fp16 / raw fp16 loop speed:', 'mpx bf16 vs fp32:', 'mpx bf16 vs tf32:', 'pure kahan vs mpx bf16:'],
           [summary(n, r['t']) for n,r in res.items()])
     plot(res, args.plots, name)
+    rounds = 1 if args.smoke else 7
+    print(f"# master-mode bookkeeping per step on {DEV}: 1024 elements per tensor, {rounds} interleaved rounds of 5 steps, medians")
+    table(['tensors:', ':flat:', 'fastai ms/step:', 'mpx ms/step:', 'mpx speed-up:', 'fastai syncs/step:', 'mpx syncs/step:'], bookkeeping(rounds=rounds))
+    print(f"# host syncs per optimizer step on {DEV} (CountSyncs: a fit with the callback less one without, / steps)")
+    table(['mode', '10 tensors:', '1000 tensors:'], sync_counts())
 
 def parse():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
