@@ -1,10 +1,15 @@
-"""GPU suite: a ResNet-style CNN (channels_last) and a small GPT in fp32, TF32, mpx bf16/fp16/master fp16 (flat), fastai 2.8's
-`MixedPrecision` fp16/bf16 and raw PyTorch AMP loops: step time, throughput, MFU against the dense bf16 peak, peak memory.
+"""GPU suite: a ResNet-style CNN (channels_last) and a small GPT in fp32, TF32, mpx bf16/fp16/master fp16 (flat)/pure bf16
+(kahan, stochastic), fastai 2.8's `MixedPrecision` fp16/bf16 and raw PyTorch AMP loops: step time, throughput, MFU against the
+dense bf16 peak, peak memory; then, on the same device, the master mode's per-step bookkeeping against fastai's legacy helpers
+(`master_bookkeeping.py`'s steps, timed between synchronisations) and the host syncs per optimizer step of every mode
+(`syncs.py`'s count, on CUDA).
 
 Without CUDA it prints one line and exits 0 (`make bench` runs every bench/*.py); `--smoke` runs it in miniature on the CPU
 to check the code paths. Every mode trains its own copy of one model with `torch.optim.AdamW` (wrapped in fastai's
 `OptimWrapper` in the learners), on prebatched synthetic data already on the GPU, without validation. Times are the
-training epochs between two `torch.cuda.synchronize()`s, in interleaved rounds: medians, and ratios the median of the
+training epochs' steps after their first three (an epoch's set-up and its first launches, which a 16-batch epoch would
+otherwise spread over every step), between two `torch.cuda.synchronize()`s, learners and raw loops alike, in interleaved
+rounds: medians, and ratios the median of the
 rounds' paired ratios; TF32 is off in every mode but 'tf32'. Peak memory is `torch.cuda.max_memory_allocated()` over one
 fit of each mode run alone, less what was allocated before its model was built (the data). FLOPs per step are counted
 once with `torch.utils.flop_counter.FlopCounterMode`.
@@ -12,10 +17,10 @@ once with `torch.utils.flop_counter.FlopCounterMode`.
 On a GPU machine with PyTorch but without fastai or a network (as the project's lent H100/H200 machines are):
     here:  bash bench/gpu_wheels.sh          # wheels of fastai and the pure-Python packages it needs that the image lacks
     carry `bench/wheels` with the working tree (it ignores itself in git), then there:
-           python3 -m pip install --no-index --no-deps bench/wheels/*.whl
-           PYTHONPATH=. python3 bench/gpu.py --plots $OUT     # --cnn-bs/--gpt-bs to change the batch sizes
+           python3 -m pip install -q --no-index --no-deps --target /tmp/site bench/wheels/*.whl && export PYTHONPATH=/tmp/site:$PWD
+           python3 bench/gpu.py --plots $OUT     # --cnn-bs/--gpt-bs to change the batch sizes
 The default batch sizes leave room on an 80 GB H100 for every mode's copy of the model to stay resident."""
-import argparse, gc, sys, time
+import argparse, gc, sys, textwrap, time
 import torch
 if __name__ == '__main__' and not torch.cuda.is_available() and '--smoke' not in sys.argv:
     print("bench/gpu.py: skipped, no CUDA device (run it on a GPU machine, as its docstring says)"); sys.exit(0)
@@ -24,7 +29,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from _common import *
 from copy import deepcopy
 
-DEV,N_BATCHES = 'cuda',10  # `--smoke`: 'cpu',2
+DEV,N_BATCHES,SKIP = 'cuda',16,3  # `--smoke`: 'cpu',3,1. The first SKIP steps of an epoch are not timed
 PEAKS = [('H100 PCIe', 756.), ('H100', 989.4), ('H200', 989.4), ('H800', 989.4), ('GH200', 989.4), ('A100', 312.), ('L40S', 362.), ('A10', 125.), ('L4', 121.)]  # dense bf16 TFLOP/s
 
 def peak_tflops(name) -> float:
@@ -82,21 +87,22 @@ def sync():
     if DEV == 'cuda': torch.cuda.synchronize()
 
 class CudaTimer(Callback):
-    "Seconds per training step of a fit's training epoch, the device synchronised at both ends, in `per_step`"
+    "Seconds per training step of a fit's training epoch from step `SKIP` on (no set-up, no first launches), synchronised at both ends"
     order = -100
-    def before_train(self): sync(); self.t0 = time.perf_counter()
-    def after_train(self): sync(); self.per_step = (time.perf_counter() - self.t0) / self.n_iter
+    def before_batch(self):
+        if self.training and self.iter == SKIP: sync(); self.t0 = time.perf_counter()
+    def after_train(self): sync(); self.per_step = (time.perf_counter() - self.t0) / (self.n_iter - SKIP)
 
 def raw_loop(model, batches, loss_func, dtype=None) -> callable:
     "A function running the raw PyTorch AMP loop (autocast to `dtype`, a `GradScaler` for fp16) for one epoch; seconds per step"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     scaler = torch.amp.GradScaler(DEV, enabled=dtype == torch.float16)
     def run():
-        sync(); t0 = time.perf_counter()
-        for xb,yb in batches:
+        for i,(xb,yb) in enumerate(batches):
+            if i == SKIP: sync(); t0 = time.perf_counter()  # timed as `CudaTimer` times a learner
             with torch.autocast(DEV, dtype=dtype, enabled=dtype is not None): loss = loss_func(model(xb), yb)
             scaler.scale(loss).backward(); scaler.step(opt); scaler.update(); opt.zero_grad()
-        sync(); return (time.perf_counter() - t0) / len(batches)
+        sync(); return (time.perf_counter() - t0) / (len(batches) - SKIP)
     return run
 
 adamw = partial(OptimWrapper, opt=torch.optim.AdamW)
@@ -104,6 +110,8 @@ MODES = {  # name: (what makes a learner's precision, or the raw loop's autocast
     'fp32': (lambda l: l, False), 'tf32': (lambda l: l, True),
     'mpx bf16': (lambda l: l.to_bf16(), False), 'mpx fp16': (lambda l: l.to_fp16(), False),
     'mpx master fp16 flat': (lambda l: l.to_fp16(flat_master=True, dynamic=True), False),
+    'mpx pure bf16 kahan': (lambda l: l.to_bf16(pure=True, update='kahan'), False),
+    'mpx pure bf16 stochastic': (lambda l: l.to_bf16(pure=True, update='stochastic'), False),
     'fastai fp16': (lambda l: l.add_cb(ffp16.MixedPrecision()), False), 'fastai bf16': (lambda l: l.add_cb(ffp16.MixedPrecision(amp_mode='bf16')), False),
     'raw AMP bf16 loop': (torch.bfloat16, False), 'raw AMP fp16 loop': (torch.float16, False),
 }
@@ -124,13 +132,14 @@ def build(name, model, batches, loss_func):
     return timed, learn
 
 def peak_memory(name, model, batches, loss_func) -> float:
-    "GiB allocated at the peak of one fit of mode `name` run alone, less what was allocated before (the data)"
-    if DEV != 'cuda': return float('nan')
-    gc.collect(); torch.cuda.empty_cache(); torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
+    "GiB at the peak of one fit of mode `name` run alone, less what was allocated before (the data); nan off CUDA"
+    cuda = DEV == 'cuda'
+    if cuda: gc.collect(); torch.cuda.empty_cache(); torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() if cuda else 0
     run,learn = build(name, model, batches, loss_func)
-    run(); res = (torch.cuda.max_memory_allocated() - base) / 2**30
-    del run, learn; gc.collect(); torch.cuda.empty_cache()
+    run(); res = (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else float('nan')
+    del run, learn; gc.collect()
+    if cuda: torch.cuda.empty_cache()
     return res
 
 def step_flops(model, batches, loss_func) -> float:
@@ -144,14 +153,23 @@ def skipped(learn) -> str:
     cb = first(c for c in (learn.cbs if learn else []) if isinstance(c, (MixedPrecision, MasterPrecision)))
     return f"{cb.skipped_steps}/{cb.total_steps}" if cb is not None and cb.amp_mode is AMPMode.FP16 else ''
 
+def failure(e) -> str:
+    "An exception as one short line: its type and the first line of its message"
+    lines = [l.strip() for l in str(e).splitlines() if l.strip() and not l.startswith('Exception occured in')]
+    return f"{type(e).__name__}: {(lines or [''])[0][:200]}"
+
 def measure(case, bs, smoke, rounds) -> tuple:
-    "Every mode's peak memory, then their interleaved timings, for one model; and the model's label"
+    "Every mode's peak memory (a mode whose fit fails is left out, its error kept), then their interleaved timings, for one model"
     model,cpu_batches,unit,label = case(bs, smoke)
     batches,loss_func = [(x.to(DEV), y.to(DEV)) for x,y in cpu_batches],CrossEntropyLossFlat()
-    flops,mem = step_flops(model, batches, loss_func),{k: peak_memory(k, model, batches, loss_func) for k in MODES}
-    built = {k: build(k, model, batches, loss_func) for k in MODES}
+    flops,mem,failed = step_flops(model, batches, loss_func),{},{}
+    for k in MODES:
+        try: mem[k] = peak_memory(k, model, batches, loss_func)
+        except Exception as e: failed[k] = failure(e); gc.collect()
+    built = {k: build(k, model, batches, loss_func) for k in MODES if k not in failed}
     t = interleaved({k: run for k,(run,_) in built.items()}, rounds)
-    return label, dict(t=t, mem=mem, flops=flops, samples=batches[0][1].numel(), unit=unit, skipped={k: skipped(l) for k,(_,l) in built.items()})
+    skips = {k: skipped(l) for k,(_,l) in built.items()}
+    return label, dict(t=t, mem=mem, flops=flops, samples=batches[0][1].numel(), unit=unit, skipped=skips, failed=failed)
 
 def rows(name, r, peak) -> list:
     "Table rows of one model: ms/step, throughput, speed-up against fp32, TFLOP/s, MFU, peak memory, skipped fp16 steps"
@@ -160,17 +178,65 @@ def rows(name, r, peak) -> list:
              f"{r['mem'][k]:.2f}", r['skipped'][k]] for k,t in r['t'].items()]
 
 def summary(name, t) -> list:
-    "mpx against the raw loops (speed as a share of theirs), and mpx bf16's speed-up over fp32 and TF32"
-    return [name, f"{ratio(t['raw AMP bf16 loop'], t['mpx bf16']):.1%}", f"{ratio(t['raw AMP fp16 loop'], t['mpx fp16']):.1%}", f"{ratio(t['fp32'], t['mpx bf16']):.2f}x", f"{ratio(t['tf32'], t['mpx bf16']):.2f}x"]
+    "mpx against the raw loops (speed as a share of theirs), mpx bf16's speed-up over fp32 and TF32, pure bf16's over mpx bf16"
+    r = lambda a,b,fmt: format(ratio(t[a], t[b]), fmt) if a in t and b in t else 'failed'
+    return [name, r('raw AMP bf16 loop', 'mpx bf16', '.1%'), r('raw AMP fp16 loop', 'mpx fp16', '.1%'),
+            r('fp32', 'mpx bf16', '.2f')+'x', r('tf32', 'mpx bf16', '.2f')+'x',
+            r('mpx bf16', 'mpx pure bf16 kahan', '.2f')+'x'*('mpx pure bf16 kahan' in t)]
+
+def bookkeeping(sizes=(100, 1000), numel=1024, rounds=7, k=5) -> list:
+    "`master_bookkeeping.py`'s fastai and mpx steps with their tensors on `DEV`, each timed between two synchronisations: table rows"
+    import master_bookkeeping as mb
+    def mpx_setup(n, numel, flat):  # `mb.mpx_setup`, the callback's fit state begun as `before_fit` begins it
+        learn,cb = mb.make_learner(n, numel),MasterPrecision(loss_scale=mb.SCALE, flat_master=flat)
+        learn.add_cb(cb); cb._begin_fit()
+        give = mb.grad_source(list(learn.model.parameters()))
+        def step(): give(); cb.after_backward(); cb.before_step(); cb.after_step(); learn.opt.zero_grad()
+        return step
+    res = []
+    for n in sizes:
+        for flat in (False, True):
+            with torch.device(DEV): steps = dict(fastai=mb.fastai_setup(n, numel, flat), mpx=mpx_setup(n, numel, flat))
+            def timed(step):
+                sync(); t0 = time.perf_counter()
+                for _ in range(k): step()
+                sync(); return (time.perf_counter() - t0) / k
+            t = interleaved({name: partial(timed, st) for name,st in steps.items()}, rounds)
+            res.append([n, flat, f"{med(t['fastai'])*1e3:.3f}", f"{med(t['mpx'])*1e3:.3f}", f"{ratio(t['fastai'], t['mpx']):.1f}x",
+                        mb.syncs(steps['fastai']), mb.syncs(steps['mpx'])])
+    return res
+
+SYNC_MODES = {  # name: the precision callback whose host syncs per optimizer step are counted
+    'mpx AMP fp16': lambda: MixedPrecision('fp16'), 'mpx AMP bf16': lambda: MixedPrecision('bf16'),
+    'mpx AMP bf16, check_finite=False': lambda: MixedPrecision('bf16', check_finite=False),
+    'mpx master fp16 per-tensor': lambda: MasterPrecision('fp16'),
+    'mpx master fp16 flat': lambda: MasterPrecision('fp16', flat_master=True),
+    'mpx master bf16': lambda: MasterPrecision('bf16'), 'mpx pure bf16 kahan': lambda: PureBF16(update='kahan'),
+    'mpx pure bf16 stochastic': lambda: PureBF16(update='stochastic'),
+    'fastai AMP fp16': lambda: ffp16.MixedPrecision(), 'fastai AMP bf16': lambda: ffp16.MixedPrecision(amp_mode='bf16'),
+}
+
+def sync_counts(sizes=(10, 1000)) -> list:
+    "Host syncs per optimizer step each mode adds on `DEV` (`syncs.py`'s count: a fit with the callback less one without): table rows"
+    import syncs as sy
+    def per_step(cb, n):
+        learn = learner(sy.ManyParams(n), synth_batches((16, 8), 2, n=sy.N_BATCHES), device=DEV)
+        base = sy.fit_syncs(learn)
+        return (sy.fit_syncs(learn.add_cb(cb)) - base) / sy.N_BATCHES
+    def cell(cb, n):
+        try: return f"{per_step(cb, n):g}"
+        except Exception as e: return f"fails: {failure(e)[:120]}"
+    return [[k] + [cell(cb(), n) for n in sizes] for k,cb in SYNC_MODES.items()]
 
 def plot(res, out, gpu_name):
     plt = plt_agg()
-    fig,axs = plt.subplots(1, len(res), figsize=(6*len(res), 3.8))
+    fig,axs = plt.subplots(1, len(res), figsize=(8*len(res), 4.2))
     for ax,(name,r) in zip(axs, res.items()):
         f = r['t']['fp32']
-        bars = ax.bar(range(len(r['t'])), [ratio(f, t) for t in r['t'].values()], color=['C7', 'C7']+['C0']*3+['C1']*2+['C2']*2)
+        colors = ['C2' if 'raw' in k else 'C1' if 'fastai' in k else 'C0' if 'mpx' in k else 'C7' for k in r['t']]
+        bars = ax.bar(range(len(r['t'])), [ratio(f, t) for t in r['t'].values()], color=colors)
         ax.bar_label(bars, fmt='%.2fx', fontsize=7)
-        ax.set_xticks(range(len(r['t'])), [k.replace(' ', '\n', 1) for k in r['t']], fontsize=7)
+        ax.set_xticks(range(len(r['t'])), [textwrap.fill(k, 8, break_long_words=False) for k in r['t']], fontsize=6.5)
         ax.axhline(1, color='k', lw=.8); ax.set(title=name, ylabel='speed-up vs fp32')
     fig.suptitle(f"Training step speed-up, {gpu_name}", fontsize=9)
     savefig(fig, 'gpu_speedup', out)
@@ -179,11 +245,22 @@ def main(args):
     name = torch.cuda.get_device_name() if DEV == 'cuda' else f'CPU smoke run ({cpu_name()})'
     peak = peak_tflops(name) if DEV == 'cuda' else 1.
     header("GPU suite", f"device: {name}, CUDA {torch.version.cuda}, dense bf16 peak {peak:g} TFLOP/s (MFU = counted FLOPs / step time / peak)",
-           f"{N_BATCHES} batches an epoch, {args.rounds} interleaved rounds, medians; AdamW; the CNN in channels_last")
+           f"{N_BATCHES} batches an epoch, the last {N_BATCHES-SKIP} timed, {args.rounds} interleaved rounds, medians; AdamW")
+    rounds = 1 if args.smoke else 7
+    print(f"# master-mode bookkeeping per step on {DEV}: 1024 elements per tensor, {rounds} interleaved rounds of 5 steps, medians")
+    table(['tensors:', ':flat:', 'fastai ms/step:', 'mpx ms/step:', 'mpx speed-up:', 'fastai syncs/step:', 'mpx syncs/step:'],
+          bookkeeping(rounds=rounds))
+    print(f"# host syncs per optimizer step on {DEV} (CountSyncs: a fit with the callback less one without, / steps)")
+    table(['mode', '10 tensors:', '1000 tensors:'], sync_counts())
     torch.backends.cudnn.benchmark = True
-    res = dict(measure(case, bs, args.smoke, args.rounds) for case,bs in ((cnn_case, args.cnn_bs), (gpt_case, args.gpt_bs)))
-    table(['model', 'mode', 'ms/step:', 'throughput:', 'vs fp32:', 'TFLOP/s:', 'MFU:', 'peak GiB:', 'fp16 skipped/steps:'], [row for n,r in res.items() for row in rows(n, r, peak)])
-    table(['model', 'mpx bf16 / raw bf16 loop speed:', 'mpx fp16 / raw fp16 loop speed:', 'mpx bf16 vs fp32:', 'mpx bf16 vs tf32:'],
+    res = {}
+    for case,bs in ((gpt_case, args.gpt_bs), (cnn_case, args.cnn_bs)):  # each model's table as soon as it is measured
+        n,r = measure(case, bs, args.smoke, args.rounds); res[n] = r
+        table(['model', 'mode', 'ms/step:', 'throughput:', 'vs fp32:', 'TFLOP/s:', 'MFU:', 'peak GiB:', 'fp16 skipped/steps:'],
+              rows(n, r, peak))
+        for k,e in r['failed'].items(): print(f"# {n}: {k} failed: {e}")
+    table(['model', 'mpx bf16 / raw bf16 loop speed:', 'mpx fp16 / raw fp16 loop speed:', 'mpx bf16 vs fp32:', 'mpx bf16 vs tf32:',
+           'pure kahan vs mpx bf16:'],
           [summary(n, r['t']) for n,r in res.items()])
     plot(res, args.plots, name)
 
@@ -196,6 +273,6 @@ def parse():
 
 if __name__ == '__main__':
     args = parse()
-    DEV,N_BATCHES = ('cpu', 2) if args.smoke else ('cuda', 10)
+    DEV,N_BATCHES,SKIP = ('cpu', 3, 1) if args.smoke else ('cuda', 16, 3)
     if args.smoke: args.cnn_bs,args.gpt_bs,args.rounds = 4,2,1
     s = time.perf_counter(); main(args); print(f"# {time.perf_counter()-s:.0f} s")

@@ -1,10 +1,11 @@
-"The key `MixedPrecision` checks on CUDA: compute dtype, scaler device and trajectory, skip-on-overflow (host syncs on CUDA: `test_syncs.py`)."
+"Key checks on CUDA: `MixedPrecision` dtype, scaler, skips on overflow; every master and pure mode trains (syncs: `test_syncs.py`)"
 import math
 from functools import partial
 import pytest, torch
 from fastai.optimizer import SGD, Adam
 from mpx.all import MixedPrecision
-from mpx.test_utils import tiny_learner, fit_quiet, replay, InjectGrad, Snapshot, check_skips_change_nothing, DtypeHook
+from mpx.test_utils import (tiny_learner, fit_quiet, replay, InjectGrad, Snapshot, check_skips_change_nothing, DtypeHook,
+                             MASTER_MODES, LossProbe, precision_cb)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA GPU')
 
@@ -19,7 +20,8 @@ def needs_mode(mode):
 def test_compute_dtype(mode):
     "On CUDA the model computes in the mode's dtype during fit and `get_preds`, keeps fp32 weights and returns fp32 preds."
     needs_mode(mode)
-    learn = tiny_learner(lr=1e-2, device=DEV, cbs=MixedPrecision(mode, init_scale=2.**8))
+    kw = dict(init_scale=2.**8) if mode == 'fp16' else {}  # bf16 takes no loss scale
+    learn = tiny_learner(lr=1e-2, device=DEV, cbs=MixedPrecision(mode, **kw))
     with DtypeHook(learn.model[0]) as hook: fit_quiet(learn, 1); preds,_ = learn.get_preds()
     assert len(hook.dtypes) == 12+2 and set(hook.dtypes) == {HALF[mode]}
     assert preds.dtype == torch.float32 and all(p.dtype == torch.float32 and p.is_cuda for p in learn.model.parameters())
@@ -45,3 +47,17 @@ def test_skip_on_overflow(opt_func, value):
     mp = learn.mixed_precision
     assert mp.step_log.skips == [i in (0, 4, 5) for i in range(10)] and mp.loss_scale == 2.**8/8
     check_skips_change_nothing(mp, snap)
+
+TRAINS = {**{f'master_{k}': f for k,f in MASTER_MODES.items()},
+          **{f'pure_{u}': partial(lambda learn, u: learn.to_bf16(pure=True, update=u), u=u) for u in ('kahan', 'stochastic')}}
+
+@pytest.mark.parametrize('mode', TRAINS)
+def test_modes_train_on_cuda(mode):
+    "Every master and pure mode trains on CUDA: no step skipped, the loss falls, and the fit hands back the fp32 model on the GPU."
+    needs_mode('bf16' if 'bf16' in mode or 'pure' in mode else 'fp16')
+    learn,probe = TRAINS[mode](tiny_learner(lr=1e-2, device=DEV)),LossProbe()
+    fit_quiet(learn, 2, cbs=probe)
+    cb = precision_cb(learn)
+    assert cb.total_steps == 20 and cb.skipped_steps == 0
+    assert probe.losses[-1] < probe.losses[0]
+    assert all(p.dtype == torch.float32 and p.device.type == DEV for p in learn.model.parameters())
