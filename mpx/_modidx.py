@@ -213,6 +213,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                          'mpx.fp8._check_flag': ('fp8.html#_check_flag', 'mpx/fp8.py'),
                          'mpx.fp8._check_recipe': ('fp8.html#_check_recipe', 'mpx/fp8.py'),
                          'mpx.fp8._choice': ('fp8.html#_choice', 'mpx/fp8.py'),
+                         'mpx.fp8._float8_linear': ('fp8.html#_float8_linear', 'mpx/fp8.py'),
                          'mpx.fp8._share_hooks': ('fp8.html#_share_hooks', 'mpx/fp8.py'),
                          'mpx.fp8._torchao_float8': ('fp8.html#_torchao_float8', 'mpx/fp8.py'),
                          'mpx.fp8._unfit': ('fp8.html#_unfit', 'mpx/fp8.py'),

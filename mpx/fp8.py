@@ -4,7 +4,7 @@
 
 # %% ../nbs/05a_fp8.ipynb #f8000003
 from __future__ import annotations
-import dataclasses, math, pickle, warnings
+import dataclasses, functools, math, pickle, warnings
 from typing import NamedTuple
 from fastai.basics import *
 from .core import *
@@ -129,6 +129,19 @@ def _share_hooks(src:nn.Module, dst:nn.Module):
         if hasattr(src, a): setattr(dst, a, getattr(src, a))
     dst.train(src.training)
 
+@functools.cache
+def _float8_linear() -> type:
+    "torchao's `Float8Linear`, casting its input to the autocast dtype on every device (torchao reads CUDA's autocast only), its output safe for in-place ops"
+    _torchao_float8()
+    from torchao.float8.float8_linear import Float8Linear as _Float8Linear
+    class Float8Linear(_Float8Linear):
+        def forward(self, input:Tensor) -> Tensor:
+            dt = input.device.type
+            if dt != 'cuda' and torch.is_autocast_enabled(dt): input = input.to(torch.get_autocast_dtype(dt))
+            out = super().forward(input)
+            return out if self.bias is not None else out.clone()  # without a bias torchao returns a view made in its autograd Function, which an in-place op after it (fastai's ReLU(inplace=True)) may not modify
+    return Float8Linear
+
 class Float8Swap:
     "One fit's fp8 layers: `apply` swaps the `nn.Linear` layers named `fqns` of `model` for torchao's `Float8Linear` on the same `Parameter`s, `undo` puts them back"
     def __init__(self, model:nn.Module, fqns:list, config, now:bool=False):
@@ -141,7 +154,10 @@ class Float8Swap:
         if self.applied: return
         self.applied = True  # first: a swap that fails half-way is still undone
         _torchao_float8().convert_to_float8_training(self.model, module_filter_fn=lambda m,fqn: self.orig.get(fqn) is m, config=self.config)
-        for f,m in self.orig.items(): _share_hooks(m, self.model.get_submodule(f))
+        for f,m in self.orig.items():
+            new = self.model.get_submodule(f)
+            new.__class__ = _float8_linear()  # a subclass adding no state: the object stays what torchao built
+            _share_hooks(m, new)
 
     def undo(self):
         "Put the original `nn.Linear` layers back, in the mode (train or eval) their fp8 stand-ins were left in"
@@ -194,6 +210,10 @@ class FP8Precision(PrecisionCallback):
         "Choose the fp8 layers of `model` into `self.plan`; a `ValueError` naming each Linear and why when none can take fp8"
         got = first(m for m in unwrapped(model).modules() if type(m).__module__.startswith('torchao'))
         if got is not None: raise ValueError(f"The model already holds torchao's {type(got).__name__}: FP8Precision converts the plain model during each fit; pass the model as it was before convert_to_float8_training")
+        if getattr(self, '_lost_filter', None):
+            warnings.warn(f"module_filter={self._lost_filter} could not be pickled by export, so this FP8Precision picks its fp8 layers by default. "
+                          "Make the filter a module-level function, or pass it again (learn.to_fp8(module_filter=...))")
+            self._lost_filter = None
         plan = fp8_plan(model, self.module_filter)
         if not any(o.fp8 for o in plan):
             why = '; '.join(f'{o.layer or "(the model)"} ({o.in_features}->{o.out_features}): {o.reason}' for o in plan) or 'it has no nn.Linear layer'
@@ -238,13 +258,10 @@ class FP8Precision(PrecisionCallback):
     def _finish(self): super()._finish(); self._trained = False
 
     def __getstate__(self):
-        "What `export` pickles: a `module_filter` that cannot be pickled is left out, with a warning"
+        "What `export` pickles: a `module_filter` that cannot be pickled is left out, and the loaded callback's first fit says so"
         d = dict(self.__dict__)
         try: pickle.dumps(self.module_filter)
-        except Exception:
-            warnings.warn(f"module_filter={self.module_filter!r} cannot be pickled: the exported learner's FP8Precision picks its fp8 layers by default. "
-                          "Make the filter a module-level function, or pass it again after load_learner (learn.to_fp8(module_filter=...))")
-            d['module_filter'] = None
+        except Exception: d['module_filter'],d['_lost_filter'] = None,repr(self.module_filter)  # `export` silences warnings: the next fit warns
         return d
 
 # %% ../nbs/05a_fp8.ipynb #f8000027
