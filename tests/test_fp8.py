@@ -320,3 +320,66 @@ def test_digits_accuracy():
         fit_quiet(learn, 5, method='fit_one_cycle', lr_max=1e-2)
         acc[mode] = learn.validate()[1]
     assert all(a > .9 for a in acc.values()) and all(abs(acc[r] - acc['bf16']) <= .01 for r in RECIPES), acc
+
+# ---- real fp8 on a GPU (compute capability 8.9+): skipped elsewhere
+
+CUDA_FP8 = pytest.mark.skipif(not mpx.fp8.real_fp8('cuda'), reason='needs a CUDA GPU of compute capability 8.9 or later (real fp8 kernels)')
+
+@CUDA_FP8
+@pytest.mark.parametrize('recipe', RECIPES + ['rowwise_with_gw_hp'])
+def test_cuda_real_fp8(recipe):
+    "On a GPU with fp8 kernels fp8 is not emulated, trains, and one layer's real fp8 output and gradients match the emulation's closely."
+    learn = tiny_learner(model=mlp(), lr=1e-2, n_trn=4, device='cuda', cbs=Watch()).to_fp8(recipe)
+    assert learn.mixed_precision.emulated is False
+    fit_quiet(learn, 2)
+    assert ('Linear', 'Float8Linear', 'Float8Linear', 'Linear') in {s[1] for s in learn.watch.seen}
+    assert all(p.is_cuda and p.dtype == torch.float32 and p.isfinite().all() for p in learn.model.parameters())
+    f8,res = _torchao_float8(),[]
+    for emulate in (False, True):
+        torch.manual_seed(0); model = nn.Sequential(nn.Linear(256, 128)).cuda()
+        x = torch.randn(64, 256, device='cuda', requires_grad=True)
+        Float8Swap(model, ['0'], dataclasses.replace(f8.Float8LinearConfig.from_recipe_name(recipe), emulate=emulate), now=True)
+        with torch.autocast('cuda', dtype=torch.bfloat16): y = model(x)
+        y.float().square().sum().backward()
+        res.append((y.float(), x.grad, model[0].weight.grad))
+    errs = [_rel(a, b) for a,b in zip(*res)]
+    assert all(e < 2**-5 for e in errs), errs
+
+@CUDA_FP8
+def test_cuda_inductor():
+    "On a GPU with fp8 kernels a model compiled by inductor trains under `to_fp8()`."
+    import torch._dynamo
+    torch._dynamo.reset()
+    learn = tiny_learner(model=torch.compile(mlp(64)), lr=1e-2, n_trn=4, device='cuda').to_fp8()
+    fit_quiet(learn, 2)
+    assert learn.mixed_precision.total_steps == 8 and all(p.isfinite().all() for p in learn.model.parameters())
+
+@CUDA_FP8
+@pytest.mark.parametrize('shape', [(1024, 2048, 1024), (4096, 4096, 4096), (4096, 8192, 16384)], ids=lambda s: 'x'.join(map(str, s)))
+def test_cuda_speed_print(shape):
+    "Print (not assert) the compiled forward+backward time of one linear layer in fp8 over bf16, per recipe: run with -s to read it."
+    import time, torch._dynamo
+    M,K,N = shape
+    def timed(recipe):
+        torch._dynamo.reset()
+        model = nn.Sequential(nn.Linear(K, N, bias=False)).cuda()
+        if recipe: Float8Swap(model, ['0'], _torchao_float8().Float8LinearConfig.from_recipe_name(recipe), now=True)
+        f,x = torch.compile(model),torch.randn(M, K, device='cuda', requires_grad=True)
+        def step():
+            with torch.autocast('cuda', dtype=torch.bfloat16): f(x).sum().backward()
+        for _ in range(5): step()
+        torch.cuda.synchronize(); t = time.perf_counter()
+        for _ in range(20): step()
+        torch.cuda.synchronize(); return (time.perf_counter() - t) / 20
+    bf16 = timed(None)
+    print(f"\n{torch.cuda.get_device_name()} M,K,N={shape}: bf16 {bf16*1e3:.3f} ms; " + ', '.join(f"{r} {bf16/timed(r):.2f}x" for r in RECIPES))
+
+def test_cpu_scaled_mm():
+    "`emulate=False` on a CPU runs torch's own fp8 kernel (`torch._scaled_mm`): it trains, with losses close to the emulation's."
+    losses = []
+    for emulate in (True, False):
+        learn = fp8_learner(); learn.to_fp8(emulate=emulate)
+        fit_quiet(learn, 1)
+        assert learn.mixed_precision.emulated is emulate
+        losses.append(learn.recorder.values[-1][0])
+    assert abs(losses[0] - losses[1]) < .05 * losses[0], losses
