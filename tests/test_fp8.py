@@ -115,6 +115,17 @@ def test_eval_bf16_or_fp8():
     assert p16.dtype == p8.dtype == torch.float32 and _rel(p8, p16) < 2**-3 and not torch.equal(p8, p16)
     assert linear_types(learn.model) == ['Linear']*4
 
+def test_save_during_fit(tmp_path):
+    "`SaveModelCallback` saving every epoch suspends the fit (plain layers in the checkpoint, no torchao) and resumes it in fp8."
+    from fastai.callback.tracker import SaveModelCallback
+    learn = fp8_learner(cbs=Watch()); learn.path = tmp_path
+    fit_quiet(learn, 2, cbs=SaveModelCallback(every_epoch=True, with_opt=True))
+    for f in ('model_0.pth', 'model_1.pth'):
+        with zipfile.ZipFile(tmp_path/'models'/f) as z: assert not any(b'torchao' in z.read(n) for n in z.namelist())
+    assert learn.watch.seen == {(t, ('Linear', 'Float8Linear', 'Float8Linear', 'Linear'), True, True, True) for t in (True, False)}
+    learn.load('model_0', with_opt=True); fit_quiet(learn, 1)
+    assert linear_types(learn.model) == ['Linear']*4 and learn.mixed_precision.total_steps == 4 + 4  # the step log comes back with the checkpoint
+
 # ---- bad input, torchao missing, the warning
 
 def test_bad_input_changes_nothing():
