@@ -10,7 +10,7 @@ STAMP := $(VENV)/.mpx-installed
 $(STAMP): settings.ini setup.py pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev,fp8]'
 	touch $@
 
 demo: $(STAMP)

@@ -20,7 +20,7 @@ setuptools.setup(
                 ['Programming Language :: Python :: ' + o for o in py_versions[py_versions.index(min_python):]],
     packages=setuptools.find_packages(include=[cfg['lib_path'], cfg['lib_path'] + '.*']),
     install_requires=cfg['requirements'].split(),
-    extras_require={'dev': cfg['dev_requirements'].split()},
+    extras_require={'dev': cfg['dev_requirements'].split(), 'fp8': cfg['fp8_requirements'].split()},
     python_requires='>=' + min_python,
     long_description=readme.read_text(encoding='utf-8') if readme.exists() else cfg['description'],
     long_description_content_type='text/markdown',
