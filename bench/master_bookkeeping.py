@@ -31,7 +31,7 @@ def grad_source(params):
 def mpx_setup(n, numel, flat):
     learn = make_learner(n, numel)
     cb = MasterPrecision(loss_scale=SCALE, flat_master=flat)
-    learn.add_cb(cb); cb._setup()
+    learn.add_cb(cb); cb._begin_fit()
     give = grad_source(list(learn.model.parameters()))
     def step():
         give(); cb.after_backward(); cb.before_step(); cb.after_step()

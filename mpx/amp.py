@@ -24,22 +24,23 @@ class MixedPrecision(PrecisionCallback):
         growth_interval:int=default(2000), # fp16: clean steps in a row before the scale grows
         enabled:bool=True, # False: no autocast and no scaling, the callback stays in place
         check_finite:bool=True, # Skip a step whose gradients hold inf/nan; fp16 always checks
+        fused:bool=True, # Step fastai's optimizers with multi-tensor ops; False: fastai's per-parameter loop
     ):
-        super().__init__(amp_mode, check_finite)
+        super().__init__(amp_mode, check_finite, fused)
         given = passed(init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor, growth_interval=growth_interval)
         if self.amp_mode is AMPMode.BF16 and given: _no_effect(*next(iter(given.items())))
         check_args(enabled=enabled, **given)
         self.init_scale,self.growth_factor,self.backoff_factor = float(init_scale),float(growth_factor),float(backoff_factor)
         self.growth_interval = int(growth_interval)
         self.enabled,self.scaler = enabled,None
-        self._autocast,self._in_autocast = None,False
         self._scaler_state_to_load = None  # a checkpoint's scaler state, loaded before `before_fit` builds the scaler
 
     @property
     def scaling(self) -> bool:
         "Whether this callback scales the loss (fp16 and enabled)"
         return self.enabled and self.amp_mode is AMPMode.FP16
-
+    @property
+    def autocast_dtype(self) -> torch.dtype|None: return self.amp_mode.dtype if self.enabled else None
     @property
     def loss_scale(self) -> float:
         "The current loss scale, 1.0 without scaling; reading it costs one host sync"
@@ -47,89 +48,56 @@ class MixedPrecision(PrecisionCallback):
         if self.scaler is not None: return self.scaler.get_scale()
         return float(self._scaler_state_to_load['scale']) if self._scaler_state_to_load else float(self.init_scale)
 
+    def _check_model(self, model:nn.Module):
+        "Raise a `ValueError` when a floating parameter of `model` is not fp32"
+        bad = first_not_fp32(model)
+        if bad and self.enabled: raise ValueError(f"AMP needs fp32 weights: parameter {bad[0]!r} is {bad[1]}. Call learn.to_fp32() first, "
+                                                  f"or keep a half model with fp32 master weights: learn.to_{self.amp_mode}(master=True)")
+    def _new_fit_state(self):
+        "The scaler, built or kept from the fits before; nothing in the model or optimizer changes"
+        if self.scaling: self.scaler = self._scaler_on(self.device_type)
+
+    def _scaler_on(self, device_type:str) -> GradScaler:
+        "This callback's `GradScaler` on `device_type`: built on first use, moved with its state when the device changes"
+        if self.scaler is not None and self.scaler._device == device_type: return self.scaler  # its device type is only in `_device`
+        scaler = GradScaler(device_type, init_scale=self.init_scale, growth_factor=self.growth_factor,
+                            backoff_factor=self.backoff_factor, growth_interval=self.growth_interval)
+        state = self._scaler_state_to_load or (self.scaler.state_dict() if self.scaler is not None else None)
+        self._scaler_state_to_load = None
+        if state: scaler.load_state_dict(state)
+        return scaler
+
+    # ---- the step: `GradScaler.step` gets this callback as a stand-in optimizer
+    def _scale_loss(self, loss): return self.scaler.scale(loss)
+    def _unscale_and_find_overflow(self) -> tuple:
+        "fp16: unscale and check the gradients with the `GradScaler` (one fused pass, one host sync); else the base check"
+        if not self.scaling: return super()._unscale_and_find_overflow()
+        scale,self._stepped = self.scaler._get_scale_async(),False
+        self.scaler.step(self)
+        return scale, not self._stepped
+    def _update_scale(self, found:bool):
+        "fp16: back the scale off after an overflow, grow it after `growth_interval` clean steps"
+        if self.scaling: self.scaler.update()
+    @property
+    def param_groups(self):
+        "The real optimizer's parameter groups, for `GradScaler`"
+        return self.opt.param_groups
+    def step(self, *args, **kwargs):
+        "Called by `GradScaler.step` when the gradients are finite: fastai then steps the real optimizer"
+        self._stepped = True
+
+    # ---- state
+    def _scaler_state(self) -> dict:
+        "The scaler's state as plain Python values (one host sync)"
+        return self.scaler.state_dict() if self.scaler is not None else self._scaler_state_to_load or {}
+    def _load_scaler_state(self, sd:dict):
+        if self.scaler is not None: self.scaler.load_state_dict(sd)
+        else: self._scaler_state_to_load = sd
+    def reset_scaler(self):
+        "Start the loss scale afresh at `init_scale` on the next fit"
+        self.scaler,self._scaler_state_to_load = None,None
+
 def _no_effect(k, v):
-    raise ValueError(f"{k}={v!r} has no effect with amp_mode='bf16': bf16 has fp32's range and needs no loss scaling. Drop {k}, or use amp_mode='fp16'")
+    raise ValueError(f"{k}={v!r} has no effect with amp_mode='bf16': bf16 has fp32's range and needs no loss scaling. "
+                     f"Drop {k}, or use amp_mode='fp16'")
 
-# %% ../nbs/03_amp.ipynb #fd106076
-@patch
-def _check_model(self:MixedPrecision, model:nn.Module):
-    "Raise a `ValueError` when a floating parameter of `model` is not fp32"
-    bad = first_not_fp32(model)
-    if bad and self.enabled: raise ValueError(f"AMP needs fp32 weights: parameter {bad[0]!r} is {bad[1]}. Call learn.to_fp32() first, or keep a half model with fp32 master weights: learn.to_{self.amp_mode}(master=True)")
-
-@patch
-def _begin_fit(self:MixedPrecision):
-    "The autocast context for the data's device, and the scaler, built or kept from the fits before"
-    self._autocast = torch.autocast(self.device_type, dtype=self.amp_mode.dtype, enabled=self.enabled)
-    if self.scaling: self.scaler = self._scaler_on(self.device_type)
-
-@patch
-def _scaler_on(self:MixedPrecision, device_type:str) -> GradScaler:
-    "This callback's `GradScaler` on `device_type`: built on first use, moved with its state when the device changes"
-    if self.scaler is not None and self.scaler._device == device_type: return self.scaler  # GradScaler keeps its device type only in `_device`
-    scaler = GradScaler(device_type, init_scale=self.init_scale, growth_factor=self.growth_factor, backoff_factor=self.backoff_factor, growth_interval=self.growth_interval)
-    state = self._scaler_state_to_load or (self.scaler.state_dict() if self.scaler is not None else None)
-    self._scaler_state_to_load = None
-    if state: scaler.load_state_dict(state)
-    return scaler
-
-# %% ../nbs/03_amp.ipynb #7424a2af
-@patch
-def _begin_batch(self:MixedPrecision):
-    if not self._in_autocast: self._autocast.__enter__(); self._in_autocast = True
-
-@patch
-def _end_forward(self:MixedPrecision):
-    if self._in_autocast: self._autocast.__exit__(None, None, None); self._in_autocast = False
-
-@patch(as_prop=True)
-def _in_forward(self:MixedPrecision) -> bool: return self._in_autocast
-
-@patch
-def _resume_forward(self:MixedPrecision): self._begin_batch()
-
-@patch
-def _end_fit(self:MixedPrecision): self._autocast = None
-
-# %% ../nbs/03_amp.ipynb #f5d708f2
-@patch
-def _scale_loss(self:MixedPrecision, loss): return self.scaler.scale(loss)
-
-@patch
-def _unscale_and_check(self:MixedPrecision) -> tuple:
-    "fp16: unscale and check the gradients with the `GradScaler` (one fused pass, one host sync); else the base check"
-    if not self.scaling: return PrecisionCallback._unscale_and_check(self)
-    scale,self._stepped = self.scaler._get_scale_async(),False
-    self.scaler.step(self)
-    return scale, not self._stepped
-
-@patch
-def _update_scale(self:MixedPrecision, found:bool):
-    "fp16: back the scale off after an overflow, grow it after `growth_interval` clean steps"
-    if self.scaling: self.scaler.update()
-
-@patch(as_prop=True)
-def param_groups(self:MixedPrecision):
-    "The real optimizer's parameter groups, for `GradScaler`"
-    return self.opt.param_groups
-
-@patch
-def step(self:MixedPrecision, *args, **kwargs):
-    "Called by `GradScaler.step` when the gradients are finite: fastai then steps the real optimizer"
-    self._stepped = True
-
-# %% ../nbs/03_amp.ipynb #f2a76050
-@patch
-def _scaler_state(self:MixedPrecision) -> dict:
-    "The scaler's state as plain Python values (one host sync)"
-    return self.scaler.state_dict() if self.scaler is not None else self._scaler_state_to_load or {}
-
-@patch
-def _load_scaler_state(self:MixedPrecision, sd:dict):
-    if self.scaler is not None: self.scaler.load_state_dict(sd)
-    else: self._scaler_state_to_load = sd
-
-@patch
-def reset_scaler(self:MixedPrecision):
-    "Start the loss scale afresh at `init_scale` on the next fit"
-    self.scaler,self._scaler_state_to_load = None,None

@@ -10,10 +10,11 @@ import fastai.callback.fp16 as fastai_fp16
 from torch.nn.modules.batchnorm import _NormBase
 from .core import *
 from .scaler import *
+from .fused import FusedSteps
 
 # %% auto #0
-__all__ = ['ScaleTelemetry', 'check_one_precision', 'check_single_autocast', 'NormStats', 'PrecisionCallback', 'is_mpx_precision',
-           'first_not_fp32']
+__all__ = ['ScaleTelemetry', 'check_one_precision', 'check_single_autocast', 'NormStats', 'first_not_fp32', 'is_mpx_precision',
+           'PrecisionCallback']
 
 # %% ../nbs/02_callback.ipynb #cb000007
 class ScaleTelemetry:
@@ -87,18 +88,39 @@ class NormStats:
         "Put the saved statistics back (no host sync)"
         if self.bufs: torch._foreach_copy_(self.bufs, self.saved)
 
-# %% ../nbs/02_callback.ipynb #cb000020
+# %% ../nbs/02_callback.ipynb #81db7728
+def first_not_fp32(model:nn.Module) -> tuple|None:
+    "The `(name, dtype)` of `model`'s first floating parameter that is not fp32, or None"
+    return first((n, p.dtype) for n,p in model.named_parameters() if p.is_floating_point() and p.dtype != torch.float32)
+
+def _cast_floats(x, dtype):
+    "The floating tensors of `x` (a batch's inputs) in `dtype`; integer inputs such as token ids untouched"
+    return apply(lambda t: t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t, x)
+
+_in_flight = ('_checked', '_found', '_norms_due', '_epoch_start')  # what a nested fit or validation puts aside
+_no_kernel = ("not implemented for 'Half'", "not implemented for 'BFloat16'", 'could not create a primitive', 'Unsupported dtype')
+_instead = {AMPMode.FP16: 'train in bf16 (learn.to_bf16()) or fp32 (learn.to_fp32()) instead',
+            AMPMode.BF16: 'train in fp16 (learn.to_fp16()) or fp32 (learn.to_fp32()) instead'}
+
+def is_mpx_precision(c) -> bool:
+    "Whether `c` is an mpx precision callback, by a class marker (not `isinstance`: the `Learner` patches must know mpx's callbacks after a reload)"
+    return getattr(type(c), '_mpx_precision', False)
+
+
+# %% ../nbs/02_callback.ipynb #e9ed62b0
 class PrecisionCallback(Callback, ScaleTelemetry):
-    "What every precision mode shares: checks before the fit, fp32 predictions, one fused finite check per step that skips a bad step whole, telemetry and state"
+    "What every precision mode shares: checks, fp32 predictions, one fused finite check a step, telemetry, state, nothing left behind"
     order,scaling,input_dtype = 10,False,None
     _mpx_precision = True  # see `is_mpx_precision`
     def __init__(self,
         amp_mode:str|AMPMode=AMPMode.FP16, # The 16-bit dtype: 'fp16' or 'bf16'
         check_finite:bool=True, # Skip a step whose gradients hold inf/nan (one host sync a step); a scaled loss is always checked
+        fused:bool=True, # Step fastai's optimizers with multi-tensor ops (`mpx.fused`); False: fastai's per-parameter loop
     ):
-        check_args(check_finite=check_finite)
-        self.amp_mode,self.check_finite,self.step_log = AMPMode(amp_mode),check_finite,StepLog()
-        self.device_type,self.fit_state = None,None
+        check_args(check_finite=check_finite, fused=fused)
+        self.amp_mode,self.check_finite,self.fused,self.step_log = AMPMode(amp_mode),check_finite,fused,StepLog()
+        self.device_type,self.fit_state,self.fused_steps = None,None,None
+        self._autocast,self._in_autocast = None,False
         self._norms,self._norms_due = None,False
         self._checked,self._found = False,False  # this step was checked, and found non-finite
         self._outer = None  # during a fit, what each fit or validation nested in it put aside
@@ -107,206 +129,165 @@ class PrecisionCallback(Callback, ScaleTelemetry):
     def checking(self) -> bool:
         "Whether each optimizer step's gradients are checked for inf/nan: always when the loss is scaled, else `check_finite`"
         return self.scaling or self.check_finite
+    @property
+    def autocast_dtype(self) -> torch.dtype|None:
+        "The dtype the forward pass autocasts to; None where the mode does not autocast"
+        return None
+    @property
+    def loss_scale(self) -> float:
+        "The current loss scale: 1.0 where the loss is not scaled"
+        return 1.0
+    @property
+    def _at_floor(self) -> bool:
+        "Whether the scale can fall no further, so that repeated skips are the model's fault, not the scale's"
+        return True
 
-    def __repr__(self): return f"{type(self).__name__}(amp_mode='{self.amp_mode}', loss_scale={self.loss_scale:g}, {self._repr_extra()}skipped_steps={self.skipped_steps}/{self.total_steps})"
+    def __repr__(self):
+        return (f"{type(self).__name__}(amp_mode='{self.amp_mode}', loss_scale={self.loss_scale:g}, {self._repr_extra()}"
+                f"skipped_steps={self.skipped_steps}/{self.total_steps})")
     def _repr_extra(self) -> str: return ''
 
-def is_mpx_precision(c) -> bool:
-    "Whether `c` is an mpx precision callback: by a class marker, not `isinstance`, so that the `Learner` patches below still know mpx's callbacks after this module is executed again (a reload, or this notebook run in a process that imported mpx)"
-    return getattr(type(c), '_mpx_precision', False)
+    # ---- hooks a mode overrides
+    def _check_model(self, model:nn.Module):
+        "Raise a `ValueError` before anything changes when the mode cannot train `model`: by default, one that is not all fp32"
+        bad = first_not_fp32(model)
+        if bad: raise ValueError(f"{type(self).__name__} needs an fp32 model: parameter {bad[0]!r} is {bad[1]}; "
+                                 "call learn.to_fp32() or model.float() first")
+    def _new_fit_state(self):
+        "Prepare one fit (or `get_preds`): an object whose `undo()` puts back what the mode changed, or None"
+    def _new_fused_steps(self):
+        "The fused steps of one fit: `FusedSteps` on a fastai optimizer when `fused`, else None"
+        return FusedSteps(self.learn.opt) if self.fused and self.learn.opt is not None else None
+    def _scale_loss(self, loss): return loss
+    def _step_grads(self) -> list:
+        "The gradients the optimizer is about to apply"
+        return [p.grad for pg in self.learn.opt.param_lists for p in pg if p.grad is not None]
+    def _named_grads(self) -> list:
+        "`(model parameter name, gradient)` in model order, for the overflow diagnosis"
+        return [(n, p.grad) for n,p in get_model(self.model).named_parameters()]
+    def _unscale_and_find_overflow(self) -> tuple:
+        "The scale this step's loss was multiplied by, and whether its gradients hold an inf or nan: one fused pass, one host sync"
+        return 1.0, has_inf_or_nan(self._step_grads())
+    def _update_scale(self, found:bool):
+        "Update the loss scale after a checked step"
+    def _apply_step(self):
+        "After an optimizer step that was not skipped"
+    def reset_scaler(self):
+        "Start the loss scale afresh at its initial value"
+    def _scaler_state(self) -> dict: return {}
+    def _load_scaler_state(self, sd:dict): pass
 
-# %% ../nbs/02_callback.ipynb #cb000022
-def first_not_fp32(model:nn.Module) -> tuple|None:
-    "The `(name, dtype)` of `model`'s first floating parameter that is not fp32, or None"
-    return first((n, p.dtype) for n,p in model.named_parameters() if p.is_floating_point() and p.dtype != torch.float32)
+    # ---- one fit: begun in `before_fit`, ended in `after_fit` or by whatever ends the fit
+    def before_fit(self):
+        "Finish a fit left half done, check everything, then begin this mode's fit; inside a fit, a nested one"
+        if self._outer is not None: return self._nest()
+        self._finish()
+        self.device_type = autocast_device_type(training_device(self.dls, self.model))
+        check_amp_support(self.device_type, self.amp_mode)
+        check_one_precision(self.learn.cbs)
+        check_single_autocast(self.learn.cbs)
+        self._check_model(get_model(self.model))
+        dt = self.autocast_dtype
+        self._autocast = None if dt is None else torch.autocast(self.device_type, dtype=dt)
+        self._begin_fit()
+        self._norms,self._norms_due = (NormStats(self.model) if self.checking else None),True
+        self._outer = []  # a fit is under way: a `before_fit` now begins a nested one
+    def after_fit(self): self._leave_fit()
+    def before_epoch(self): self._epoch_start = self.step_log.total
 
-@patch
-def _check_model(self:PrecisionCallback, model:nn.Module):
-    "Raise a `ValueError` before anything changes when the mode cannot train `model`: by default, one that is not all fp32"
-    bad = first_not_fp32(model)
-    if bad: raise ValueError(f"{type(self).__name__} needs an fp32 model: parameter {bad[0]!r} is {bad[1]}; call learn.to_fp32() or model.float() first")
-@patch
-def _new_fit_state(self:PrecisionCallback):
-    "What the mode changes for one fit (or `get_preds`), made now: an object whose `undo()` puts it all back; None where nothing changes"
-@patch
-def _begin_fit(self:PrecisionCallback): self.fit_state = self._new_fit_state()
-@patch
-def _end_fit(self:PrecisionCallback):
-    "Undo `_begin_fit` exactly; a no-op when there is nothing to undo"
-    if self.fit_state is not None: self.fit_state.undo(); self.fit_state = None
-@patch
-def _begin_batch(self:PrecisionCallback):
-    "Prepare a batch's forward pass: floating inputs to `input_dtype`, where the mode has one (integer inputs such as token ids untouched)"
-    if self.input_dtype is not None: self.learn.xb = apply(lambda t: t.to(self.input_dtype) if isinstance(t, Tensor) and t.is_floating_point() else t, self.xb)
-@patch
-def _end_forward(self:PrecisionCallback):
-    "Leave what `_begin_batch` entered; a no-op when there is nothing to leave"
-@patch(as_prop=True)
-def _in_forward(self:PrecisionCallback) -> bool:
-    "Whether `_begin_batch` entered something `_end_forward` has not left yet"
-    return False
-@patch
-def _resume_forward(self:PrecisionCallback):
-    "Enter again what `_end_forward` left (not the inputs: they are cast already)"
-@patch
-def _apply_step(self:PrecisionCallback):
-    "After an optimizer step that was not skipped"
-@patch
-def _update_scale(self:PrecisionCallback, found:bool):
-    "Update the loss scale after a checked step"
-@patch
-def _step_grads(self:PrecisionCallback) -> list:
-    "The gradients the optimizer is about to apply"
-    return [p.grad for pg in self.learn.opt.param_lists for p in pg if p.grad is not None]
-@patch
-def _named_grads(self:PrecisionCallback) -> list:
-    "`(model parameter name, gradient)` in model order, for the overflow diagnosis"
-    return [(n, p.grad) for n,p in get_model(self.model).named_parameters()]
-@patch
-def _unscale_and_check(self:PrecisionCallback) -> tuple:
-    "The scale this step's loss was multiplied by, and whether its gradients hold an inf or nan: one fused pass, one host sync"
-    return 1.0, has_inf_or_nan(self._step_grads())
-@patch
-@contextlib.contextmanager
-def suspended(self:PrecisionCallback):
-    "Context manager: while inside, a fit under way is undone (fp32 weights in the model, its parameters in the optimizer), then resumed"
-    if self.fit_state is None: yield; return
-    grads = self.fit_state.grads_in_flight()  # a gradient-accumulation window stays open across a `save`
-    self._end_fit()
-    try: yield
-    finally: self._begin_fit(); self.fit_state.restore_grads(grads)
+    def _begin_fit(self):
+        "What a fit changes in the model and the optimizer: the mode's fit state, then the fused steps"
+        self.fit_state = self._new_fit_state()
+        self.fused_steps = self._new_fused_steps()
+    def _end_fit(self):
+        "Undo `_begin_fit` exactly, last change first; a no-op when there is nothing to undo"
+        if self.fused_steps is not None: self.fused_steps.undo(); self.fused_steps = None
+        if self.fit_state is not None: self.fit_state.undo(); self.fit_state = None
+    def _leave_fit(self):
+        "End a nested fit or validation, else finish the fit: `after_fit`, or an exception that ends the fit"
+        if self._outer: self._unnest()
+        else: self._finish()
+    def _finish(self):
+        "Leave autocast, settle a checked step's scale update, end the mode's fit: what `after_fit` does, safe to repeat"
+        self._end_forward(); self._close_step(); self._end_fit()
+        self._autocast,self._norms,self._outer = None,None,None
+    def _nest(self):
+        "Begin a fit or validation nested in the one under way: put aside what the outer one has in flight"
+        self._outer.append((self._in_autocast, {k: getattr(self, k, None) for k in _in_flight}))
+        self._end_forward(); self._checked = self._found = False
+    def _unnest(self):
+        "End a nested fit or validation: settle its own step, then give the outer one back what it had in flight"
+        self._end_forward(); self._close_step()
+        in_autocast,state = self._outer.pop()
+        for k,v in state.items(): setattr(self, k, v)
+        if in_autocast: self._enter_autocast()
 
-# %% ../nbs/02_callback.ipynb #cb000024
-@patch(as_prop=True)
-def loss_scale(self:PrecisionCallback) -> float:
-    "The current loss scale: 1.0 where the loss is not scaled"
-    return 1.0
-@patch(as_prop=True)
-def _at_floor(self:PrecisionCallback) -> bool: return True
-@patch
-def reset_scaler(self:PrecisionCallback):
-    "Start the loss scale afresh at its initial value"
-@patch
-def _scaler_state(self:PrecisionCallback) -> dict: return {}
-@patch
-def _load_scaler_state(self:PrecisionCallback, sd:dict): pass
+    @contextlib.contextmanager
+    def suspended(self):
+        "Context manager: while inside, a fit under way is undone (fp32 weights in the model, its parameters in the optimizer), then resumed"
+        if self.fit_state is None and self.fused_steps is None: yield; return
+        grads = self.fit_state.grads_in_flight() if self.fit_state is not None else {}  # an accumulation window stays open
+        self._end_fit()
+        try: yield
+        finally:
+            self._begin_fit()
+            if self.fit_state is not None: self.fit_state.restore_grads(grads)
 
-# %% ../nbs/02_callback.ipynb #cb000026
-@patch
-def before_fit(self:PrecisionCallback):
-    "Finish a fit left half done, check everything, then begin this mode's fit; inside a fit, a nested one (see below)"
-    if self._outer is not None: return self._nest()
-    self._finish()
-    self.device_type = autocast_device_type(training_device(self.dls, self.model))
-    check_amp_support(self.device_type, self.amp_mode)
-    check_one_precision(self.learn.cbs)
-    check_single_autocast(self.learn.cbs)
-    self._check_model(get_model(self.model))
-    self._begin_fit()
-    self._norms,self._norms_due = (NormStats(self.model) if self.checking else None),True
-    self._outer = []  # a fit is under way: a `before_fit` now begins a nested one
+    # ---- one batch
+    def before_batch(self):
+        if self.training and self._norms_due and self._norms is not None: self._norms.save(); self._norms_due = False
+        if self.input_dtype is not None: self.learn.xb = _cast_floats(self.xb, self.input_dtype)
+        self._enter_autocast()
+    def after_pred(self): self.learn.pred = to_float32(self.pred)
+    def after_loss(self): self._end_forward()
+    def before_backward(self):
+        if self.scaling: self.learn.loss_grad = self._scale_loss(self.loss_grad)
+    def after_batch(self): self._end_forward(); self._close_step()
+    def _enter_autocast(self):
+        if self._autocast is not None and not self._in_autocast: self._autocast.__enter__(); self._in_autocast = True
+    def _end_forward(self):
+        "Leave autocast if the forward pass entered it; a no-op otherwise"
+        if self._in_autocast: self._autocast.__exit__(None, None, None); self._in_autocast = False
 
-@patch
-def after_fit(self:PrecisionCallback): self._leave_fit()
+    # ---- one optimizer step
+    def before_step(self):
+        "Unscale and check the gradients (one fused pass, one host sync) and skip a step that holds inf/nan; with no check, log the step"
+        self._norms_due = True
+        if not self.checking: return self.step_log.record(1.0)
+        scale,self._found = self._unscale_and_find_overflow()
+        self._checked = True
+        self.step_log.record(scale, skipped=self._found)
+        if self._found: self._skip(scale)
+    def _skip(self, scale):
+        "Put the norm statistics back, record which gradient went non-finite, and cancel the optimizer step"
+        if self._norms is not None: self._norms.restore()
+        self._on_overflow(self._named_grads(), float(scale), at_floor=self._at_floor)
+        raise CancelStepException()
+    def after_step(self):
+        if not self._found: self._apply_step()
+        self._close_step()
+    def _close_step(self):
+        "Update the scale once for a checked step, wherever it ended: `after_step`, `after_batch`, or a fit cut short"
+        if self._checked: self._update_scale(self._found)
+        self._checked = self._found = False
 
-@patch
-def _leave_fit(self:PrecisionCallback):
-    "End a nested fit or validation, else finish the fit: `after_fit`, or an exception that ends the fit"
-    if self._outer: self._unnest()
-    else: self._finish()
+    # ---- state
+    def state_dict(self) -> dict:
+        "The scaler's state and the step log as plain Python values"
+        return dict(scaler=self._scaler_state(), log=self.step_log.state_dict())
+    def load_state_dict(self, sd:dict):
+        "Restore what `state_dict` returned; a checkpoint without a scaler state starts the scale afresh"
+        self.step_log.load_state_dict(sd['log'])
+        if sd['scaler']: self._load_scaler_state(sd['scaler'])
+        else: self.reset_scaler()
+    def _explain(self, e:BaseException):
+        "Add to `e`'s message which mode has no kernel for an op of this model, and what to use instead"
+        msg = e.args[0] if e.args and isinstance(e.args[0], str) else None
+        if not isinstance(e, (RuntimeError, NotImplementedError)) or msg is None or 'mpx:' in msg: return
+        if not any(s in msg for s in _no_kernel): return
+        e.args = (f"{msg}\n\nmpx: under {type(self).__name__}(amp_mode='{self.amp_mode}') an op of this model has no {self.amp_mode} "
+                  f"kernel on {self.device_type}: {_instead[self.amp_mode]}.",) + e.args[1:]
 
-@patch
-def _finish(self:PrecisionCallback):
-    "Leave autocast, settle a checked step's scale update, end the mode's fit: what `after_fit` does, safe to repeat"
-    self._end_forward(); self._close_step(); self._end_fit(); self._norms,self._outer = None,None
-
-@patch
-def before_epoch(self:PrecisionCallback): self._epoch_start = self.step_log.total
-
-# %% ../nbs/02_callback.ipynb #84a4e104
-_in_flight = ('_checked', '_found', '_norms_due', '_epoch_start')
-
-@patch
-def _nest(self:PrecisionCallback):
-    "Begin a fit or validation nested in the one under way: put aside what the outer one has in flight"
-    self._outer.append((self._in_forward, {k: getattr(self, k, None) for k in _in_flight}))
-    self._end_forward(); self._checked = self._found = False
-
-@patch
-def _unnest(self:PrecisionCallback):
-    "End a nested fit or validation: settle its own step, then give the outer one back what it had in flight"
-    self._end_forward(); self._close_step()
-    in_forward,state = self._outer.pop()
-    for k,v in state.items(): setattr(self, k, v)
-    if in_forward: self._resume_forward()
-
-# %% ../nbs/02_callback.ipynb #cb000028
-@patch
-def before_batch(self:PrecisionCallback):
-    if self.training and self._norms_due and self._norms is not None: self._norms.save(); self._norms_due = False
-    self._begin_batch()
-@patch
-def after_pred(self:PrecisionCallback): self.learn.pred = to_float32(self.pred)
-@patch
-def after_loss(self:PrecisionCallback): self._end_forward()
-@patch
-def before_backward(self:PrecisionCallback):
-    if self.scaling: self.learn.loss_grad = self._scale_loss(self.loss_grad)
-@patch
-def after_batch(self:PrecisionCallback): self._end_forward(); self._close_step()
-
-# %% ../nbs/02_callback.ipynb #cb000030
-@patch
-def before_step(self:PrecisionCallback):
-    "Unscale and check the gradients (one fused pass, one host sync) and skip a step that holds inf/nan; with no check, log the step"
-    self._norms_due = True
-    if not self.checking: return self.step_log.record(1.0)
-    scale,self._found = self._unscale_and_check()
-    self._checked = True
-    self.step_log.record(scale, skipped=self._found)
-    if self._found: self._skip(scale)
-
-@patch
-def _skip(self:PrecisionCallback, scale):
-    "Put the norm statistics back, record which gradient went non-finite, and cancel the optimizer step"
-    if self._norms is not None: self._norms.restore()
-    self._on_overflow(self._named_grads(), float(scale), at_floor=self._at_floor)
-    raise CancelStepException()
-
-@patch
-def after_step(self:PrecisionCallback):
-    if not self._found: self._apply_step()
-    self._close_step()
-
-@patch
-def _close_step(self:PrecisionCallback):
-    "Update the scale once for a checked step, wherever it ended: `after_step`, `after_batch`, or a fit cut short"
-    if self._checked: self._update_scale(self._found)
-    self._checked = self._found = False
-
-# %% ../nbs/02_callback.ipynb #cb000032
-@patch
-def state_dict(self:PrecisionCallback) -> dict:
-    "The scaler's state and the step log as plain Python values"
-    return dict(scaler=self._scaler_state(), log=self.step_log.state_dict())
-
-@patch
-def load_state_dict(self:PrecisionCallback, sd:dict):
-    "Restore what `state_dict` returned; a checkpoint without a scaler state starts the scale afresh"
-    self.step_log.load_state_dict(sd['log'])
-    if sd['scaler']: self._load_scaler_state(sd['scaler'])
-    else: self.reset_scaler()
-
-# %% ../nbs/02_callback.ipynb #cb000034
-_no_kernel = ("not implemented for 'Half'", "not implemented for 'BFloat16'", 'could not create a primitive', 'Unsupported dtype')
-_instead = {AMPMode.FP16: 'train in bf16 (learn.to_bf16()) or fp32 (learn.to_fp32()) instead', AMPMode.BF16: 'train in fp16 (learn.to_fp16()) or fp32 (learn.to_fp32()) instead'}
-
-@patch
-def _explain(self:PrecisionCallback, e:BaseException):
-    "Add to `e`'s message which mode has no kernel for an op of this model, and what to use instead"
-    msg = e.args[0] if e.args and isinstance(e.args[0], str) else None
-    if not isinstance(e, (RuntimeError, NotImplementedError)) or msg is None or 'mpx:' in msg or not any(s in msg for s in _no_kernel): return
-    e.args = (f"{msg}\n\nmpx: under {type(self).__name__}(amp_mode='{self.amp_mode}') an op of this model has no {self.amp_mode} kernel on {self.device_type}: {_instead[self.amp_mode]}.",) + e.args[1:]
 
 # %% ../nbs/02_callback.ipynb #cb000035
 _fastai_with_events = getattr(Learner._with_events, '_fastai', Learner._with_events)

@@ -76,13 +76,27 @@ def _fp32_scalar(v, dev) -> torch.Tensor:
     "`v` (a number or a one-element tensor) as the one-element fp32 tensor on `dev` the fused kernel takes; no host sync"
     return v.to(dev, torch.float32).reshape(1) if isinstance(v, torch.Tensor) else torch.full((1,), float(v), device=dev)
 
+def _amp_kernel_takes(dev, dtype) -> bool:
+    "Whether torch's fused unscale-and-check kernel has a version for `dtype` on `dev` (CUDA's has none for bf16)"
+    return dev.type == 'cpu' or dtype is not torch.bfloat16
+
+def _found_in(ts:list, dev, dtype, inv_scale) -> torch.Tensor:
+    "Unscale `ts` (one device and dtype) in place; a one-element fp32 tensor, non-zero iff one holds an inf or nan"
+    inv = _fp32_scalar(1. if inv_scale is None else inv_scale, dev)
+    if _amp_kernel_takes(dev, dtype):
+        f = torch.zeros(1, device=dev)
+        torch._amp_foreach_non_finite_check_and_unscale_(ts, f, inv)
+        return f
+    # CUDA's fused kernel has no bf16 version (pure bf16's gradients): a fused multiply, then the inf-norms' finiteness
+    if inv_scale is not None: torch._foreach_mul_(ts, inv.reshape(()))
+    return torch.stack(torch._foreach_norm(ts, math.inf)).float().isfinite().logical_not().any().float().reshape(1)
+
 @torch.no_grad()
 def unscale_and_find_inf_(tensors, inv_scale=None) -> torch.Tensor:
     "Multiply `tensors` in place by `inv_scale` (if given) and return a one-element tensor, non-zero iff any is inf or nan. No host sync"
     found = None
-    for (dev,_),ts in _grouped(tensors).items():
-        f = torch.zeros(1, device=dev)
-        torch._amp_foreach_non_finite_check_and_unscale_(ts, f, _fp32_scalar(1. if inv_scale is None else inv_scale, dev))
+    for (dev,dt),ts in _grouped(tensors).items():
+        f = _found_in(ts, dev, dt, inv_scale)
         found = f if found is None else found + f.to(found.device)
     return torch.zeros(1) if found is None else found
 
@@ -109,6 +123,7 @@ _arg_rules = dict(
     master          = (bool, lambda v: True,                'True or False'),
     pure            = (bool, lambda v: True,                'True or False'),
     check_finite    = (bool, lambda v: True,                'True or False'),
+    fused           = (bool, lambda v: True,                'True or False'),
     seed            = (numbers.Integral, lambda v: v >= 0,  'an integer >= 0'),
 )
 

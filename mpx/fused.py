@@ -250,17 +250,25 @@ class FusedSteps:
         self.reason = why_not_fused(opt)
         self.active,self.installed = self.reason is None,[]
         if not self.active: return
-        self._install(self.inner, self.step)
+        self._install(self.inner, 'step', self.step)
+        self._install(self.inner, 'zero_grad', self.zero_grad)
         for la in self.las:
-            if type(la).step is Lookahead.step and 'step' not in vars(la): self._install(la, partial(self.lookahead_step, la))
+            if type(la).step is Lookahead.step and 'step' not in vars(la): self._install(la, 'step', partial(self.lookahead_step, la))
 
-    def _install(self, o, f): o.step = f; self.installed.append((o, f))
+    def _install(self, o, name, f): setattr(o, name, f); self.installed.append((o, name, f))
 
     def undo(self):
-        "Give every optimizer its class's `step` back (where ours is still there); a no-op the second time"
-        for o,f in self.installed:
-            if vars(o).get('step') is f: del o.step
+        "Give every optimizer its class's `step` and `zero_grad` back (where ours are still there); a no-op the second time"
+        for o,name,f in self.installed:
+            if vars(o).get(name) is f: delattr(o, name)
         self.installed,self.done = [],True
+
+    def zero_grad(self):
+        "`Optimizer.zero_grad` in one multi-tensor op: the gradients of the parameters with one, detached and zeroed"
+        gs = [p.grad for p,*_ in self.inner.all_params(with_grad=True)]
+        for g in gs:
+            if g.grad_fn is not None or g.requires_grad: g.detach_()  # only a `create_graph` backward leaves such a gradient
+        if gs: torch._foreach_zero_(gs)
 
     def __repr__(self): return f"FusedSteps({type(self.opt).__name__}: {'undone' if self.done else self.reason or 'active'})"
 
