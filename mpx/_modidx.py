@@ -28,6 +28,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                              'mpx.advisor._hw_verdict': ('advisor.html#_hw_verdict', 'mpx/advisor.py'),
                              'mpx.advisor._innermost': ('advisor.html#_innermost', 'mpx/advisor.py'),
                              'mpx.advisor._kept': ('advisor.html#_kept', 'mpx/advisor.py'),
+                             'mpx.advisor._learner_loss': ('advisor.html#_learner_loss', 'mpx/advisor.py'),
                              'mpx.advisor._ms': ('advisor.html#_ms', 'mpx/advisor.py'),
                              'mpx.advisor._names': ('advisor.html#_names', 'mpx/advisor.py'),
                              'mpx.advisor._no_autocast': ('advisor.html#_no_autocast', 'mpx/advisor.py'),
