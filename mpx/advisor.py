@@ -98,12 +98,16 @@ def fp32_trial(
 # %% ../nbs/06_advisor.ipynb #cec42e8c
 def _learner_loss(learn:Learner) -> callable:
     "`f(pred, *yb)`: `learn.loss_func` on what `learn`'s `after_pred` callbacks make of `pred`; `learn` and its callbacks unchanged"
+    cbs = [cb for cb in learn.cbs.sorted('order') if getattr(type(cb), 'after_pred', None) is not None]  # in fastai's order
     def loss(pred, *yb):
-        objs = [learn, *learn.cbs]
-        kept = [_kept(o) for o in objs]
-        try: learn.pred = pred; learn('after_pred'); pred = learn.pred
+        attrs,kept = dict(vars(learn)),[_kept(cb) for cb in cbs]
+        try:
+            learn.pred = pred
+            for cb in cbs: cb('after_pred')
+            pred = learn.pred
         finally:
-            for o,(attrs,contents) in zip(objs, kept): _put_back(o, attrs, contents)
+            vars(learn).clear(); vars(learn).update(attrs)
+            for cb,(cb_attrs,contents) in zip(cbs, kept): _put_back(cb, cb_attrs, contents)
         return learn.loss_func(pred, *yb)
     return loss
 
