@@ -63,17 +63,17 @@ def _fp32_copies(o, device, memo:dict):
         return memo[id(o)]
     return type(o)(_fp32_copies(x, device, memo) for x in o) if type(o) in (list, tuple) else o
 
-def _kept(m:nn.Module) -> tuple[dict, dict]:
-    "`m`'s attributes, and a shallow copy of each dict and list among them (parameters, buffers, hooks, an RNN's weights)"
-    attrs = dict(vars(m))
+def _kept(o) -> tuple[dict, dict]:
+    "`o`'s attributes, and a shallow copy of each dict and list among them (a module's parameters, buffers, hooks, an RNN's weights)"
+    attrs = dict(vars(o))
     return attrs, {k: copy(v) for k,v in attrs.items() if isinstance(v, (dict, list))}
 
-def _put_back(m:nn.Module, attrs:dict, contents:dict):
-    "Give `m` the attributes and dict and list contents `_kept` returned, in the same objects"
+def _put_back(o, attrs:dict, contents:dict):
+    "Give `o` back the attributes and the dict and list contents `_kept` returned, in the same objects"
     for k,c in contents.items():
         if isinstance(c, dict): attrs[k].clear(); attrs[k].update(c)
         else: attrs[k][:] = c
-    vars(m).clear(); vars(m).update(attrs)
+    vars(o).clear(); vars(o).update(attrs)
 
 @contextmanager
 def fp32_trial(
