@@ -14,7 +14,7 @@ from .callback import _fastai_types
 from .amp import *
 from .master import *
 from .pure import *
-from .advisor import warn_if_slow
+from .hardware import warn_if_slow
 
 # %% auto #0
 __all__ = []
@@ -85,7 +85,7 @@ def to_bf16(self:Learner,
 
 @patch
 def _warn_if_slow(self:Learner):
-    "Warn once per process when this learner's precision callback computes in a dtype known to be slow on its device (see `mpx.advisor`)"
+    "Warn once per process when this learner's precision callback computes in a dtype known to be slow on its device (see `mpx.hardware`)"
     cb = first(self.cbs, is_mpx_precision)
     if cb is not None: warn_if_slow(training_device(self.dls, self.model), cb.amp_mode)
     return self

@@ -1,65 +1,19 @@
-"Tests for mpx.advisor: hardware verdicts from mocked capabilities, known numerics, the decision rule, 'changes nothing', slow-mode warnings."
+"Tests for mpx.advisor: numerics, the decision rule, 'changes nothing' on any model (fastai's applications, models deepcopy cannot copy)."
 import math, random, re, warnings
+from copy import deepcopy
 from pathlib import Path
 import numpy as np
 import pytest, torch
 from torch import nn
-from fastai.basics import Learner, first, set_seed
+from fastai.basics import Learner, first, set_seed, partial, pd, noop
+from fastai.callback.progress import ProgressCallback
 from fastai.test_utils import synth_learner
 from mpx.all import *
 import mpx.advisor as advisor
 from mpx.advisor import *
-from mpx.test_utils import tiny_learner
-
-# ---- hardware, from mocked capability values (runs the same on every machine) ---------------------------------
-
-@pytest.mark.parametrize('flags,bf16,fp16,bf16_says', [
-    ({'sse4_2', 'avx2'}, False, False, 'not even AVX512'),                              # e.g. a laptop or an older EPYC
-    ({'avx2', 'avx512f'}, False, False, 'no AVX512-BF16/AMX'),                          # Skylake-SP: bf16 emulated
-    ({'avx2', 'avx512f', 'avx512_bf16'}, True, False, 'AVX512-BF16 (no AMX)'),          # Zen 4/5, Cooper Lake
-    ({'avx512f', 'avx512_bf16', 'amx_tile', 'amx_bf16'}, True, False, 'AMX-BF16'),      # Sapphire Rapids
-    ({'avx512f', 'avx512_bf16', 'avx512_fp16', 'amx_tile', 'amx_bf16'}, True, True, 'AMX-BF16'),
-    ({'avx512f', 'amx_tile', 'amx_bf16', 'amx_fp16'}, True, True, 'AMX-BF16'),          # Granite Rapids
-    ({'fp', 'asimd', 'bf16'}, True, False, 'ARM'),                                      # e.g. Graviton 3
-])
-def test_cpu_hardware(flags, bf16, fp16, bf16_says):
-    "The CPU verdicts follow the ISA flags alone, and the notes say which flag decided."
-    hw = cpu_hardware(flags, 'AVX512', 'Mock CPU')
-    assert (hw.device, hw.name, hw.bf16_fast, hw.fp16_fast) == ('cpu', 'Mock CPU', bf16, fp16)
-    assert set(hw.flags) <= set(flags) and bf16_says in hw.notes[0]
-    assert hw.notes[0].startswith('bf16: ') and hw.notes[1].startswith('fp16: ')
-    assert ('AVX512-FP16' in hw.notes[1] or 'AMX-FP16' in hw.notes[1])
-    assert f"bf16 {'fast' if bf16 else 'slow'}, fp16 {'fast' if fp16 else 'slow'}" in str(hw)
-
-@pytest.mark.parametrize('cc,bf16_supported,bf16,fp16', [((6,1), False, False, False), ((7,0), False, False, True),
-    ((7,5), True, False, True), ((8,0), True, True, True), ((8,6), True, True, True), ((9,0), True, True, True)])
-def test_cuda_hardware(cc, bf16_supported, bf16, fp16):
-    "Tensor cores (cc 7.0+) make fp16 fast; bf16 needs cc 8.0+ (below, torch may emulate it: slow)."
-    hw = cuda_hardware('Mock GPU', cc, bf16_supported)
-    assert (hw.bf16_fast, hw.fp16_fast) == (bf16, fp16)
-    assert f'sm_{cc[0]}{cc[1]}' in hw.flags and ('tensor_cores' in hw.flags) == fp16
-    assert (slow_reason(hw, 'bf16') is None) == bf16 and slow_reason(hw, 'fp16') is None
-
-def test_mps_hardware():
-    hw = mps_hardware(True)
-    assert (hw.device, hw.bf16_fast, hw.fp16_fast) == ('mps', False, True)
-    assert slow_reason(hw, 'bf16') is None and slow_reason(hw, 'fp16') is None
-
-def _cpuinfo_flags():
-    "This machine's ISA flags, read here independently of mpx.advisor"
-    p = Path('/proc/cpuinfo')
-    if not p.exists(): pytest.skip('no /proc/cpuinfo on this machine')
-    line = next((l for l in p.read_text().splitlines() if l.startswith(('flags', 'Features'))), '')
-    return set(line.partition(':')[2].split())
-
-def test_detect_hardware_this_machine():
-    "The real detection agrees with this machine's /proc/cpuinfo."
-    flags,hw = _cpuinfo_flags(),detect_hardware('cpu')
-    assert hw.device == 'cpu' and hw.name
-    assert hw.bf16_fast == bool(flags & {'avx512_bf16', 'amx_bf16', 'bf16', 'sve_bf16'})
-    assert hw.fp16_fast == bool(flags & {'avx512_fp16', 'amx_fp16'})
-    assert {f for f in ('avx2', 'avx512f', 'avx512_bf16', 'amx_bf16', 'avx512_fp16', 'amx_fp16') if f in flags} <= set(hw.flags)
-    print(hw, *hw.notes, sep='\n')
+from mpx.hardware import cpu_hardware, cuda_hardware
+from mpx.test_utils import tiny_learner, tabular_app_learner, collab_app_learner, text_app_learner
+from test_hardware import cpuinfo_flags
 
 # ---- known numerics ---------------------------------------------------------------------------------------------
 
@@ -114,8 +68,9 @@ def test_underflow_named(mock_hw):
 
 def test_recommendation_this_machine():
     "Without timings, a numerically safe learner on this CPU gets what its flags (read here) allow."
-    flags = _cpuinfo_flags()
-    expected = 'bf16' if flags & {'avx512_bf16', 'amx_bf16', 'bf16', 'sve_bf16'} else 'fp16' if flags & {'avx512_fp16', 'amx_fp16'} else 'fp32'
+    flags = cpuinfo_flags()
+    bf16,fp16 = flags & {'avx512_bf16', 'amx_bf16', 'bf16', 'sve_bf16'},flags & {'avx512_fp16', 'amx_fp16'}
+    expected = 'bf16' if bf16 else 'fp16' if fp16 else 'fp32'
     r = tiny_learner().precision_report()
     assert r.recommended == expected and r.hardware.device == 'cpu', r
     if 'amx_bf16' in flags: assert any('AMX-BF16' in s for s in r.reasons)
@@ -255,31 +210,134 @@ def test_to_auto_precision(mock_hw, hw, mode):
     cbs = [c for c in learn.cbs if isinstance(c, MixedPrecision)]
     assert [str(c.amp_mode) for c in cbs] == ([] if mode == 'fp32' else [mode])
 
-def test_warn_if_slow_once():
-    "A slow mode warns once per process per device type and mode, saying 'slow' and why; reset forgets."
-    old_cpu = cpu_hardware({'avx2'}, 'AVX2', 'Mock CPU')
-    reset_slow_warnings()
-    try:
-        with warnings.catch_warnings(record=True) as ws:
-            warnings.simplefilter('always')
-            assert warn_if_slow(old_cpu, 'bf16') and not warn_if_slow(old_cpu, AMPMode.BF16)
-            assert not warn_if_slow(A100, 'bf16') and not warn_if_slow(A100, 'fp16')
-            reset_slow_warnings()
-            assert warn_if_slow(old_cpu, 'bf16')
-        assert len(ws) == 2 and all(w.category is UserWarning for w in ws)
-        msg = str(ws[0].message)
-        assert 'slow' in msg and 'no AVX512-BF16/AMX' in msg and 'slower than fp32' in msg, msg
-    finally: reset_slow_warnings()
 
-def test_warn_if_slow_this_machine():
-    "On this CPU, fp16 and bf16 warn exactly when its flags (read here) lack their fast kernels."
-    flags = _cpuinfo_flags()
-    reset_slow_warnings()
-    try:
-        for mode,fast in (('bf16', {'avx512_bf16', 'amx_bf16', 'bf16', 'sve_bf16'}), ('fp16', {'avx512_fp16', 'amx_fp16'})):
-            with warnings.catch_warnings(record=True) as ws:
-                warnings.simplefilter('always')
-                warn_if_slow('cpu', mode); warn_if_slow(torch.device('cpu'), mode)
-            assert len(ws) == (0 if flags & fast else 1), (mode, [str(w.message) for w in ws])
-            assert (slow_reason('cpu', mode) is None) == bool(flags & fast)
-    finally: reset_slow_warnings()
+# ---- any model: fastai's applications, models deepcopy cannot copy, errors -----------------------------------
+
+def lm_app_learner(seed:int=0, n:int=64, bs:int=8):
+    "A quiet seeded `language_model_learner` on `AWD_LSTM` (`pretrained=False`, one layer of 8) on `n` random sentences"
+    from fastai.text.all import DataBlock, TextBlock, ColReader, RandomSplitter, BaseTokenizer, AWD_LSTM, awd_lstm_lm_config
+    from fastai.text.all import language_model_learner
+    set_seed(seed, reproducible=True)
+    words = np.array('good bad fine awful great poor nice dull movie film plot actor'.split())
+    texts = [' '.join(words[torch.randint(0, len(words), (int(k),)).numpy()]) for k in torch.randint(4, 10, (n,))]
+    tb = TextBlock.from_df('text', is_lm=True, tok=BaseTokenizer(), n_workers=0, min_freq=1, seq_len=8)
+    db = DataBlock(blocks=tb, get_x=ColReader('text'), splitter=RandomSplitter(.25, seed=seed))
+    dls = db.dataloaders(pd.DataFrame(dict(text=texts)), bs=bs, seq_len=8, num_workers=0)
+    learn = language_model_learner(dls, AWD_LSTM, pretrained=False, config=dict(awd_lstm_lm_config, emb_sz=8, n_hid=8, n_layers=1))
+    learn.remove_cb(ProgressCallback); learn.logger = noop
+    return learn
+
+APPS = dict(tabular=tabular_app_learner, collab=collab_app_learner, collab_nn=partial(collab_app_learner, use_nn=True),
+            text=text_app_learner, lm=lm_app_learner)
+
+def module_attrs(model):
+    "Every module's attributes (the objects themselves) and the contents of its dicts and lists: what `fp32_trial` puts back"
+    return [(k, v, list(v.items()) if isinstance(v, dict) else list(v) if isinstance(v, list) else None)
+            for m in model.modules() for k,v in vars(m).items()]
+
+def assert_same_attrs(a, b):
+    assert len(a) == len(b)
+    for (k,v,c),(k2,v2,c2) in zip(a, b):
+        assert k == k2 and v is v2, k
+        assert c is None or len(c) == len(c2) and all(_same_item(x, y) for x,y in zip(c, c2)), k
+
+def _same_item(x, y): return x is y if not isinstance(x, tuple) else len(x) == len(y) and all(p is q for p,q in zip(x, y))
+
+@pytest.mark.parametrize('app', list(APPS))
+def test_applications(app):
+    "On every fastai application (AWD_LSTM's WeightDropout included), fresh and after a fit: a report, and nothing changed."
+    learn = APPS[app]()
+    if app in ('text', 'lm'):
+        with pytest.raises(RuntimeError, match='deepcopy'): deepcopy(learn.model)  # WeightDropout: what the advisor crashed on
+    for fit in (False, True):
+        if fit:
+            with learn.no_bar(), learn.no_logging(): learn.fit(1)
+        before,attrs = state(learn),module_attrs(learn.model)
+        with warnings.catch_warnings():
+            warnings.simplefilter('ignore')  # 16-bit LSTMs may not run on this CPU: not timed, with a warning
+            r = learn.precision_report(time=fit, n_steps=1)
+        assert r.recommended in {'fp32', 'bf16', 'fp16'} and r.modules[-1].name == '(model)' and r.modules[-1].act_max > 0
+        assert_unchanged(before, state(learn))
+        assert_same_attrs(attrs, module_attrs(learn.model))
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        assert learn.to_auto_precision() is learn
+
+class Locked(nn.Module):
+    "A model holding a lock: `copy.deepcopy` cannot copy it"
+    def __init__(self):
+        super().__init__()
+        import threading
+        self.body,self.lock = nn.Sequential(nn.Linear(1, 8), nn.ReLU(), nn.Linear(8, 1)),threading.Lock()
+    def forward(self, x):
+        with self.lock: return self.body(x)
+
+class Cached(nn.Module):
+    "A model keeping a tensor computed from its weight (graph attached), as `WeightDropout` and old weight norm do: not deep-copyable"
+    def __init__(self): super().__init__(); self.lin,self.w,self.calls = nn.Linear(1, 1),None,0
+    def forward(self, x):
+        self.w = self.lin.weight*2; self.calls += 1
+        return x@self.w.t() + self.lin.bias
+
+def weight_normed():
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        return nn.Sequential(nn.utils.weight_norm(nn.Linear(1, 8)), nn.ReLU(), nn.Linear(8, 1))
+
+@pytest.mark.parametrize('model', [Locked, Cached, weight_normed])
+def test_model_deepcopy_cannot_copy(model):
+    "Models `copy.deepcopy` fails on get a report, and keep their weights, attributes and train/eval modes."
+    learn = tiny_learner(model=model)
+    with learn.no_bar(), learn.no_logging(): learn.fit(1)
+    learn.model(learn.dls.valid.one_batch()[0])  # a forward with gradients leaves a tensor computed from the weights (Cached, weight norm)
+    with pytest.raises((RuntimeError, TypeError), match='deepcopy|pickle'): deepcopy(learn.model)
+    learn.model.eval()
+    before,attrs = state(learn),module_attrs(learn.model)
+    r = learn.precision_report(time=True, n_steps=1)
+    assert r.recommended in {'fp32', 'bf16', 'fp16'}
+    assert_unchanged(before, state(learn))
+    assert_same_attrs(attrs, module_attrs(learn.model))
+
+def test_half_rnn_with_hidden_state():
+    "An RNN keeping its hidden state as a plain attribute, its weights half: examined in fp32, its state put back bit for bit."
+    class RNN(nn.Module):
+        def __init__(self): super().__init__(); self.rnn,self.hidden = nn.LSTM(1, 4, batch_first=True),None
+        def forward(self, x):
+            out,h = self.rnn(x[:, None], self.hidden)
+            self.hidden = tuple(t.detach() for t in h)
+            return out[:, -1, :1]
+    learn = tiny_learner(model=RNN)
+    with learn.no_bar(), learn.no_logging(): learn.fit(1)
+    hidden = tuple(t.clone() for t in learn.model.hidden)
+    learn.model.half(); learn.model.hidden = tuple(t.half() for t in learn.model.hidden)
+    ptrs,before = [p.data_ptr() for p in learn.model.parameters()],state(learn)
+    learn.precision_report()
+    assert_unchanged(before, state(learn))
+    assert [p.data_ptr() for p in learn.model.parameters()] == ptrs
+    assert all(t.dtype == torch.float16 and torch.equal(t, h.half()) for t,h in zip(learn.model.hidden, hidden))
+
+def test_shared_weights_stay_shared():
+    "Tied weights (as a language model's encoder and decoder) are one tensor in the trial and after it."
+    lin = nn.Linear(4, 4, bias=False)
+    model = nn.Sequential(nn.Linear(1, 4), lin, nn.ReLU(), nn.Linear(4, 4, bias=False), nn.Linear(4, 1))
+    model[3].weight = lin.weight
+    with fp32_trial(model) as m:
+        assert m[3].weight is m[1].weight
+        with torch.no_grad(): m[1].weight.add_(1.)
+        assert torch.equal(m[3].weight, m[1].weight)
+    assert model[3].weight is lin.weight and model[3].weight.data_ptr() == lin.weight.data_ptr()
+
+class Boom(nn.Module):
+    def __init__(self): super().__init__(); self.lin = nn.Linear(1, 1)
+    def forward(self, x): raise ValueError('boom in forward')
+
+def test_failure_names_mpx():
+    "A model that fails on the batch gets an error naming mpx, the model and the cause; the learner is as it was."
+    learn = tiny_learner(model=Boom)
+    before,attrs = state(learn),module_attrs(learn.model)
+    with pytest.raises(RuntimeError, match=r"mpx's precision_report: .* of Boom .*\(ValueError: boom in forward\)") as e:
+        learn.precision_report()
+    assert isinstance(e.value.__cause__, ValueError)
+    assert_unchanged(before, state(learn))
+    assert_same_attrs(attrs, module_attrs(learn.model))
+    with pytest.raises(RuntimeError, match="mpx"): learn.to_auto_precision()
