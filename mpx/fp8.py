@@ -8,6 +8,7 @@ import dataclasses, functools, math, pickle, warnings
 from typing import NamedTuple
 from fastai.basics import *
 from .core import *
+from .plumbing import FitState
 from .callback import *
 
 # %% auto #0
@@ -146,7 +147,7 @@ def _float8_linear() -> type:
             return out if self.bias is not None else out.clone()
     return Float8Linear
 
-class Float8Swap:
+class Float8Swap(FitState):
     "One fit's fp8 layers: `apply` swaps `model`'s `nn.Linear` layers `fqns` for `Float8Linear`s on their `Parameter`s, `undo` back"
     def __init__(self, model:nn.Module, fqns:list, config, now:bool=False):
         self.model,self.config,self.applied = model,config,False
@@ -183,8 +184,9 @@ class FP8Precision(PrecisionCallback):
         emulate:bool|None=None, # Compute the fp8 matmuls in fp32 from fp8-rounded operands; None: where the device has no fp8 kernels
         fp8_eval:bool=False, # Run `validate` and `get_preds` outside a fit in fp8 too (by default in bf16)
         check_finite:bool=True, # Skip a step whose gradients hold inf/nan (one host sync a step)
+        fused:bool=True, # Step fastai's optimizers with multi-tensor ops; False: fastai's per-parameter loop
     ):
-        super().__init__(AMPMode.BF16, check_finite)
+        super().__init__(AMPMode.BF16, check_finite, fused)
         self.recipe = _check_recipe(recipe)
         if module_filter is not None and not callable(module_filter):
             raise TypeError(f"module_filter={module_filter!r} is not callable: pass a function (fqn, module) -> bool, or None")
@@ -192,7 +194,8 @@ class FP8Precision(PrecisionCallback):
         _check_flag('fp8_eval', fp8_eval)
         self.module_filter,self.emulate,self.fp8_eval = module_filter,emulate,fp8_eval
         self.plan,self.emulated = [],None
-        self._autocast,self._in_autocast,self._trained = None,False,False
+        self._trained = False
+    autocast_dtype = torch.bfloat16
 
     @property
     def layers(self) -> pd.DataFrame:
@@ -252,18 +255,9 @@ class FP8Precision(PrecisionCallback):
         self.emulated = self._resolve_emulate(training_device(self.dls, self.model))
         return Float8Swap(unwrapped(self.model), self.fp8_layers, self._config(), now=self._trained or self.fp8_eval)
 
-    def _begin_fit(self):
-        super()._begin_fit()
-        self._autocast = torch.autocast(self.device_type, dtype=torch.bfloat16)
     def before_train(self):
         self._trained = True
         if self.fit_state is not None: self.fit_state.apply()
-    def _begin_batch(self):
-        super()._begin_batch()
-        if not self._in_autocast: self._autocast.__enter__(); self._in_autocast = True
-    def _end_forward(self):
-        if self._in_autocast: self._autocast.__exit__(None, None, None); self._in_autocast = False
-    def _end_fit(self): super()._end_fit(); self._autocast = None
     def _finish(self): super()._finish(); self._trained = False
 
     def __getstate__(self):

@@ -8,25 +8,14 @@ import itertools
 from collections import defaultdict
 from contextlib import contextmanager
 from fastai.basics import *
-from fastai.optimizer import _BaseOptimizer
 from torch.nn.modules.batchnorm import _BatchNorm
 from .core import *
 from .scaler import *
+from .plumbing import *
 from .callback import *
 
 # %% auto #0
 __all__ = ['MasterCopies', 'MasterPrecision']
-
-# %% ../nbs/04_master.ipynb #fae7308b
-def _halvable(model:nn.Module) -> list:
-    "The fp32 parameters and buffers of `model` outside BatchNorm layers, each once"
-    ts = (t for m in model.modules() if not isinstance(m, _BatchNorm) for t in itertools.chain(m.parameters(recurse=False), m.buffers(recurse=False)))
-    return list({id(t): t for t in ts if t.dtype == torch.float32}.values())
-
-def _check_fp32(model:nn.Module):
-    "Raise a `ValueError` naming the first floating parameter of `model` that is not fp32"
-    bad = first_not_fp32(model)
-    if bad: raise ValueError(f"MasterPrecision needs an fp32 model: parameter {bad[0]!r} is {bad[1]}; call learn.to_fp32() or model.float() first")
 
 # %% ../nbs/04_master.ipynb #971f8fad
 _align = 64  # elements: 256 bytes of fp32
@@ -51,25 +40,7 @@ class _Buffer:
         self.grads = [_alias(self.grad, o, p.shape) for o,p in zip(offs, ps)]
         with torch.no_grad(): torch._foreach_copy_(self.masters, [p.detach() for p in ps])
 
-# %% ../nbs/04_master.ipynb #a074f7ef
-def _state_owners(opt) -> list:
-    "The objects of `opt` that keep a state keyed by parameter: fastai's optimizer (under any `Lookahead`), and an `OptimWrapper`'s torch optimizer"
-    while 'state' not in vars(opt) and isinstance(getattr(opt, 'opt', None), _BaseOptimizer): opt = opt.opt
-    return [opt] + ([opt.opt] if isinstance(opt, OptimWrapper) else [])
-
-def _move_state(opt, src:list, dst:list):
-    "Re-key every state entry of `opt` from the tensors `src` to the tensors `dst`"
-    for o in _state_owners(opt):
-        if not isinstance(o.state, defaultdict): o.state = defaultdict(dict, o.state)
-        for s,d in zip(src, dst):
-            if s in o.state: o.state[d] = o.state.pop(s)
-
 # %% ../nbs/04_master.ipynb #63641c77
-def _opt_params(opt) -> list:
-    "The floating parameters `opt` holds, each once, in order"
-    if opt is None: return []
-    return list({id(p): p for pg in opt.param_lists for p in pg if p.is_floating_point()}.values())
-
 def _runs(opt, params:list, flat:bool) -> list:
     "`params` in the runs that share a buffer: one each, or (`flat`) those of one group on one device"
     if not flat or opt is None: return [[p] for p in params]  # no optimizer (a `validate` before the first fit): no masters
@@ -79,12 +50,9 @@ def _runs(opt, params:list, flat:bool) -> list:
             if id(p) in ours and id(p) not in seen: seen.add(id(p)); runs.setdefault((i, p.device), []).append(p)
     return list(runs.values())
 
-def _mapped(lists, to:dict):
-    "`lists` (an optimizer's `param_lists`) with each parameter replaced by `to[id(p)]` where it has one, in the same container types"
-    return type(lists)(type(pg)(to.get(id(p), p) for p in pg) for pg in lists)
 
 # %% ../nbs/04_master.ipynb #8802bdff
-class MasterCopies:
+class MasterCopies(FitState):
     "The fp32 masters of one fit: built from the fp32 model and its optimizer, the model halved; `undo` puts it all back"
     def __init__(self,
         learn:Learner, # Its optimizer (if any) is pointed at the masters, with its state
@@ -92,16 +60,16 @@ class MasterCopies:
         flat:bool=False, # One flat buffer per parameter group and device instead of one per parameter
     ):
         self.learn,self.opt,self.done = learn,learn.opt,False
-        self.bufs = [_Buffer(ps) for ps in _runs(self.opt, _opt_params(self.opt), flat)]
+        self.bufs = [_Buffer(ps) for ps in _runs(self.opt, opt_params(self.opt), flat)]
         self.params,self.masters = [p for b in self.bufs for p in b.params],[m for b in self.bufs for m in b.masters]
         self._step_lists()
-        ours,halved = {id(p) for p in self.params},_halvable(learn.model)
+        ours,halved = {id(p) for p in self.params},halvable(learn.model)
         self.kept = [(t, t.detach().clone()) for t in halved if id(t) not in ours]
         for t in halved: t.data = t.data.to(dtype)
         if self.opt is not None:
             self.lists = self.opt.param_lists
-            self.opt.param_lists = _mapped(self.lists, dict(zip(map(id, self.params), self.masters)))
-            _move_state(self.opt, self.params, self.masters)
+            self.opt.param_lists = mapped(self.lists, dict(zip(map(id, self.params), self.masters)))
+            move_state(self.opt, self.params, self.masters)
         learn.parameters = self.parameters  # what `GradientClip` and anything else calling `learn.parameters()` sees
 
     def parameters(self) -> list:
@@ -162,10 +130,10 @@ def undo(self:MasterCopies):
     "The masters become the fp32 model's weights; what the optimizer does not hold comes back unrounded unless training changed it; the optimizer holds the model's parameters again"
     if self.done: return
     for p,m in zip(self.params, self.masters): p.grad,p.data = None,torch.empty_like(p, dtype=torch.float32).copy_(m.detach())  # keeps p's memory format
-    for t,c in self.kept: t.data = c if torch.equal(t, c.to(t.dtype)) else t.float()
+    for t,c in self.kept: t.data = exact_fp32(t, c)
     if self.opt is not None:
         self.opt.param_lists = self.lists
-        _move_state(self.opt, self.masters, self.params)
+        move_state(self.opt, self.masters, self.params)
     self.learn.__dict__.pop('parameters', None)
     self.done = True
 
@@ -185,13 +153,17 @@ class MasterPrecision(PrecisionCallback):
         min_scale:float=default(1.), # Dynamic: the scale never goes below this
         max_scale:float=default(2.**24), # Dynamic: the scale never goes above this
         check_finite:bool=True, # bf16: skip a step whose gradients hold inf/nan (fp16 always checks)
+        fused:bool=True, # Step fastai's optimizers with multi-tensor ops; False: fastai's per-parameter loop
     ):
-        super().__init__(amp_mode, check_finite)
+        super().__init__(amp_mode, check_finite, fused)
         check_args(flat_master=flat_master, dynamic=dynamic)
-        args = dict(loss_scale=loss_scale, growth_interval=growth_interval, growth_factor=growth_factor, backoff_factor=backoff_factor, min_scale=min_scale, max_scale=max_scale)
+        args = dict(loss_scale=loss_scale, growth_interval=growth_interval, growth_factor=growth_factor, backoff_factor=backoff_factor,
+                    min_scale=min_scale, max_scale=max_scale)
         given = passed(**args)
         if self.amp_mode is AMPMode.BF16 and (given or dynamic): _no_effect(*next(iter(given.items()), ('dynamic', dynamic)))
-        if not dynamic and given.keys() & set(_dynamic_only): k = first(k for k in _dynamic_only if k in given); raise ValueError(f"{k}={given[k]!r} has no effect with a static loss scale: pass dynamic=True to use it, or drop {k}")
+        static_only = [k for k in _dynamic_only if k in given and not dynamic]
+        if static_only: k = static_only[0]; raise ValueError(f"{k}={given[k]!r} has no effect with a static loss scale: "
+                                                            f"pass dynamic=True to use it, or drop {k}")
         check_args(**given)
         self.scaler = None if self.amp_mode is AMPMode.BF16 else _scaler(dynamic, **args)
         self.flat_master = flat_master
@@ -208,53 +180,41 @@ class MasterPrecision(PrecisionCallback):
     def masters(self) -> MasterCopies|None:
         "During a fit, its `MasterCopies`"
         return self.fit_state
+    @property
+    def _at_floor(self) -> bool: return self.scaler is None or self.scaler.at_floor
     def _repr_extra(self): return f'flat_master={self.flat_master}, '
 
-def _no_effect(k, v): raise ValueError(f"{k}={v!r} has no effect with amp_mode='bf16': bf16 has fp32's range and needs no loss scaling. Drop {k}, or use amp_mode='fp16'")
+    def _new_fit_state(self): return MasterCopies(self.learn, self.amp_mode.dtype, self.flat_master)
+    def _scale_loss(self, loss): return self.scaler.scale_loss(loss)
+    def after_backward(self): self.masters.take_grads()
+    def _step_grads(self) -> list: return self.masters.grad_bufs
+    def _named_grads(self) -> list: return self.masters.named_grads(get_model(self.model))
+    def _unscale_and_find_overflow(self) -> tuple:
+        "Unscale (fp16) and check the master gradients: one fused pass, one host sync"
+        if self.scaler is None: return super()._unscale_and_find_overflow()
+        return self.scaler.scale, bool(self.scaler.unscale_(self.masters.grad_bufs).item())
+    def _apply_step(self): self.masters.put_masters()
+    def after_step(self):
+        if self.masters is not None: self.masters.fresh = True  # the next backward starts fresh master gradients, skipped or not
+        super().after_step()
+    def _update_scale(self, found:bool):
+        if self.scaler is not None: self.scaler.update(found)
+
+    def _scaler_state(self) -> dict: return self.scaler.state_dict() if self.scaler is not None else {}
+    def _load_scaler_state(self, sd:dict):
+        if self.scaler is not None: self.scaler.load_state_dict(sd)
+    def reset_scaler(self):
+        "Start the loss scale afresh at its initial value"
+        if self.scaler is not None: self.scaler.reset()
+
+def _no_effect(k, v): raise ValueError(f"{k}={v!r} has no effect with amp_mode='bf16': bf16 has fp32's range and needs no loss scaling. "
+                                       f"Drop {k}, or use amp_mode='fp16'")
 
 def _scaler(dynamic:bool, loss_scale:float, growth_interval:int, min_scale:float, max_scale:float, **kwargs) -> LossScaler:
     "The `LossScaler`, in plain floats and ints; a dynamic scale outside its bounds is reported as the `loss_scale` the user passed"
-    if dynamic and not min_scale <= loss_scale <= max_scale: raise ValueError(f"loss_scale={loss_scale!r} is outside [min_scale, max_scale] = [{min_scale!r}, {max_scale!r}]: it must lie within them when dynamic=True")
-    return LossScaler(float(loss_scale), dynamic, int(growth_interval), min_scale=float(min_scale), max_scale=float(max_scale), **{k: float(v) for k,v in kwargs.items()})
+    if dynamic and not min_scale <= loss_scale <= max_scale:
+        raise ValueError(f"loss_scale={loss_scale!r} is outside [min_scale, max_scale] = [{min_scale!r}, {max_scale!r}]: "
+                         "it must lie within them when dynamic=True")
+    return LossScaler(float(loss_scale), dynamic, int(growth_interval), min_scale=float(min_scale), max_scale=float(max_scale),
+                      **{k: float(v) for k,v in kwargs.items()})
 
-# %% ../nbs/04_master.ipynb #e5d94c9a
-@patch
-def _new_fit_state(self:MasterPrecision): return MasterCopies(self.learn, self.amp_mode.dtype, self.flat_master)
-
-# %% ../nbs/04_master.ipynb #mb000002
-@patch
-def _scale_loss(self:MasterPrecision, loss): return self.scaler.scale_loss(loss)
-@patch
-def after_backward(self:MasterPrecision): self.masters.take_grads()
-@patch
-def _step_grads(self:MasterPrecision) -> list: return self.masters.grad_bufs
-@patch
-def _named_grads(self:MasterPrecision) -> list: return self.masters.named_grads(get_model(self.model))
-@patch
-def _apply_step(self:MasterPrecision): self.masters.put_masters()
-
-@patch
-def _unscale_and_check(self:MasterPrecision) -> tuple:
-    "Unscale (fp16) and check the master gradients: one fused pass, one host sync"
-    if self.scaler is None: return PrecisionCallback._unscale_and_check(self)
-    return self.scaler.scale, bool(self.scaler.unscale_(self.masters.grad_bufs).item())
-
-# %% ../nbs/04_master.ipynb #mb000004
-@patch
-def after_step(self:MasterPrecision):
-    if self.masters is not None: self.masters.fresh = True
-    PrecisionCallback.after_step(self)
-@patch
-def _update_scale(self:MasterPrecision, found:bool):
-    if self.scaler is not None: self.scaler.update(found)
-@patch(as_prop=True)
-def _at_floor(self:MasterPrecision) -> bool: return self.scaler is None or self.scaler.at_floor
-@patch
-def _scaler_state(self:MasterPrecision) -> dict: return self.scaler.state_dict() if self.scaler is not None else {}
-@patch
-def _load_scaler_state(self:MasterPrecision, sd:dict):
-    if self.scaler is not None: self.scaler.load_state_dict(sd)
-@patch
-def reset_scaler(self:MasterPrecision):
-    "Start the loss scale afresh at its initial value"
-    if self.scaler is not None: self.scaler.reset()

@@ -6,10 +6,10 @@
 from __future__ import annotations
 from contextlib import contextmanager
 from fastai.basics import *
-from fastai.optimizer import _BaseOptimizer
 from .core import *
 from .callback import *
-from .master import _halvable, _opt_params
+from .plumbing import *
+from .fused import FusedSteps, why_not_fused, bf16_hooks
 
 # %% auto #0
 __all__ = ['round_stochastic', 'split_kahan', 'BF16Weights', 'PureBF16']
@@ -31,16 +31,17 @@ def split_kahan(x:Tensor) -> tuple:
     return _split(w.float() + c.float())
 
 # %% ../nbs/05_pure.ipynb #pb000013
-class BF16Weights:
+class BF16Weights(FitState):
     "The bf16 weights of one fit: made from the fp32 model, each trained weight split in place; `undo` gives back the fp32 model"
     def __init__(self,
         learn:Learner, # Its optimizer (if any) gets the widen and fold
         update:str='kahan', # 'kahan' (a bf16 compensation per weight) or 'stochastic'
         gen:torch.Generator|None=None, # The random bits of `stochastic` rounding
+        fused:bool=True, # A fastai optimizer steps in bulk (`FusedSteps` with multi-tensor widen and fold), where it can
     ):
-        self.learn,self.opt,self.update,self.gen,self.done,self.open = learn,learn.opt,update,gen,False,[]
-        trained = {id(p) for p in _opt_params(self.opt) if p.requires_grad}
-        self.halved,self.comp,self.kept = _halvable(learn.model),{},{}
+        self.learn,self.opt,self.update,self.gen,self.fuse,self.done,self.open = learn,learn.opt,update,gen,fused,False,[]
+        trained = {id(p) for p in opt_params(self.opt) if p.requires_grad}
+        self.halved,self.comp,self.kept = halvable(learn.model),{},{}
         for t in self.halved:
             x = t.detach()
             if id(t) not in trained: self.kept[t] = x.clone()  # frozen, outside the optimizer, or a buffer: its exact fp32 value
@@ -133,22 +134,22 @@ def lookahead_step(self:BF16Weights, la):
             else: p.data.copy_(s)
 
 # %% ../nbs/05_pure.ipynb #pb000021
-def _wraps(o) -> bool: return not isinstance(o, OptimWrapper) and 'cbs' not in vars(o) and isinstance(getattr(o, 'opt', None), _BaseOptimizer)
-
 @patch
 def _hook(self:BF16Weights):
-    "Put the widen and fold into the optimizer"
-    self.las,o = [],self.opt
-    while o is not None and _wraps(o): self.las.append(o); o = o.opt
-    self.inner = o
+    "Put the widen and fold into the optimizer: in bulk through `FusedSteps` where it fuses the optimizer, else per parameter"
+    self.las,o = unwrap(self.opt)
+    self.inner,self.fused = o,None
+    for la in self.las:
+        if la.slow_weights is not None: la.slow_weights = L(L(s.float() for s in pg) for pg in la.slow_weights)
+    if self.fuse and o is not None and why_not_fused(self.opt) is None:
+        self.fused = FusedSteps(self.opt, *bf16_hooks(self.comp, self.kept, self.gen)); return  # fuses Lookahead's sync too
     if isinstance(o, OptimWrapper): o.step = self.wrapper_step
     elif o is not None: self.cbs = o.cbs; o.cbs = L([self.widen]) + self.cbs + L([self.fold])
-    for la in self.las:
-        la.step = partial(self.lookahead_step, la)
-        if la.slow_weights is not None: la.slow_weights = L(L(s.float() for s in pg) for pg in la.slow_weights)
+    for la in self.las: la.step = partial(self.lookahead_step, la)
 
 @patch
 def _unhook(self:BF16Weights):
+    if self.fused is not None: self.fused.undo(); return
     o = self.inner
     if isinstance(o, OptimWrapper): o.__dict__.pop('step', None)
     elif o is not None: o.cbs = self.cbs
@@ -165,7 +166,7 @@ def undo(self:BF16Weights):
         if t.dtype is not torch.bfloat16: continue
         k = self.kept.get(t)
         if t.grad is not None: t.grad = None
-        t.data = k if k is not None and torch.equal(t, k.bfloat16()) else self.wide(t) if t in self.comp else t.float()
+        t.data = exact_fp32(t, k) if k is not None else self.wide(t) if t in self.comp else t.float()
     self.done = True
 
 @patch
@@ -183,43 +184,39 @@ def restore_grads(self:BF16Weights, grads:dict):
 _updates = ('kahan', 'stochastic')
 
 class PureBF16(PrecisionCallback):
-    "bf16 weights stepped in place by the optimizer, no fp32 masters: each update computed in fp32 and folded back with a Kahan compensation or stochastic rounding"
+    "bf16 weights stepped in place by the optimizer, no fp32 masters: each update computed in fp32, folded back (Kahan or stochastic)"
+    input_dtype = torch.bfloat16
     def __init__(self,
         update:str='kahan', # 'kahan': a bf16 compensation per weight; 'stochastic': unbiased random rounding, nothing kept
         check_finite:bool=True, # Skip a step whose gradients hold inf/nan (one host sync a step)
         seed:int=0, # Seeds the random bits of `stochastic` rounding
+        fused:bool=True, # Widen, step and fold fastai's optimizers in bulk with multi-tensor ops; False: one parameter at a time
     ):
-        super().__init__(AMPMode.BF16, check_finite)
+        super().__init__(AMPMode.BF16, check_finite, fused)
         if update not in _updates: raise ValueError(f"update={update!r} is not a pure bf16 update: allowed are 'kahan' and 'stochastic'")
         check_args(seed=seed)
         self.update,self.seed,self.rng = update,seed,None
-    input_dtype = torch.bfloat16
     @property
     def bf16_weights(self) -> BF16Weights|None:
         "During a fit, its `BF16Weights`"
         return self.fit_state
     def _repr_extra(self): return f"update='{self.update}', "
 
-# %% ../nbs/05_pure.ipynb #pb000026
-@patch
-def _generator(self:PureBF16):
-    "The stochastic rounding's generator on the model's device, seeded with `seed` the first time"
-    if self.update != 'stochastic': return None
-    dev = model_device(self.model)
-    if self.rng is None or self.rng.device.type != dev.type: self.rng = torch.Generator(dev).manual_seed(self.seed)
-    return self.rng
+    def _new_fit_state(self): return BF16Weights(self.learn, self.update, self._generator(), fused=self.fused)
+    def _new_fused_steps(self): return None  # `BF16Weights` fuses the steps itself, with its bulk widen and fold
+    def _generator(self):
+        "The stochastic rounding's generator on the model's device, seeded with `seed` the first time"
+        if self.update != 'stochastic': return None
+        dev = model_device(self.model)
+        if self.rng is None or self.rng.device.type != dev.type: self.rng = torch.Generator(dev).manual_seed(self.seed)
+        return self.rng
 
-@patch
-def _new_fit_state(self:PureBF16): return BF16Weights(self.learn, self.update, self._generator())
+    # ---- the generator's state rides in checkpoints where a loss scale would
+    def _scaler_state(self) -> dict: return {} if self.rng is None else dict(rng=self.rng.get_state(), device=str(self.rng.device))
+    def _load_scaler_state(self, sd:dict):
+        if 'rng' not in sd: return self.reset_scaler()
+        self.rng = torch.Generator(sd['device']); self.rng.set_state(sd['rng'])
+    def reset_scaler(self):
+        "Start the stochastic rounding's generator afresh from `seed` at the next fit"
+        self.rng = None
 
-# %% ../nbs/05_pure.ipynb #pb000028
-@patch
-def _scaler_state(self:PureBF16) -> dict: return {} if self.rng is None else dict(rng=self.rng.get_state(), device=str(self.rng.device))
-@patch
-def _load_scaler_state(self:PureBF16, sd:dict):
-    if 'rng' not in sd: return self.reset_scaler()
-    self.rng = torch.Generator(sd['device']); self.rng.set_state(sd['rng'])
-@patch
-def reset_scaler(self:PureBF16):
-    "Start the stochastic rounding's generator afresh from `seed` at the next fit"
-    self.rng = None
