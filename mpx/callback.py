@@ -11,10 +11,10 @@ from torch.nn.modules.batchnorm import _NormBase
 from .core import *
 from .scaler import *
 from .fused import FusedSteps
+from .patches import *
 
 # %% auto #0
-__all__ = ['ScaleTelemetry', 'check_one_precision', 'check_single_autocast', 'NormStats', 'first_not_fp32', 'is_mpx_precision',
-           'PrecisionCallback']
+__all__ = ['ScaleTelemetry', 'check_single_autocast', 'NormStats', 'first_not_fp32', 'PrecisionCallback']
 
 # %% ../nbs/02_callback.ipynb #cb000007
 class ScaleTelemetry:
@@ -53,20 +53,6 @@ def _on_overflow(self:ScaleTelemetry, named_grads, scale:float, at_floor:bool=Tr
         warnings.warn(f"{run} optimizer steps in a row had inf/nan gradients at loss scale {scale:g}; the first {kind} gradient was in {param!r}. "
                       f"The model itself may be producing inf/nan: {_hints[AMPMode(getattr(self, 'amp_mode', 'fp16'))]}.")
 
-# %% ../nbs/02_callback.ipynb #cb000012
-_fastai_pair = (fastai_fp16.ModelToHalf, fastai_fp16.NonNativeMixedPrecision)
-_fastai_types = (fastai_fp16.MixedPrecision,) + _fastai_pair
-
-def _qualname(c) -> str: return f"{type(c).__module__}.{type(c).__name__}"
-
-def check_one_precision(cbs, new=None) -> None:
-    "Raise a `ValueError` naming both when `cbs` (with `new` added) holds two precision callbacks, mpx's or fastai's"
-    found = [c for c in L(cbs) + L(new) if is_mpx_precision(c) or isinstance(c, _fastai_types)]
-    for a,b in itertools.combinations(found, 2):
-        if a is not b and not (isinstance(a, _fastai_pair) and isinstance(b, _fastai_pair)):
-            raise ValueError(f"This learner already has the precision callback {_qualname(a)}; adding {_qualname(b)} would apply mixed precision twice. "
-                             "A learner holds one precision callback: switch with learn.to_fp16(), learn.to_bf16() or learn.to_fp32(), which replace it.")
-
 # %% ../nbs/02_callback.ipynb #cb000014
 def check_single_autocast(cbs) -> None:
     "Raise a `ValueError` if a callback in `cbs` (fastai's `DistributedTrainer`) runs Accelerate with its own mixed precision"
@@ -102,9 +88,6 @@ _no_kernel = ("not implemented for 'Half'", "not implemented for 'BFloat16'", 'c
 _instead = {AMPMode.FP16: 'train in bf16 (learn.to_bf16()) or fp32 (learn.to_fp32()) instead',
             AMPMode.BF16: 'train in fp16 (learn.to_fp16()) or fp32 (learn.to_fp32()) instead'}
 
-def is_mpx_precision(c) -> bool:
-    "Whether `c` is an mpx precision callback, by a class marker (not `isinstance`: the `Learner` patches must know mpx's callbacks after a reload)"
-    return getattr(type(c), '_mpx_precision', False)
 
 
 # %% ../nbs/02_callback.ipynb #e9ed62b0
@@ -288,65 +271,3 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         e.args = (f"{msg}\n\nmpx: under {type(self).__name__}(amp_mode='{self.amp_mode}') an op of this model has no {self.amp_mode} "
                   f"kernel on {self.device_type}: {_instead[self.amp_mode]}.",) + e.args[1:]
 
-
-# %% ../nbs/02_callback.ipynb #cb000035
-_fastai_with_events = getattr(Learner._with_events, '_fastai', Learner._with_events)
-
-@patch
-def _with_events(self:Learner, f, event_type, ex, final=noop):
-    "fastai's `_with_events`; when an exception ends a fit or a validation, the precision callbacks are finished first"
-    try: _fastai_with_events(self, f, event_type, ex, final)
-    except BaseException as e:
-        if event_type in ('fit', 'validate'):
-            for c in self.cbs.filter(is_mpx_precision):
-                c._explain(e)
-                if event_type == 'fit': c._leave_fit()
-                else: c._end_forward()
-        raise
-
-Learner._with_events._fastai = _fastai_with_events
-
-# %% ../nbs/02_callback.ipynb #5ce9ad23
-_fastai_enter = getattr(Learner.__enter__, '_fastai', Learner.__enter__)
-
-@patch
-def __enter__(self:Learner):
-    "fastai's `Learner.__enter__` (`before_fit`, `before_epoch` of a validation); the precision callbacks finished if it fails"
-    try: return _fastai_enter(self)
-    except BaseException:
-        for c in self.cbs.filter(is_mpx_precision): c._leave_fit()
-        raise
-
-Learner.__enter__._fastai = _fastai_enter
-
-_fastcore_cms_enter = getattr(ContextManagers.__enter__, '_fastcore', ContextManagers.__enter__)
-
-@patch
-def __enter__(self:ContextManagers):
-    "fastcore's `ContextManagers.__enter__`, exiting the managers it entered when a later one fails"
-    try: return _fastcore_cms_enter(self)
-    except BaseException: self.stack.close(); raise
-
-ContextManagers.__enter__._fastcore = _fastcore_cms_enter
-
-# %% ../nbs/02_callback.ipynb #cb000037
-_fastai_add_cb = getattr(Learner.add_cb, '_fastai', Learner.add_cb)
-_fastai_remove_cb = getattr(Learner.remove_cb, '_fastai', Learner.remove_cb)
-
-@patch
-def add_cb(self:Learner, cb):
-    "fastai's `add_cb`, refusing a second precision callback; mpx's also answer to `learn.mixed_precision`"
-    if isinstance(cb, type): cb = cb()
-    check_one_precision(self.cbs, cb)
-    _fastai_add_cb(self, cb)
-    if is_mpx_precision(cb): self.__dict__['mixed_precision'] = cb
-    return self
-
-@patch
-def remove_cb(self:Learner, cb):
-    "fastai's `remove_cb`; a removed mpx precision callback first finishes any fit it left half done"
-    if is_mpx_precision(cb): cb._finish()
-    if not isinstance(cb, type) and self.__dict__.get('mixed_precision') is cb: del self.__dict__['mixed_precision']
-    return _fastai_remove_cb(self, cb)
-
-Learner.add_cb._fastai,Learner.remove_cb._fastai = _fastai_add_cb,_fastai_remove_cb

@@ -10,7 +10,8 @@ from fastai.basics import *
 from .core import *
 from .scaler import *
 from .callback import *
-from .callback import _fastai_types
+from .patches import *
+from .patches import _fastai_types, _precision_cbs
 from .amp import *
 from .master import *
 from .pure import *
@@ -96,7 +97,6 @@ def to_fp32(self:Learner):
     return self._set_precision(None)
 
 # %% ../nbs/07_learner.ipynb #c520b3a6
-def _precision_cbs(learn:Learner) -> L: return learn.cbs.filter(is_mpx_precision)
 def _mpx_cb(learn:Learner): return first(_precision_cbs(learn))
 
 @patch
@@ -106,53 +106,3 @@ def log_loss_scale(self:Learner):
     cols = [ValueMetric(lambda: getattr(_mpx_cb(self), 'loss_scale', 1.), 'loss_scale'), ValueMetric(lambda: getattr(_mpx_cb(self), 'epoch_skipped_steps', 0), 'skipped_steps')]
     self.metrics = L(m for m in self.metrics if m.name not in ('loss_scale', 'skipped_steps')) + cols
     return self
-
-# %% ../nbs/07_learner.ipynb #1b5f2a53
-@contextmanager
-def _suspended(learn:Learner):
-    "While inside, every precision fit under way is suspended: fp32 weights in the model, the model's parameters in the optimizer"
-    with ExitStack() as stack:
-        for c in _precision_cbs(learn): stack.enter_context(c.suspended())
-        yield
-
-# %% ../nbs/07_learner.ipynb #60a0aed7
-@contextmanager
-def _state_into_opt(learn:Learner):
-    "While inside, `learn.opt.state_dict()` also holds the precision callbacks' state, under 'mpx'"
-    opt,cbs = learn.opt,_precision_cbs(learn)
-    if opt is None or not cbs: yield; return
-    fastai_sd = opt.state_dict
-    opt.state_dict = lambda: {**fastai_sd(), 'mpx': {c.name: c.state_dict() for c in cbs}}
-    try: yield
-    finally: del opt.state_dict
-
-@contextmanager
-def _state_from_opt(learn:Learner):
-    "While inside, an optimizer state loaded into `learn.opt` also restores the precision callbacks' (or starts their scale afresh)"
-    opt,cbs,got = learn.opt,_precision_cbs(learn),[]
-    if opt is None or not cbs: yield; return
-    fastai_load = opt.load_state_dict
-    def load(sd): fastai_load({k: v for k,v in sd.items() if k != 'mpx'}); got.append(sd.get('mpx', {}))
-    opt.load_state_dict = load
-    try: yield
-    finally: del opt.load_state_dict
-    if not got: return  # no optimizer state was loaded: the scale stays as it is, like the optimizer
-    for c in cbs:
-        if c.name in got[0]: c.load_state_dict(got[0][c.name])
-        else: c.reset_scaler()
-
-# %% ../nbs/07_learner.ipynb #80123eb1
-_fastai_save,_fastai_load = getattr(Learner.save, '_fastai', Learner.save),getattr(Learner.load, '_fastai', Learner.load)
-
-@patch
-def save(self:Learner, file, **kwargs):
-    "fastai's `Learner.save`, also storing the loss scale, and writing fp32 masters (never half-rounded weights) during a `MasterPrecision` fit"
-    with _suspended(self), _state_into_opt(self): return _fastai_save(self, file, **kwargs)
-
-@patch
-def load(self:Learner, file, device=None, **kwargs):
-    "fastai's `Learner.load`, also restoring the loss scale, and loading into the fp32 masters during a `MasterPrecision` fit"
-    if self.opt is None: self.create_opt()
-    with _suspended(self), _state_from_opt(self): return _fastai_load(self, file, device=device, **kwargs)
-
-Learner.save._fastai,Learner.load._fastai = _fastai_save,_fastai_load
