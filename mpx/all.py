@@ -1,12 +1,13 @@
-"mpx's public names; importing it patches `Learner`: `to_fp16`, `to_bf16`, `to_fp32`, `precision_report`, `to_auto_precision`, `log_loss_scale`, `save`, `load`."
+"mpx's public names; importing it patches `Learner`: `to_fp16`, `to_bf16`, `to_fp32`, `to_fp8`, `precision_report`, `to_auto_precision`, `log_loss_scale`, `save`, `load`."
 from .core import *
 from .scaler import *
 from .callback import *
 from .amp import *
 from .master import *
 from .pure import *
+from .fp8 import *
 from .advisor import *
 from .learner import *
 
 # Star-exported: what a user writes. Helpers stay importable from their modules (`mpx.core`, `mpx.scaler`, ...).
-__all__ = ['AMPMode', 'LossScaler', 'PrecisionCallback', 'MixedPrecision', 'MasterPrecision', 'PureBF16', 'PrecisionReport']
+__all__ = ['AMPMode', 'LossScaler', 'PrecisionCallback', 'MixedPrecision', 'MasterPrecision', 'PureBF16', 'FP8Precision', 'PrecisionReport']

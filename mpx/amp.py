@@ -28,8 +28,7 @@ class MixedPrecision(PrecisionCallback):
     ):
         super().__init__(amp_mode, check_finite, fused)
         given = passed(init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor, growth_interval=growth_interval)
-        if self.amp_mode is AMPMode.BF16 and given: _no_effect(*next(iter(given.items())))
-        check_args(enabled=enabled, **given)
+        check_mode_args('amp', self.amp_mode, **given, enabled=enabled)
         self.init_scale,self.growth_factor,self.backoff_factor = float(init_scale),float(growth_factor),float(backoff_factor)
         self.growth_interval = int(growth_interval)
         self.enabled,self.scaler = enabled,None
@@ -96,8 +95,4 @@ class MixedPrecision(PrecisionCallback):
     def reset_scaler(self):
         "Start the loss scale afresh at `init_scale` on the next fit"
         self.scaler,self._scaler_state_to_load = None,None
-
-def _no_effect(k, v):
-    raise ValueError(f"{k}={v!r} has no effect with amp_mode='bf16': bf16 has fp32's range and needs no loss scaling. "
-                     f"Drop {k}, or use amp_mode='fp16'")
 

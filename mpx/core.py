@@ -12,8 +12,8 @@ from fastcore.basics import *
 from fastai.torch_core import apply
 
 # %% auto #0
-__all__ = ['AMPMode', 'model_device', 'training_device', 'autocast_device_type', 'check_amp_support', 'to_float32',
-           'unscale_and_find_inf_', 'has_inf_or_nan', 'check_args', 'default', 'passed']
+__all__ = ['MODE_ARGS', 'AMPMode', 'model_device', 'training_device', 'autocast_device_type', 'check_amp_support', 'to_float32',
+           'unscale_and_find_inf_', 'has_inf_or_nan', 'check_args', 'default', 'passed', 'mode_args', 'check_mode_args']
 
 # %% ../nbs/00_core.ipynb #9dc79e19
 _dtype2mode = {torch.float16: 'fp16', torch.bfloat16: 'bf16'}
@@ -125,6 +125,7 @@ _arg_rules = dict(
     check_finite    = (bool, lambda v: True,                'True or False'),
     fused           = (bool, lambda v: True,                'True or False'),
     seed            = (numbers.Integral, lambda v: v >= 0,  'an integer >= 0'),
+    update          = (str, lambda v: v in ('kahan', 'stochastic'), "'kahan' or 'stochastic'"),
 )
 
 # %% ../nbs/00_core.ipynb #d19bb1e4
@@ -133,7 +134,7 @@ def check_args(**kwargs) -> None:
     for k,v in kwargs.items():
         typ,ok,allowed = _arg_rules[k]
         if not isinstance(v, typ) or (isinstance(v, bool) and typ is not bool): raise TypeError(f"{k}={v!r} is a {type(v).__name__}: {k} must be {allowed}")
-        if not ok(v): raise ValueError(f"{k}={v!r} is out of range: {k} must be {allowed}")
+        if not ok(v): raise ValueError(f"{k}={v!r} is {'not allowed' if typ is str else 'out of range'}: {k} must be {allowed}")
     if kwargs.get('min_scale', 0) > kwargs.get('max_scale', math.inf):
         raise ValueError(f"min_scale={kwargs['min_scale']!r} > max_scale={kwargs['max_scale']!r}: min_scale must be <= max_scale")
 
@@ -148,3 +149,37 @@ def default(v):
 def passed(**kwargs) -> dict:
     "The arguments in `kwargs` the user passed: those not left at a `default`"
     return {k:v for k,v in kwargs.items() if not isinstance(v, (_DefaultFloat, _DefaultInt))}
+
+# %% ../nbs/00_core.ipynb #3d5e0c6c
+_both = dict(amp=None, master=None, pure=None)
+MODE_ARGS = dict(  # argument: {callback that takes it: what it needs there to have an effect (None: nothing)}
+    init_scale      = dict(amp='fp16'),
+    growth_factor   = dict(amp='fp16', master='dynamic'),
+    backoff_factor  = dict(amp='fp16', master='dynamic'),
+    growth_interval = dict(amp='fp16', master='dynamic'),
+    enabled         = dict(amp=None),
+    loss_scale      = dict(master='fp16'),
+    dynamic         = dict(master='fp16'),
+    min_scale       = dict(master='dynamic'),
+    max_scale       = dict(master='dynamic'),
+    flat_master     = dict(master=None),
+    update          = dict(pure=None),
+    seed            = dict(pure=None),
+    check_finite    = _both,
+    fused           = _both,
+)
+
+def mode_args(mode:str) -> list:
+    "The arguments callback `mode` ('amp', 'master' or 'pure') takes, in the table's order"
+    return [k for k,takes in MODE_ARGS.items() if mode in takes]
+
+def check_mode_args(mode:str, amp_mode, is_dynamic:bool=False, **given) -> None:
+    "Raise a `ValueError` for the first argument the user passed (`given`) with no effect in `mode`, then check each against its rule"
+    for k,v in given.items():
+        need = MODE_ARGS[k][mode]
+        if need in ('fp16', 'dynamic') and AMPMode(amp_mode) is AMPMode.BF16:
+            raise ValueError(f"{k}={v!r} has no effect with amp_mode='bf16': bf16 has fp32's range and needs no loss scaling. "
+                             f"Drop {k}, or use amp_mode='fp16'")
+        if need == 'dynamic' and not is_dynamic:
+            raise ValueError(f"{k}={v!r} has no effect with a static loss scale: pass dynamic=True to use it, or drop {k}")
+    check_args(**given)

@@ -18,7 +18,7 @@ from .pure import *
 from .hardware import warn_if_slow
 
 # %% auto #0
-__all__ = []
+__all__ = ['precision_callback']
 
 # %% ../nbs/07_learner.ipynb #b0ecfdcb
 def _float_(model:nn.Module):
@@ -35,46 +35,50 @@ def _set_precision(self:Learner, cb:Callback|None=None):
     return self if cb is None else self.add_cb(cb)
 
 # %% ../nbs/07_learner.ipynb #d87a8c7a
-_amp_only,_master_only = {'init_scale', 'enabled'},{'loss_scale', 'flat_master', 'dynamic', 'min_scale', 'max_scale'}
-_pure_args = {'update', 'seed', 'check_finite'}
+_callbacks = dict(amp=MixedPrecision, master=MasterPrecision, pure=PureBF16)
 
-def _known_args(mode:AMPMode) -> list:
-    "Every keyword `to_fp16`/`to_bf16` takes in `mode`, whichever callback it selects"
-    cbs = (MixedPrecision, MasterPrecision) + ((PureBF16,) if mode is AMPMode.BF16 else ())
-    return sorted({k for c in cbs for k in inspect.signature(c).parameters} - {'amp_mode'})
+def _only(cb:str, kwargs:dict) -> list:
+    "The arguments in `kwargs` that only callback `cb` takes (`MODE_ARGS`)"
+    return sorted(k for k in kwargs if list(MODE_ARGS[k]) == [cb])
 
 def _check_known(mode:AMPMode, kwargs:dict):
     "Raise a `TypeError` naming a keyword no precision callback takes, a close match, and the allowed ones"
-    known = _known_args(mode)
+    known = sorted(k for k,takes in MODE_ARGS.items() if mode is AMPMode.BF16 or set(takes) != {'pure'})
     for k in kwargs:
         if k in known: continue
         close = difflib.get_close_matches(k, known, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ''
-        raise TypeError(f"to_{mode}() got an unexpected keyword argument {k!r}{hint}: it takes master, {'pure, ' * (mode is AMPMode.BF16)}and {known}")
+        raise TypeError(f"to_{mode}() got an unexpected keyword argument {k!r}{hint}: "
+                        f"it takes master, {'pure, ' * (mode is AMPMode.BF16)}and {known}")
 
-def _precision_cb(mode:AMPMode, master:bool, kwargs:dict, pure:bool=False) -> Callback:
-    "`PureBF16` with `pure`; `MasterPrecision` when `master` or one of its own arguments is in `kwargs`; else `MixedPrecision`"
+def precision_callback(mode:str|AMPMode, master:bool=False, pure:bool=False, **kwargs) -> PrecisionCallback:
+    "The callback `to_fp16`/`to_bf16` add: `PureBF16` with `pure`, `MasterPrecision` with `master` or its own arguments, else `MixedPrecision`"
+    mode = AMPMode(mode)
     check_args(master=master, pure=pure)
     _check_known(mode, kwargs)
     if pure: return _pure_cb(master, kwargs)
-    if 'update' in kwargs: raise ValueError(f"update={kwargs['update']!r} chooses how pure bf16 folds its updates: pass pure=True with it (learn.to_bf16(pure=True, update=...))")
-    amp,legacy = sorted(_amp_only & kwargs.keys()),sorted(_master_only & kwargs.keys())
-    if (master or legacy) and amp: raise ValueError(f"{amp} are MixedPrecision arguments but {legacy or ['master=True']} select MasterPrecision: pass one or the other")
-    return (MasterPrecision if master or legacy else MixedPrecision)(mode, **kwargs)
+    if _only('pure', kwargs): k = _only('pure', kwargs)[0]; raise ValueError(
+        f"{k}={kwargs[k]!r} is a pure bf16 argument: pass pure=True with it (learn.to_bf16(pure=True, {k}=...))")
+    amp,legacy = _only('amp', kwargs),_only('master', kwargs)
+    if (master or legacy) and amp: raise ValueError(f"{amp} are MixedPrecision arguments but {legacy or ['master=True']} "
+                                                    "select MasterPrecision: pass one or the other")
+    return _callbacks['master' if master or legacy else 'amp'](mode, **kwargs)
 
 def _pure_cb(master:bool, kwargs:dict) -> PureBF16:
     "`PureBF16(**kwargs)`, refusing what pure bf16 cannot do: fp32 masters, and loss scaling (bf16 needs none)"
     if master: raise ValueError("pure=True keeps no fp32 master weights and master=True keeps them: pass one or the other")
-    bad = sorted(kwargs.keys() - _pure_args)
-    if bad: raise ValueError(f"{bad} have no effect with pure=True: pure bf16 has no loss scale and no masters; it takes {sorted(_pure_args)}")
+    bad = sorted(kwargs.keys() - set(mode_args('pure')))
+    if bad: raise ValueError(f"{bad} have no effect with pure=True: pure bf16 has no loss scale and no masters; "
+                             f"it takes {sorted(mode_args('pure'))}")
     return PureBF16(**kwargs)
+
 
 # %% ../nbs/07_learner.ipynb #dd31e57e
 @patch
 @delegates(MixedPrecision, but=['amp_mode'])
 def to_fp16(self:Learner, master:bool=False, **kwargs):
     "fp16 mixed precision: autocast and a `GradScaler`, or `MasterPrecision` with `master=True` or any of its arguments"
-    return self._set_precision(_precision_cb(AMPMode.FP16, master, kwargs))._warn_if_slow()
+    return self._set_precision(precision_callback(AMPMode.FP16, master, **kwargs))._warn_if_slow()
 
 @patch
 def to_bf16(self:Learner,
@@ -82,7 +86,7 @@ def to_bf16(self:Learner,
     pure:bool=False, # bf16 weights and no masters, updates folded back with `update` ('kahan' or 'stochastic'; `PureBF16`)
     **kwargs):
     "bf16 mixed precision: autocast without loss scaling, a bf16 model with fp32 masters (`master=True`), or bf16 weights without masters (`pure=True`)"
-    return self._set_precision(_precision_cb(AMPMode.BF16, master, kwargs, pure))._warn_if_slow()
+    return self._set_precision(precision_callback(AMPMode.BF16, master, pure, **kwargs))._warn_if_slow()
 
 @patch
 def _warn_if_slow(self:Learner):

@@ -138,8 +138,6 @@ def undo(self:MasterCopies):
     self.done = True
 
 # %% ../nbs/04_master.ipynb #24f87157
-_dynamic_only = ('growth_interval', 'growth_factor', 'backoff_factor', 'min_scale', 'max_scale')
-
 class MasterPrecision(PrecisionCallback):
     "Half-precision model with fp32 master weights stepped by the optimizer, and loss scaling (static by default)"
     def __init__(self,
@@ -159,12 +157,7 @@ class MasterPrecision(PrecisionCallback):
         check_args(flat_master=flat_master, dynamic=dynamic)
         args = dict(loss_scale=loss_scale, growth_interval=growth_interval, growth_factor=growth_factor, backoff_factor=backoff_factor,
                     min_scale=min_scale, max_scale=max_scale)
-        given = passed(**args)
-        if self.amp_mode is AMPMode.BF16 and (given or dynamic): _no_effect(*next(iter(given.items()), ('dynamic', dynamic)))
-        static_only = [k for k in _dynamic_only if k in given and not dynamic]
-        if static_only: k = static_only[0]; raise ValueError(f"{k}={given[k]!r} has no effect with a static loss scale: "
-                                                            f"pass dynamic=True to use it, or drop {k}")
-        check_args(**given)
+        check_mode_args('master', self.amp_mode, dynamic, **passed(**args), **({'dynamic': dynamic} if dynamic else {}))
         self.scaler = None if self.amp_mode is AMPMode.BF16 else _scaler(dynamic, **args)
         self.flat_master = flat_master
 
@@ -206,9 +199,6 @@ class MasterPrecision(PrecisionCallback):
     def reset_scaler(self):
         "Start the loss scale afresh at its initial value"
         if self.scaler is not None: self.scaler.reset()
-
-def _no_effect(k, v): raise ValueError(f"{k}={v!r} has no effect with amp_mode='bf16': bf16 has fp32's range and needs no loss scaling. "
-                                       f"Drop {k}, or use amp_mode='fp16'")
 
 def _scaler(dynamic:bool, loss_scale:float, growth_interval:int, min_scale:float, max_scale:float, **kwargs) -> LossScaler:
     "The `LossScaler`, in plain floats and ints; a dynamic scale outside its bounds is reported as the `loss_scale` the user passed"

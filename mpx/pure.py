@@ -181,8 +181,6 @@ def restore_grads(self:BF16Weights, grads:dict):
         if id(t) in grads and t.dtype is torch.bfloat16: t.grad = grads[id(t)]
 
 # %% ../nbs/05_pure.ipynb #pb000023
-_updates = ('kahan', 'stochastic')
-
 class PureBF16(PrecisionCallback):
     "bf16 weights stepped in place by the optimizer, no fp32 masters: each update computed in fp32, folded back (Kahan or stochastic)"
     input_dtype = torch.bfloat16
@@ -193,8 +191,7 @@ class PureBF16(PrecisionCallback):
         fused:bool=True, # Widen, step and fold fastai's optimizers in bulk with multi-tensor ops; False: one parameter at a time
     ):
         super().__init__(AMPMode.BF16, check_finite, fused)
-        if update not in _updates: raise ValueError(f"update={update!r} is not a pure bf16 update: allowed are 'kahan' and 'stochastic'")
-        check_args(seed=seed)
+        check_mode_args('pure', AMPMode.BF16, update=update, seed=seed)
         self.update,self.seed,self.rng = update,seed,None
     @property
     def bf16_weights(self) -> BF16Weights|None:

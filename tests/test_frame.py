@@ -5,7 +5,7 @@ import mpx, mpx.all
 
 ROOT = Path(__file__).parent.parent
 
-PUBLIC = ['AMPMode', 'LossScaler', 'PrecisionCallback', 'MixedPrecision', 'MasterPrecision', 'PureBF16', 'PrecisionReport']
+PUBLIC = ['AMPMode', 'LossScaler', 'PrecisionCallback', 'MixedPrecision', 'MasterPrecision', 'PureBF16', 'FP8Precision', 'PrecisionReport']
 
 def test_public_names():
     "`from mpx.all import *` gives exactly the user-facing names: `AMPMode`, `LossScaler`, the precision callbacks, the report."
