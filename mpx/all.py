@@ -1,4 +1,5 @@
-"mpx's public names; importing it patches `Learner`: `to_fp16`, `to_bf16`, `to_fp32`, `to_fp8`, `precision_report`, `to_auto_precision`, `log_loss_scale`, `save`, `load`."
+"""mpx's public names; importing it patches `Learner`:
+`to_fp16`, `to_bf16`, `to_fp32`, `to_fp8`, `precision_report`, `to_auto_precision`, `log_loss_scale`, `save`, `load`."""
 from .core import *
 from .scaler import *
 from .callback import *

@@ -39,8 +39,9 @@ def _trailing(flags) -> int:
     "How many of the last `flags` are True in a row"
     return next((i for i,f in enumerate(reversed(flags)) if not f), len(flags))
 
-_hints = {AMPMode.FP16: "check the data and the loss, lower the learning rate, or train in bf16 (learn.to_bf16()), which needs no loss scaling",
-          AMPMode.BF16: "bf16 has fp32's range, so the model itself produces them: check the data and the loss, or lower the learning rate"}
+_hints = {
+    AMPMode.FP16: "check the data and the loss, lower the learning rate, or train in bf16 (learn.to_bf16()), which needs no loss scaling",
+    AMPMode.BF16: "bf16 has fp32's range, so the model itself produces them: check the data and the loss, or lower the learning rate"}
 
 @patch
 def _on_overflow(self:ScaleTelemetry, named_grads, scale:float, at_floor:bool=True):
@@ -50,7 +51,8 @@ def _on_overflow(self:ScaleTelemetry, named_grads, scale:float, at_floor:bool=Tr
     run = _trailing(self.step_log.skips)
     if run >= self.warn_after and at_floor and not getattr(self, '_warned', False):
         self._warned = True
-        warnings.warn(f"{run} optimizer steps in a row had inf/nan gradients at loss scale {scale:g}; the first {kind} gradient was in {param!r}. "
+        warnings.warn(f"{run} optimizer steps in a row had inf/nan gradients at loss scale {scale:g}; "
+                      f"the first {kind} gradient was in {param!r}. "
                       f"The model itself may be producing inf/nan: {_hints[AMPMode(getattr(self, 'amp_mode', 'fp16'))]}.")
 
 # %% ../nbs/02_callback.ipynb #cb000014
@@ -58,7 +60,9 @@ def check_single_autocast(cbs) -> None:
     "Raise a `ValueError` if a callback in `cbs` (fastai's `DistributedTrainer`) runs Accelerate with its own mixed precision"
     for c in cbs:
         mp = str(getattr(c.__dict__.get('accelerator'), 'mixed_precision', 'no'))
-        if mp != 'no': raise ValueError(f"{type(c).__name__} runs Accelerate with mixed_precision={mp!r}, and an mpx callback applies mixed precision too: drop mixed_precision from distrib_ctx()/to_distributed() (its default is 'no') and let mpx do it")
+        if mp != 'no': raise ValueError(f"{type(c).__name__} runs Accelerate with mixed_precision={mp!r}, "
+                                        "and an mpx callback applies mixed precision too: "
+                                        "drop mixed_precision from distrib_ctx()/to_distributed() (its default is 'no') and let mpx do it")
 
 # %% ../nbs/02_callback.ipynb #cb000017
 class NormStats:
@@ -207,7 +211,7 @@ class PrecisionCallback(Callback, ScaleTelemetry):
 
     @contextlib.contextmanager
     def suspended(self):
-        "Context manager: while inside, a fit under way is undone (fp32 weights in the model, its parameters in the optimizer), then resumed"
+        "Context manager: inside it, a fit under way is undone (fp32 weights in the model, its parameters in the optimizer), then resumed"
         if self.fit_state is None and self.fused_steps is None: yield; return
         grads = self.fit_state.grads_in_flight() if self.fit_state is not None else {}  # an accumulation window stays open
         self._end_fit()

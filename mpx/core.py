@@ -30,7 +30,8 @@ class AMPMode(str, Enum):
     def _missing_(cls, value):
         key = _dtype2mode.get(value) if isinstance(value, torch.dtype) else value.lower() if isinstance(value, str) else None
         if key in cls._value2member_map_: return cls._value2member_map_[key]
-        raise ValueError(f"Unknown amp_mode {value!r}: allowed are 'fp16' and 'bf16' (AMPMode.FP16, AMPMode.BF16, torch.float16, torch.bfloat16)")
+        raise ValueError(f"Unknown amp_mode {value!r}: allowed are 'fp16' and 'bf16' "
+                         "(AMPMode.FP16, AMPMode.BF16, torch.float16, torch.bfloat16)")
 
 # %% ../nbs/00_core.ipynb #91c8bb6b
 def model_device(model, default='cpu') -> torch.device:
@@ -47,14 +48,16 @@ def training_device(dls=None, model=None) -> torch.device:
 def autocast_device_type(device) -> str:
     "The `torch.autocast` device type of `device` ('cuda', 'cpu', 'mps', ...); a `ValueError` where autocast is unavailable"
     dt = torch.device(device).type
-    if not torch.amp.is_autocast_available(dt): raise ValueError(f"Device {str(device)!r} has no autocast support: mixed precision runs on 'cuda', 'cpu' or 'mps'")
+    if not torch.amp.is_autocast_available(dt): raise ValueError(f"Device {str(device)!r} has no autocast support: "
+                                                                  "mixed precision runs on 'cuda', 'cpu' or 'mps'")
     return dt
 
 # %% ../nbs/00_core.ipynb #e9e9f3b6
 def check_amp_support(device_type:str, mode) -> None:
     "Raise a `ValueError` when `device_type` cannot compute in `mode`'s dtype"
     if device_type == 'cuda' and AMPMode(mode) is AMPMode.BF16 and not torch.cuda.is_bf16_supported():
-        raise ValueError(f"amp_mode='bf16' needs a GPU with bfloat16 support (compute capability 8.0 or later), which {torch.cuda.get_device_name()} lacks: use amp_mode='fp16'")
+        raise ValueError(f"amp_mode='bf16' needs a GPU with bfloat16 support (compute capability 8.0 or later), "
+                         f"which {torch.cuda.get_device_name()} lacks: use amp_mode='fp16'")
 
 # %% ../nbs/00_core.ipynb #3a70570a
 _half_dtypes = (torch.float16, torch.bfloat16)
@@ -133,7 +136,8 @@ def check_args(**kwargs) -> None:
     "Raise a `TypeError` or `ValueError` naming the first invalid loss-scaling argument in `kwargs` and what is allowed"
     for k,v in kwargs.items():
         typ,ok,allowed = _arg_rules[k]
-        if not isinstance(v, typ) or (isinstance(v, bool) and typ is not bool): raise TypeError(f"{k}={v!r} is a {type(v).__name__}: {k} must be {allowed}")
+        if not isinstance(v, typ) or (isinstance(v, bool) and typ is not bool):
+            raise TypeError(f"{k}={v!r} is a {type(v).__name__}: {k} must be {allowed}")
         if not ok(v): raise ValueError(f"{k}={v!r} is {'not allowed' if typ is str else 'out of range'}: {k} must be {allowed}")
     if kwargs.get('min_scale', 0) > kwargs.get('max_scale', math.inf):
         raise ValueError(f"min_scale={kwargs['min_scale']!r} > max_scale={kwargs['max_scale']!r}: min_scale must be <= max_scale")

@@ -244,8 +244,10 @@ class FusedSteps:
         widen:Callable|None=None, # `widen(params) -> (data, grads)`: fp32 tensors to step for a chunk (`None`: the parameters)
         fold:Callable|None=None, # `fold(params, data)`: write a chunk's stepped fp32 `data` back into `params` (must not change `data`)
         chunk:int=1<<22, # Most elements stepped at once: bounds the step's temporaries (a larger tensor goes alone)
+        fallback:Callable|None=None, # `fallback(opt)` steps when the step functions changed after install; None: fastai's loop
     ):
         self.opt,self.widen,self.fold,self.chunk,self.done = opt,widen,fold,chunk,False
+        self.fallback = fallback or Optimizer.step
         self.las,self.inner = _unwrap(opt)
         self.reason = why_not_fused(opt)
         self.active,self.installed = self.reason is None,[]
@@ -285,7 +287,7 @@ def step(self:FusedSteps, closure=None):
     if closure is not None: raise NotImplementedError("fastai optimizers currently do not support closure")
     o = self.inner
     fcbs = [fused_cb(cb) for cb in o.cbs]
-    if any(f is None for f,_ in fcbs): return Optimizer.step(o)  # step functions changed since install: fastai's loop
+    if any(f is None for f,_ in fcbs): return self.fallback(o)  # step functions changed since install: fastai's loop
     for pg,hyper in zip(o.param_lists, o.hypers):
         pg = list(pg)  # fastcore's `L` indexes slowly
         states = [o.state[p] for p in pg]  # as fastai's `all_params`, which makes every parameter's entry

@@ -29,7 +29,7 @@ def _float_(model:nn.Module):
 
 @patch
 def _set_precision(self:Learner, cb:Callback|None=None):
-    "Remove every precision callback, mpx's and fastai's (finishing any fit one left half done), then add `cb`; with none, put the model back in fp32"
+    "Remove every precision callback, mpx's and fastai's (finishing a half-done fit), then add `cb`; with none, put the model back in fp32"
     self.remove_cbs([c for c in self.cbs if is_mpx_precision(c) or isinstance(c, _fastai_types)])
     if cb is None: _float_(self.model)
     return self if cb is None else self.add_cb(cb)
@@ -52,7 +52,7 @@ def _check_known(mode:AMPMode, kwargs:dict):
                         f"it takes master, {'pure, ' * (mode is AMPMode.BF16)}and {known}")
 
 def precision_callback(mode:str|AMPMode, master:bool=False, pure:bool=False, **kwargs) -> PrecisionCallback:
-    "The callback `to_fp16`/`to_bf16` add: `PureBF16` with `pure`, `MasterPrecision` with `master` or its own arguments, else `MixedPrecision`"
+    "What `to_fp16`/`to_bf16` add: `PureBF16` with `pure`, `MasterPrecision` with `master` or its own arguments, else `MixedPrecision`"
     mode = AMPMode(mode)
     check_args(master=master, pure=pure)
     _check_known(mode, kwargs)
@@ -85,7 +85,7 @@ def to_bf16(self:Learner,
     master:bool=False, # A bf16 model with fp32 master weights (`MasterPrecision`)
     pure:bool=False, # bf16 weights and no masters, updates folded back with `update` ('kahan' or 'stochastic'; `PureBF16`)
     **kwargs):
-    "bf16 mixed precision: autocast without loss scaling, a bf16 model with fp32 masters (`master=True`), or bf16 weights without masters (`pure=True`)"
+    "bf16 mixed precision: autocast, no loss scaling; a bf16 model and fp32 masters (`master=True`); or bf16 weights alone (`pure=True`)"
     return self._set_precision(precision_callback(AMPMode.BF16, master, pure, **kwargs))._warn_if_slow()
 
 @patch
@@ -107,6 +107,7 @@ def _mpx_cb(learn:Learner): return first(_precision_cbs(learn))
 def log_loss_scale(self:Learner):
     "Add the loss scale and the epoch's skipped steps to the progress table (and so to `CSVLogger`, W&B, TensorBoard)"
     if _mpx_cb(self) is None: raise ValueError("log_loss_scale needs a precision callback: call learn.to_fp16() or learn.to_bf16() first")
-    cols = [ValueMetric(lambda: getattr(_mpx_cb(self), 'loss_scale', 1.), 'loss_scale'), ValueMetric(lambda: getattr(_mpx_cb(self), 'epoch_skipped_steps', 0), 'skipped_steps')]
+    cols = [ValueMetric(lambda: getattr(_mpx_cb(self), 'loss_scale', 1.), 'loss_scale'),
+            ValueMetric(lambda: getattr(_mpx_cb(self), 'epoch_skipped_steps', 0), 'skipped_steps')]
     self.metrics = L(m for m in self.metrics if m.name not in ('loss_scale', 'skipped_steps')) + cols
     return self

@@ -127,9 +127,10 @@ def named_grads(self:MasterCopies, model:nn.Module) -> list:
 # %% ../nbs/04_master.ipynb #e225594a
 @patch
 def undo(self:MasterCopies):
-    "The masters become the fp32 model's weights; what the optimizer does not hold comes back unrounded unless training changed it; the optimizer holds the model's parameters again"
+    "Masters become the fp32 model's weights, the rest comes back unrounded unless trained, the optimizer gets the model's parameters back"
     if self.done: return
-    for p,m in zip(self.params, self.masters): p.grad,p.data = None,torch.empty_like(p, dtype=torch.float32).copy_(m.detach())  # keeps p's memory format
+    for p,m in zip(self.params, self.masters):
+        p.grad,p.data = None,torch.empty_like(p, dtype=torch.float32).copy_(m.detach())  # keeps p's memory format
     for t,c in self.kept: t.data = exact_fp32(t, c)
     if self.opt is not None:
         self.opt.param_lists = self.lists

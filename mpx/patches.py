@@ -47,8 +47,10 @@ def check_one_precision(cbs, new=None) -> None:
     found = [c for c in L(cbs) + L(new) if is_mpx_precision(c) or isinstance(c, _fastai_types)]
     for a,b in itertools.combinations(found, 2):
         if a is not b and not (isinstance(a, _fastai_pair) and isinstance(b, _fastai_pair)):
-            raise ValueError(f"This learner already has the precision callback {_qualname(a)}; adding {_qualname(b)} would apply mixed precision twice. "
-                             "A learner holds one precision callback: switch with learn.to_fp16(), learn.to_bf16() or learn.to_fp32(), which replace it.")
+            raise ValueError(f"This learner already has the precision callback {_qualname(a)}; "
+                             f"adding {_qualname(b)} would apply mixed precision twice. "
+                             "A learner holds one precision callback: "
+                             "switch with learn.to_fp16(), learn.to_bf16() or learn.to_fp32(), which replace it.")
 
 # %% ../nbs/01c_patches.ipynb #cccc581f
 _fastai_with_events = getattr(Learner._with_events, '_fastai', Learner._with_events)
@@ -152,7 +154,7 @@ _fastai_save,_fastai_load = getattr(Learner.save, '_fastai', Learner.save),getat
 @patch
 @delegates(save_model)
 def save(self:Learner, file, **kwargs):
-    "fastai's `Learner.save`, also storing the loss scale, and writing fp32 masters (never half-rounded weights) during a `MasterPrecision` fit"
+    "fastai's `Learner.save`, also storing the loss scale, writing fp32 masters (never half-rounded weights) during a `MasterPrecision` fit"
     with _suspended(self), _state_into_opt(self): return _fastai_save(self, file, **kwargs)
 
 @patch

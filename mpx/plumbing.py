@@ -27,7 +27,8 @@ class FitState:
 # %% ../nbs/01b_plumbing.ipynb #508cbdd9
 def halvable(model:nn.Module) -> list:
     "The fp32 parameters and buffers of `model` outside BatchNorm layers, each once: what a half model halves"
-    ts = (t for m in model.modules() if not isinstance(m, _BatchNorm) for t in itertools.chain(m.parameters(recurse=False), m.buffers(recurse=False)))
+    ts = (t for m in model.modules() if not isinstance(m, _BatchNorm)
+          for t in itertools.chain(m.parameters(recurse=False), m.buffers(recurse=False)))
     return list({id(t): t for t in ts if t.dtype == torch.float32}.values())
 
 def exact_fp32(t:torch.Tensor, kept:torch.Tensor) -> torch.Tensor:
@@ -51,7 +52,7 @@ def unwrap(opt) -> tuple:
     return wrappers,opt
 
 def state_owners(opt) -> list:
-    "The objects of `opt` that keep a state keyed by parameter: fastai's optimizer (under any `Lookahead`), an `OptimWrapper`'s torch optimizer"
+    "The objects of `opt` keeping state keyed by parameter: fastai's optimizer (under any `Lookahead`), an `OptimWrapper`'s torch optimizer"
     inner = unwrap(opt)[1]
     return [inner] + ([inner.opt] if isinstance(inner, OptimWrapper) else [])
 

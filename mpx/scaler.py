@@ -97,7 +97,7 @@ class Overflow(NamedTuple):
 def _f32(x:float) -> float: return struct.unpack('f', struct.pack('f', x))[0]  # float32 rounding, as GradScaler's kernels compute
 
 class LossScaler:
-    "Dynamic or static loss scaling with statistics; the dynamic trajectory is `torch.amp.GradScaler`'s, kept within [`min_scale`, `max_scale`]"
+    "Dynamic or static loss scaling with statistics; the dynamic trajectory is `torch.amp.GradScaler`'s, within [`min_scale`, `max_scale`]"
     def __init__(self,
         init_scale:float=2.**16, # The first scale (the only one when `dynamic=False`)
         dynamic:bool=True, # Adapt the scale to overflows (True) or keep it fixed (False)
@@ -174,7 +174,8 @@ def update(self:LossScaler, found_inf) -> float:
     return self.scale
 
 # %% ../nbs/01_scaler.ipynb #ec81801d
-_ls_keys = 'scale,growth_tracker,total_updates,skipped_updates,init_scale,dynamic,growth_interval,growth_factor,backoff_factor,min_scale,max_scale'.split(',')
+_ls_keys = ('scale,growth_tracker,total_updates,skipped_updates,init_scale,dynamic,'
+            'growth_interval,growth_factor,backoff_factor,min_scale,max_scale').split(',')
 
 @patch
 def state_dict(self:LossScaler) -> dict:

@@ -54,13 +54,15 @@ def tiny_learner(cbs=None, bn:bool=False, seed:int=0, n_trn:int=10, n_val:int=2,
                  **kwargs) -> Learner:
     "`synth_learner` on `tiny_model(bn)` and `tiny_dls`, any `opt_func`, seeded with `seed`, with no progress bar and no per-epoch printing"
     set_seed(seed, reproducible=True)
-    if not isinstance(model, nn.Module): model = (model or partial(tiny_model, bn))()  # drawn before the data, as in `synth_learner(model=tiny_model())`
+    # drawn before the data, as in `synth_learner(model=tiny_model())`
+    if not isinstance(model, nn.Module): model = (model or partial(tiny_model, bn))()
     if device is not None: model = model.to(device)
-    learn = Learner(tiny_dls(n_trn, n_val, device=device), model, lr=lr, loss_func=loss_func or MSELossFlat(), opt_func=opt_func, cbs=cbs, **kwargs)
+    learn = Learner(tiny_dls(n_trn, n_val, device=device), model, lr=lr, loss_func=loss_func or MSELossFlat(),
+                    opt_func=opt_func, cbs=cbs, **kwargs)
     return _quiet(learn)
 
 def fit_quiet(learn:Learner, n_epoch:int=1, method:str='fit', **kwargs) -> Learner:
-    "Call `learn.<method>(n_epoch, **kwargs)` (`fit`, `fit_one_cycle`, `fine_tune`, ...) with no progress bar and no logging; return `learn`"
+    "Call `learn.<method>(n_epoch, **kwargs)` (`fit`, `fit_one_cycle`, `fine_tune`, ...) with no progress bar or logging; return `learn`"
     with learn.no_bar(), learn.no_logging(): getattr(learn, method)(n_epoch, **kwargs)
     return learn
 
@@ -104,13 +106,15 @@ def collab_app_learner(seed:int=0, n:int=256, bs:int=64, use_nn:bool=False, **kw
 # %% ../nbs/99_test_utils.ipynb #f8877c0a
 def text_app_learner(seed:int=0, n:int=64, bs:int=16, **kwargs) -> Learner:
     "A quiet seeded `AWD_LSTM` classifier (`pretrained=False`, one layer of 8) on `n` random sentences of 12 words"
-    from fastai.text.all import DataBlock, TextBlock, CategoryBlock, ColReader, ColSplitter, BaseTokenizer, AWD_LSTM, text_classifier_learner
+    from fastai.text.all import (DataBlock, TextBlock, CategoryBlock, ColReader, ColSplitter, BaseTokenizer, AWD_LSTM,
+                                 text_classifier_learner)
     set_seed(seed, reproducible=True)
     words = np.array('good bad fine awful great poor nice dull movie film plot actor'.split())
     texts = [' '.join(words[torch.randint(0, len(words), (int(k),)).numpy()]) for k in torch.randint(4, 10, (n,))]
     df = pd.DataFrame(dict(text=texts, label=['good' in t for t in texts], is_valid=[i >= n-bs for i in range(n)]))
     tb = TextBlock.from_df('text', tok=BaseTokenizer(), n_workers=0, min_freq=1, seq_len=8)  # no spaCy, no worker processes
-    dls = DataBlock(blocks=[tb, CategoryBlock], get_x=ColReader('text'), get_y=ColReader('label'), splitter=ColSplitter('is_valid')).dataloaders(df, bs=bs, seq_len=8, num_workers=0)
+    dls = DataBlock(blocks=[tb, CategoryBlock], get_x=ColReader('text'), get_y=ColReader('label'),
+                    splitter=ColSplitter('is_valid')).dataloaders(df, bs=bs, seq_len=8, num_workers=0)
     cfg = dict(emb_sz=8, n_hid=8, n_layers=1)
     return _quiet(text_classifier_learner(dls, AWD_LSTM, pretrained=False, config=cfg, seq_len=8, max_len=80, lin_ftrs=[8], **kwargs))
 
@@ -219,10 +223,11 @@ def weights(learn:Learner) -> list:
     return [_clone(p) for p in learn.model.parameters()]
 
 def state_of(learn:Learner) -> dict:
-    "Copies of the model's weights, buffers and trainable flags, of the parameters the optimizer steps (`learn.parameters()`: the masters in a master fit) and of their optimizer state (fastai's, torch's, Lookahead's)"
+    "Copies of the model's weights, buffers and trainable flags, of the parameters `learn.parameters()` steps and of their optimizer state"
     ps,opt = list(learn.parameters()),learn.opt
     def per_param(state): return [{k: _clone(v) for k,v in state.get(p, {}).items()} for p in ps]
-    res = dict(weights=weights(learn), buffers=[_clone(b) for b in learn.model.buffers()], requires_grad=[p.requires_grad for p in learn.model.parameters()],
+    res = dict(weights=weights(learn), buffers=[_clone(b) for b in learn.model.buffers()],
+               requires_grad=[p.requires_grad for p in learn.model.parameters()],
                stepped=[_clone(p) for p in ps], state=per_param(opt.state) if opt is not None else [])
     if isinstance(opt, OptimWrapper): res['torch_state'] = per_param(opt.opt.state)
     if isinstance(opt, Lookahead): res['count'],res['slow'] = opt.count,[_clone(s) for pg in (opt.slow_weights or []) for s in pg]
@@ -239,7 +244,8 @@ def state_diffs(a, b, where:str='') -> list:
         return [d for i,(x,y) in enumerate(zip(a, b)) for d in state_diffs(x, y, f'{where}[{i}]')]
     if isinstance(a, Tensor) and isinstance(b, Tensor):
         if a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b): return []
-        return [f'{where}: {tuple(a.shape)} {a.dtype} vs {tuple(b.shape)} {b.dtype}' + (f', max diff {(a.float()-b.float()).abs().max().item():.3g}' if a.shape == b.shape else '')]
+        return [f'{where}: {tuple(a.shape)} {a.dtype} vs {tuple(b.shape)} {b.dtype}'
+                + (f', max diff {(a.float()-b.float()).abs().max().item():.3g}' if a.shape == b.shape else '')]
     return [] if a == b else [f'{where}: {a!r} vs {b!r}']
 
 def same_state(a:dict, b:dict) -> bool:
@@ -262,19 +268,20 @@ class Snapshot(Callback):
 def check_skips_change_nothing(cb:PrecisionCallback, snap:Snapshot,
                                skipped:list|None=None, # The steps that must have been skipped, if known
                               ):
-    "Assert that every skipped step (exactly `skipped`, if given) left `state_of` bit-identical, and every other step changed every stepped parameter"
+    "Assert skipped steps (exactly `skipped`, if given) left `state_of` bit-identical and every other step changed every stepped parameter"
     skips = cb.step_log.skips
     if skipped is not None:
         assert [i for i,s in enumerate(skips) if s] == skipped, f'skipped {[i for i,s in enumerate(skips) if s]}, not {skipped}'
         if skipped: assert cb.last_overflow.step == skipped[-1]
     assert len(snap.snaps) == cb.total_steps+1
     for i,s in enumerate(skips):
-        if s: assert same_state(snap.snaps[i], snap.snaps[i+1]), f'skipped step {i} changed {state_diffs(snap.snaps[i], snap.snaps[i+1])[:4]}'
-        else: assert all_stepped_changed(snap.snaps[i], snap.snaps[i+1]), f'clean step {i} left a parameter unchanged'
+        before,after = snap.snaps[i],snap.snaps[i+1]
+        if s: assert same_state(before, after), f'skipped step {i} changed {state_diffs(before, after)[:4]}'
+        else: assert all_stepped_changed(before, after), f'clean step {i} left a parameter unchanged'
 
 # %% ../nbs/99_test_utils.ipynb #bf15198e
 def grad_norm(learn:Learner) -> float:
-    "The total 2-norm of the gradients of the parameters the optimizer steps (`learn.parameters()`: the masters in a master fit); one host sync"
+    "The total 2-norm of the gradients of the stepped parameters (`learn.parameters()`: the masters in a master fit); one host sync"
     return torch.linalg.vector_norm(torch.stack([p.grad.float().norm() for p in learn.parameters() if p.grad is not None])).item()
 
 class GradNormProbe(Callback):
@@ -301,11 +308,13 @@ class LossProbe(Callback):
         if self.training: self.losses.append(self.loss.item())
 
 # %% ../nbs/99_test_utils.ipynb #714da7ba
-def replay(skips:list, init_scale:float=2.**16, growth_factor:float=2., backoff_factor:float=.5, growth_interval:int=2000, device='cpu') -> list:
+def replay(skips:list, init_scale:float=2.**16, growth_factor:float=2., backoff_factor:float=.5, growth_interval:int=2000,
+           device='cpu') -> list:
     "The scale a standalone `torch.amp.GradScaler` multiplies each step's loss by, when the steps flagged in `skips` overflow"
     p = torch.zeros(1, device=device, requires_grad=True)
     opt = torch.optim.SGD([p], lr=0.)
-    scaler = torch.amp.GradScaler(torch.device(device).type, init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor, growth_interval=growth_interval)
+    scaler = torch.amp.GradScaler(torch.device(device).type, init_scale=init_scale, growth_factor=growth_factor,
+                                  backoff_factor=backoff_factor, growth_interval=growth_interval)
     scales = []
     for skip in skips:
         scales.append(scaler.get_scale())
