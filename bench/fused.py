@@ -193,18 +193,21 @@ def _grow(a, b, na, nb) -> str:
     return 'constant' if abs(d) < 1e-9 else f'+{_num(round(d, 2))}/tensor'
 
 def mode_count_table(sizes=(10, 100, 1000), modes=None, opts=None, show_ops=False):
-    rows,big,notes = [],sizes[-1],[]
+    "The step window's ops in each mode and optimizer, loop and fused; the fused ops over the fp32 learner's fused ones: the mode's own"
+    rows,big,notes,fp32 = [],sizes[-1],[],{}
     for mode in modes or MODES:
         for opt in opts or OPTS:
             r = {(n,f): mode_ops(mode, opt, n, f) for n in sizes for f in (False, True)}
             if any(v['skipped'] for v in r.values()): notes.append(f'{mode}, {opt}: skipped steps {[v["skipped"] for v in r.values()]}')
             lo,fu = r[big,False],r[big,True]
+            if mode == 'fp32': fp32[opt] = fu['step']
             rows.append([mode, opt, *[_num(r[n,False]['step']) for n in sizes], *[_num(r[n,True]['step']) for n in sizes],
                          f"{100*fu['step']/lo['step']:.2f}%", _grow(r[sizes[0],True]['step'], fu['step'], sizes[0], big),
-                         _num(fu['views']), f"{_num(lo['zero_grad'])} / {_num(fu['zero_grad'])}"])
+                         _num(fu['views']), _num(fu['step'] - fp32[opt]) if opt in fp32 else '',
+                         f"{_num(lo['zero_grad'])} / {_num(fu['zero_grad'])}"])
             if show_ops: print(mode, opt, {k: v for k,v in sorted(fu['ops'].items(), key=lambda o: -o[1])[:12]})
     table(['mode', 'optimizer', *[f'loop {n}:' for n in sizes], *[f'fused {n}:' for n in sizes], f'fused/loop at {big}:',
-           'fused growth:', f'fused views at {big}:', f'zero_grad loop / fused at {big}:'], rows)
+           'fused growth:', f'fused views at {big}:', f'fused over fp32 at {big}:', f'zero_grad loop / fused at {big}:'], rows)
     for n in notes: print(f'# {n}')
 
 def mode_step_timer(mode, fused, n_batches=10) -> callable:
@@ -229,6 +232,27 @@ def mode_time_table(rounds=5, modes=None, n_batches=10):
     table(['200 Linear(64, 64), Adam, batch 8', 'step loop ms:', 'step fused ms:', 'step speed-up:', 'batch loop ms:', 'batch fused ms:',
            'batch speed-up:'], rows)
 
+def flat_step_timer(k=20) -> callable:
+    "A function timing `k` fused Adam steps on ONE tensor holding as many elements as the 200-layer chain: the arithmetic, no per-tensor cost"
+    n = sum(p.numel() for p in chain().parameters())
+    g = torch.Generator().manual_seed(0)
+    p = nn.Parameter(torch.randn(n, generator=g) * .05); p.grad = torch.randn(n, generator=g) * 1e-3
+    opt = Adam([p], lr=1e-4)
+    FusedSteps(opt)
+    def run():
+        t = clock()
+        for _ in range(k): opt.step()
+        return (clock() - t) / k
+    return run
+
+def floor_table(rounds=7):
+    "Adam's step alone: fastai's loop and the fused step on the chain's 400 tensors, and the fused step on one flat tensor of the same elements"
+    res = interleaved(dict(loop=opt_step_timer(False), fused=opt_step_timer(True), flat=flat_step_timer()), rounds)
+    n = len(list(chain().parameters()))
+    rows = [[what, f'{med(res[k])*1e3:.2f}', f"{ratio(res['loop'], res[k]):.2f}x", f"{(med(res[k]) - med(res['flat']))/n*1e6:.1f}"]
+            for k,what in (('loop', 'fastai loop, 400 tensors'), ('fused', 'fused, 400 tensors'), ('flat', 'fused, 1 tensor of the same 832,000 elements'))]
+    table(['Adam step alone (arithmetic floor)', 'ms:', 'speed-up over the loop:', 'per-tensor cost us (over the flat one):'], rows)
+
 if __name__ == '__main__':
     quick = '--quick' in sys.argv[1:]
     flags = cpu_flags()
@@ -247,4 +271,5 @@ if __name__ == '__main__':
     mode_count_table(sizes, opts=['SGD mom', 'Adam'] if quick else None)
     print(f'# step window and whole batch, {3 if quick else 5} interleaved rounds, medians of paired ratios\n')
     mode_time_table(3 if quick else 5, n_batches=6 if quick else 10)
+    floor_table(3 if quick else 7)
     print(f'# load average at the end: {os.getloadavg()[0]:.1f}; {time.perf_counter() - t0:.0f} s in all')

@@ -368,6 +368,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                           'mpx.pure.BF16Weights.__init__': ('pure.html#bf16weights.__init__', 'mpx/pure.py'),
                           'mpx.pure.BF16Weights._fold': ('pure.html#bf16weights._fold', 'mpx/pure.py'),
                           'mpx.pure.BF16Weights._hook': ('pure.html#bf16weights._hook', 'mpx/pure.py'),
+                          'mpx.pure.BF16Weights._loop_step': ('pure.html#bf16weights._loop_step', 'mpx/pure.py'),
                           'mpx.pure.BF16Weights._unhook': ('pure.html#bf16weights._unhook', 'mpx/pure.py'),
                           'mpx.pure.BF16Weights._widen': ('pure.html#bf16weights._widen', 'mpx/pure.py'),
                           'mpx.pure.BF16Weights.fold': ('pure.html#bf16weights.fold', 'mpx/pure.py'),

@@ -141,15 +141,24 @@ def _hook(self:BF16Weights):
     self.inner,self.fused = o,None
     for la in self.las:
         if la.slow_weights is not None: la.slow_weights = L(L(s.float() for s in pg) for pg in la.slow_weights)
-    if self.fuse and o is not None and why_not_fused(self.opt) is None:
-        self.fused = FusedSteps(self.opt, *bf16_hooks(self.comp, self.kept, self.gen)); return  # fuses Lookahead's sync too
+    if o is not None and not isinstance(o, OptimWrapper): self.cbs = o.cbs
+    if self.fuse and o is not None and why_not_fused(self.opt) is None:  # fuses Lookahead's sync too
+        self.fused = FusedSteps(self.opt, *bf16_hooks(self.comp, self.kept, self.gen), fallback=self._loop_step); return
     if isinstance(o, OptimWrapper): o.step = self.wrapper_step
-    elif o is not None: self.cbs = o.cbs; o.cbs = L([self.widen]) + self.cbs + L([self.fold])
+    elif o is not None: o.cbs = L([self.widen]) + self.cbs + L([self.fold])
     for la in self.las: la.step = partial(self.lookahead_step, la)
 
 @patch
+def _loop_step(self:BF16Weights, o):
+    "fastai's per-parameter step of `o` with the widen and fold around it: fused steps fall back to it when `o.cbs` changed mid-fit"
+    cbs = o.cbs
+    o.cbs = L([self.widen]) + cbs + L([self.fold])
+    try: Optimizer.step(o)
+    finally: o.cbs = cbs
+
+@patch
 def _unhook(self:BF16Weights):
-    if self.fused is not None: self.fused.undo(); return
+    if self.fused is not None: self.fused.undo(); self.inner.cbs = self.cbs; return
     o = self.inner
     if isinstance(o, OptimWrapper): o.__dict__.pop('step', None)
     elif o is not None: o.cbs = self.cbs
