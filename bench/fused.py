@@ -124,7 +124,7 @@ MODES = {  # name: a function making learner `l` train in that mode, with fused 
 }
 
 class Windows:
-    "Aten ops (`count`) or seconds of each training batch's windows: 'step' (`after_backward` to the end of `after_step`), 'zero_grad' (then to `after_batch`)"
+    "Aten ops (`count`) or seconds of each batch's windows: 'step' (`after_backward` to the end of `after_step`), then 'zero_grad'"
     def __init__(self, count:bool, skip:int=0): self.count,self.skip,self.cur,self.batch = count,skip,None,0; self.reset()
     def reset(self): self.res,self.ops,self.batch = {'step': [], 'zero_grad': []},{},0
     def open(self, k):
@@ -177,7 +177,7 @@ _VIEWS = ('aten.view.', 'aten._unsafe_view.', 'aten.split', 'aten.alias.', 'aten
 def is_view(op:str) -> bool: return op.startswith(_VIEWS)
 
 def mode_ops(mode, opt, n, fused, warm=5) -> dict:
-    "Mean aten ops per batch of the step and zero_grad windows in `mode` on `n` tensors, over the batches after `warm` (ranger: its 6-step cycle)"
+    "Mean aten ops per batch of the step and zero_grad windows in `mode` on `n` tensors after `warm` batches (ranger: its 6-step cycle)"
     k = 6 if opt == 'ranger' else 2
     w = Windows(count=True, skip=warm)
     learn = mode_learner(mode, fused, deep_chain(n//2, 8), synth_batches((4, 8), n_out=8, n=warm+k), w, OPTS[opt])
@@ -189,6 +189,7 @@ def mode_ops(mode, opt, n, fused, warm=5) -> dict:
 
 def _grow(a, b, na, nb) -> str:
     "How `b` (at `nb` tensors) exceeds `a` (at `na`), per added tensor"
+    if nb == na: return ''
     d = (b - a) / (nb - na)
     return 'constant' if abs(d) < 1e-9 else f'+{_num(round(d, 2))}/tensor'
 
@@ -211,7 +212,7 @@ def mode_count_table(sizes=(10, 100, 1000), modes=None, opts=None, show_ops=Fals
     for n in notes: print(f'# {n}')
 
 def mode_step_timer(mode, fused, n_batches=10) -> callable:
-    "A function fitting one epoch in `mode` on 200 `Linear(64, 64)` with Adam, batches of 8: `settled` seconds of the step window and of the batch"
+    "A function fitting one epoch in `mode` on 200 `Linear(64, 64)`, Adam, batches of 8: `settled` seconds of the step window and the batch"
     w = Windows(count=False)
     learn = mode_learner(mode, fused, deep_chain(200, 64), synth_batches((8, 64), n_out=64, n=n_batches), w, Adam, lr=1e-4)
     def run():
@@ -233,7 +234,7 @@ def mode_time_table(rounds=5, modes=None, n_batches=10):
            'batch speed-up:'], rows)
 
 def flat_step_timer(k=20) -> callable:
-    "A function timing `k` fused Adam steps on ONE tensor holding as many elements as the 200-layer chain: the arithmetic, no per-tensor cost"
+    "A function timing `k` fused Adam steps on ONE tensor with as many elements as the 200-layer chain: the arithmetic, no per-tensor cost"
     n = sum(p.numel() for p in chain().parameters())
     g = torch.Generator().manual_seed(0)
     p = nn.Parameter(torch.randn(n, generator=g) * .05); p.grad = torch.randn(n, generator=g) * 1e-3
@@ -246,11 +247,12 @@ def flat_step_timer(k=20) -> callable:
     return run
 
 def floor_table(rounds=7):
-    "Adam's step alone: fastai's loop and the fused step on the chain's 400 tensors, and the fused step on one flat tensor of the same elements"
+    "Adam's step alone: fastai's loop and the fused step on the chain's 400 tensors, and the fused step on one flat tensor as large"
     res = interleaved(dict(loop=opt_step_timer(False), fused=opt_step_timer(True), flat=flat_step_timer()), rounds)
     n = len(list(chain().parameters()))
     rows = [[what, f'{med(res[k])*1e3:.2f}', f"{ratio(res['loop'], res[k]):.2f}x", f"{(med(res[k]) - med(res['flat']))/n*1e6:.1f}"]
-            for k,what in (('loop', 'fastai loop, 400 tensors'), ('fused', 'fused, 400 tensors'), ('flat', 'fused, 1 tensor of the same 832,000 elements'))]
+            for k,what in (('loop', 'fastai loop, 400 tensors'), ('fused', 'fused, 400 tensors'),
+                           ('flat', 'fused, 1 tensor of the same 832,000 elements'))]
     table(['Adam step alone (arithmetic floor)', 'ms:', 'speed-up over the loop:', 'per-tensor cost us (over the flat one):'], rows)
 
 if __name__ == '__main__':
@@ -259,7 +261,8 @@ if __name__ == '__main__':
     slow_bf16 = not any(f in flags.split() for f in ('avx512_bf16', 'amx_bf16'))
     header('Fused optimizer steps vs fastai loop' + ' (--quick)'*quick, f'CPU flags: {flags}',
            'bf16 is slow on this CPU: no avx512_bf16 and no amx_bf16, bf16 matmuls and casts are emulated' if slow_bf16 else
-           'bf16 has native kernels on this CPU', f'load average at the start: {os.getloadavg()[0]:.1f} (a shared machine: timings are noisy, op counts exact)',
+           'bf16 has native kernels on this CPU',
+           f'load average at the start: {os.getloadavg()[0]:.1f} (a shared machine: timings are noisy, op counts exact)',
            'ops: aten ops dispatched per optimizer step (CountOps); 64-element tensors')
     t0 = time.perf_counter()
     sizes = (10, 100) if quick else (10, 100, 1000)
@@ -267,7 +270,8 @@ if __name__ == '__main__':
     bf16_table(sizes)
     if not quick: time_table()
     print('## In every mode (learner): aten ops per training batch from after_backward to the end of after_step (fused: fused=True; '
-          'loop: fused=False, fastai\'s per-parameter loop), chains of Linear(8, 8), batch 4; zero_grad: fastai\'s opt.zero_grad() after it\n')
+          'loop: fused=False, fastai\'s per-parameter loop), chains of Linear(8, 8), batch 4; '
+          'zero_grad: fastai\'s opt.zero_grad() after it\n')
     mode_count_table(sizes, opts=['SGD mom', 'Adam'] if quick else None)
     print(f'# step window and whole batch, {3 if quick else 5} interleaved rounds, medians of paired ratios\n')
     mode_time_table(3 if quick else 5, n_batches=6 if quick else 10)
