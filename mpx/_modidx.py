@@ -8,6 +8,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                              'mpx.advisor.PrecisionReport': ('advisor.html#precisionreport', 'mpx/advisor.py'),
                              'mpx.advisor.PrecisionReport.__repr__': ('advisor.html#precisionreport.__repr__', 'mpx/advisor.py'),
                              'mpx.advisor.PrecisionReport.__str__': ('advisor.html#precisionreport.__str__', 'mpx/advisor.py'),
+                             'mpx.advisor.PrecisionReport._fp8_line': ('advisor.html#precisionreport._fp8_line', 'mpx/advisor.py'),
                              'mpx.advisor.PrecisionReport._head': ('advisor.html#precisionreport._head', 'mpx/advisor.py'),
                              'mpx.advisor.PrecisionReport._repr_html_': ('advisor.html#precisionreport._repr_html_', 'mpx/advisor.py'),
                              'mpx.advisor.PrecisionReport.speedups': ('advisor.html#precisionreport.speedups', 'mpx/advisor.py'),

@@ -13,6 +13,7 @@ from time import perf_counter
 from typing import NamedTuple
 from .core import *
 from .hardware import *
+from .fp8 import fp8_table, linear_rows, real_fp8
 
 # %% auto #0
 __all__ = ['fp32_trial', 'ModuleStats', 'module_numerics', 'time_steps', 'assess_numerics', 'PrecisionReport', 'precision_report',
@@ -331,6 +332,8 @@ class PrecisionReport:
     recommended:str # 'fp32', 'bf16' or 'fp16'
     reasons:list # plain-word reasons, the verdict first
     timings:dict|None=None # mode -> median seconds of a training step (with `time=True`)
+    fp8:pd.DataFrame|None=None # each `nn.Linear`: would `to_fp8()` run it in fp8, its M×K×N and `fp8_gain` class
+    fp8_real:bool=False # whether the device computes fp8 (else `to_fp8()` emulates it, slowly: never recommended)
 
     @property
     def speedups(self) -> dict:
@@ -354,7 +357,18 @@ def _head(self:PrecisionReport) -> list:
     t = ' | '.join(f"{m} {_ms(s)}{speed(m)}" for m,s in self.timings.items()) if self.timings else None
     return [f"hardware: {self.hardware}", *( [f"step time: {t}"] if t else []),
             f"fp16 underflow at the loss scale 2**16: {self.underflow:.2%} of the nonzero gradient elements",
-            "at risk in 16 bits: " + (', '.join(f"`{n}`" for n in self.at_risk) or 'none')]
+            "at risk in 16 bits: " + (', '.join(f"`{n}`" for n in self.at_risk) or 'none'), self._fp8_line()]
+
+@patch
+def _fp8_line(self:PrecisionReport) -> str:
+    "What `to_fp8()` would do: the layers it would convert, those that would gain, and whether fp8 is real here"
+    df = self.fp8
+    if df is None or not len(df): return "fp8: no nn.Linear layer"
+    conv = df[df['fp8']]
+    gain = int((conv['gain'] == 'gains').sum()) if 'gain' in conv else 0
+    where = 'real on this device' if self.fp8_real else 'emulated on this device (slow; never recommended)'
+    return (f"fp8 (learn.to_fp8()): {len(conv)} of {len(df)} nn.Linear layers would convert, "
+            f"{gain} large enough to gain (M·K·N ≥ 1e11); {where}")
 
 @patch
 def __str__(self:PrecisionReport):
@@ -395,9 +409,10 @@ def precision_report(
         safe,at_risk,why = assess_numerics(mods, underflow, max_underflow)
         modes = ('fp32', *(m for m in ('bf16', 'fp16') if safe[m]))
         timings = time_steps(model, xb, yb, loss_func, modes, n_steps) if time else None
+        fp8 = fp8_table(model, rows=linear_rows(model, *xb))
     rec,verdict = _timed_verdict(timings, safe, min_speedup) if time else _hw_verdict(hw, safe)
     reasons = [verdict, *hw.notes[:2], *why, *(_timing_reasons(timings) if time else [])]
-    return PrecisionReport(hw, mods, underflow, at_risk, rec, reasons, timings)
+    return PrecisionReport(hw, mods, underflow, at_risk, rec, reasons, timings, fp8, real_fp8(dev))
 
 # %% ../nbs/06_advisor.ipynb #e101f421
 @patch

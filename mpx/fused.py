@@ -256,6 +256,7 @@ class FusedSteps:
         self._install(self.inner, 'zero_grad', self.zero_grad)
         for la in self.las:
             if type(la).step is Lookahead.step and 'step' not in vars(la): self._install(la, 'step', partial(self.lookahead_step, la))
+            self._install(la, 'zero_grad', self.zero_grad)  # `Lookahead` zeroes with fastai's loop, not its inner optimizer's
 
     def _install(self, o, name, f): setattr(o, name, f); self.installed.append((o, name, f))
 

@@ -341,3 +341,12 @@ def test_failure_names_mpx():
     assert_unchanged(before, state(learn))
     assert_same_attrs(attrs, module_attrs(learn.model))
     with pytest.raises(RuntimeError, match="mpx"): learn.to_auto_precision()
+
+def test_report_covers_fp8():
+    "The report says what `to_fp8()` would convert and whether fp8 would gain, and on a CPU that it is emulated; it never recommends fp8."
+    from mpx.test_utils import tabular_app_learner
+    rep = tabular_app_learner().precision_report()
+    lins = [n for n,m in tabular_app_learner().model.named_modules() if isinstance(m, nn.Linear)]
+    assert list(rep.fp8.layer) == lins and rep.fp8.rows.gt(0).all() and set(rep.fp8.gain) <= {'loses', 'about even', 'gains'}
+    assert not rep.fp8_real and 'emulated on this device (slow; never recommended)' in str(rep)
+    assert rep.recommended in ('fp32', 'bf16', 'fp16')
