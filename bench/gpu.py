@@ -259,7 +259,7 @@ def on_dev(batches) -> list: return [(x.to(DEV), y.to(DEV)) for x,y in batches]
 FUSED_MODES = {  # name: what makes a learner train in that mode, its fastai optimizer stepped in bulk (`f=True`) or per parameter
     'mpx AMP bf16': lambda l,f: l.to_bf16(fused=f),
     'mpx master fp16 flat': lambda l,f: l.to_fp16(flat_master=True, dynamic=True, fused=f),
-    # `to_bf16(pure=True)` refuses `fused` (mpx.learner's `_pure_args` lacks it), so the callback is added directly
+    # the callback added directly: at 171ac26 `to_bf16(pure=True)` refused `fused` (fixed on main since)
     'mpx pure bf16 kahan': lambda l,f: l.add_cb(PureBF16(update='kahan', fused=f)),
     'mpx pure bf16 stochastic': lambda l,f: l.add_cb(PureBF16(update='stochastic', fused=f)),
 }
