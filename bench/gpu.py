@@ -1,24 +1,27 @@
-"""GPU suite: a ResNet-style CNN (channels_last) and a small GPT in fp32, TF32, mpx bf16/fp16/master fp16 (flat)/pure bf16
-(kahan, stochastic), fastai 2.8's `MixedPrecision` fp16/bf16 and raw PyTorch AMP loops: step time, throughput, MFU against the
-dense bf16 peak, peak memory; then, on the same device, the master mode's per-step bookkeeping against fastai's legacy helpers
-(`master_bookkeeping.py`'s steps, timed between synchronisations) and the host syncs per optimizer step of every mode
-(`syncs.py`'s count, on CUDA).
+"""GPU suite: a ResNet-style CNN (channels_last) and a small GPT in fp32, TF32, mpx bf16 (with and without its finite check)/fp16/master
+fp16 (flat)/pure bf16 (kahan, stochastic), fastai 2.8's `MixedPrecision` fp16/bf16 and raw PyTorch AMP loops: step time, throughput,
+MFU against the dense bf16 peak, peak memory. Also, on the same device: the master mode's per-step bookkeeping against fastai's legacy
+helpers (`master_bookkeeping.py`'s steps, fused steps off and on), the host syncs per optimizer step of every mode (`syncs.py`'s count),
+fused against per-parameter steps with fastai's `Adam` (CNN at batch 64, GPT; AMP bf16, master fp16 flat, pure kahan and stochastic),
+fp8 (`learn.to_fp8`, tensorwise and rowwise, eager and `torch.compile`d) against bf16 on an MLP-heavy model and the GPT, and the GPT's
+steps under `torch.profiler` (kernels, GPU time, host syncs) for mpx bf16, fastai's bf16 and the raw loop. `--only` picks sections.
 
 Without CUDA it prints one line and exits 0 (`make bench` runs every bench/*.py); `--smoke` runs it in miniature on the CPU
-to check the code paths. Every mode trains its own copy of one model with `torch.optim.AdamW` (wrapped in fastai's
-`OptimWrapper` in the learners), on prebatched synthetic data already on the GPU, without validation. Times are the
-training epochs' steps after their first three (an epoch's set-up and its first launches, which a 16-batch epoch would
-otherwise spread over every step), between two `torch.cuda.synchronize()`s, learners and raw loops alike, in interleaved
-rounds: medians, and ratios the median of the
-rounds' paired ratios; TF32 is off in every mode but 'tf32'. Peak memory is `torch.cuda.max_memory_allocated()` over one
-fit of each mode run alone, less what was allocated before its model was built (the data). FLOPs per step are counted
-once with `torch.utils.flop_counter.FlopCounterMode`.
+to check the code paths (fp8 is emulated there: its rows show only the emulation's overhead). The main table's modes train their own
+copy of one model with `torch.optim.AdamW` (wrapped in fastai's `OptimWrapper` in the learners), on prebatched synthetic data already
+on the GPU, without validation. Times are the training epochs' steps after their first three (an epoch's set-up and its first
+launches, and a compiled model's compilation), between two `torch.cuda.synchronize()`s, learners and raw loops alike, in interleaved
+rounds: medians, and ratios the median of the rounds' paired ratios; TF32 is off in every mode but 'tf32'. Peak memory (main table
+only) is `torch.cuda.max_memory_allocated()` over one fit of each mode run alone, less what was allocated before its model was built
+(the data). FLOPs per step are counted once with `torch.utils.flop_counter.FlopCounterMode` (fp32, so fp8 rows show bf16-equivalent
+TFLOP/s).
 
 On a GPU machine with PyTorch but without fastai or a network (as the project's lent H100/H200 machines are):
-    here:  bash bench/gpu_wheels.sh          # wheels of fastai and the pure-Python packages it needs that the image lacks
+    here:  bash bench/gpu_wheels.sh          # wheels of fastai, the pure-Python packages it needs that the image lacks, and torchao
     carry `bench/wheels` with the working tree (it ignores itself in git), then there:
            python3 -m pip install -q --no-index --no-deps --target /tmp/site bench/wheels/*.whl && export PYTHONPATH=/tmp/site:$PWD
-           python3 bench/gpu.py --plots $OUT     # --cnn-bs/--gpt-bs to change the batch sizes
+           cd bench && python3 gpu.py --plots $OUT --rounds 3 --only book,syncs,fused,fp8   # ~300 s on an H100
+           python3 gpu.py --plots $OUT --rounds 3 --only main,profile                         # ~270 s
 The default batch sizes leave room on an 80 GB H100 for every mode's copy of the model to stay resident."""
 import argparse, gc, sys, textwrap, time
 import torch
@@ -27,6 +30,7 @@ if __name__ == '__main__' and not torch.cuda.is_available() and '--smoke' not in
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 from _common import *
+import mpx.fp8  # `learn.to_fp8`; torchao is imported on first use only
 from copy import deepcopy
 
 DEV,N_BATCHES,SKIP = 'cuda',16,3  # `--smoke`: 'cpu',3,1. The first SKIP steps of an epoch are not timed
@@ -108,7 +112,8 @@ def raw_loop(model, batches, loss_func, dtype=None) -> callable:
 adamw = partial(OptimWrapper, opt=torch.optim.AdamW)
 MODES = {  # name: (what makes a learner's precision, or the raw loop's autocast dtype), TF32 on
     'fp32': (lambda l: l, False), 'tf32': (lambda l: l, True),
-    'mpx bf16': (lambda l: l.to_bf16(), False), 'mpx fp16': (lambda l: l.to_fp16(), False),
+    'mpx bf16': (lambda l: l.to_bf16(), False), 'mpx bf16 check_finite=False': (lambda l: l.to_bf16(check_finite=False), False),
+    'mpx fp16': (lambda l: l.to_fp16(), False),
     'mpx master fp16 flat': (lambda l: l.to_fp16(flat_master=True, dynamic=True), False),
     'mpx pure bf16 kahan': (lambda l: l.to_bf16(pure=True, update='kahan'), False),
     'mpx pure bf16 stochastic': (lambda l: l.to_bf16(pure=True, update='stochastic'), False),
@@ -180,15 +185,16 @@ def rows(name, r, peak) -> list:
 def summary(name, t) -> list:
     "mpx against the raw loops (speed as a share of theirs), mpx bf16's speed-up over fp32 and TF32, pure bf16's over mpx bf16"
     r = lambda a,b,fmt: format(ratio(t[a], t[b]), fmt) if a in t and b in t else 'failed'
-    return [name, r('raw AMP bf16 loop', 'mpx bf16', '.1%'), r('raw AMP fp16 loop', 'mpx fp16', '.1%'),
+    return [name, r('raw AMP bf16 loop', 'mpx bf16', '.1%'), r('raw AMP bf16 loop', 'mpx bf16 check_finite=False', '.1%'),
+            r('raw AMP fp16 loop', 'mpx fp16', '.1%'),
             r('fp32', 'mpx bf16', '.2f')+'x', r('tf32', 'mpx bf16', '.2f')+'x',
             r('mpx bf16', 'mpx pure bf16 kahan', '.2f')+'x'*('mpx pure bf16 kahan' in t)]
 
 def bookkeeping(sizes=(100, 1000), numel=1024, rounds=7, k=5) -> list:
-    "`master_bookkeeping.py`'s fastai and mpx steps with their tensors on `DEV`, each timed between two synchronisations: table rows"
+    "`master_bookkeeping.py`'s fastai and mpx steps (fastai's SGD; mpx fused and per-parameter) on `DEV`, timed between two syncs: rows"
     import master_bookkeeping as mb
-    def mpx_setup(n, numel, flat):  # `mb.mpx_setup`, the callback's fit state begun as `before_fit` begins it
-        learn,cb = mb.make_learner(n, numel),MasterPrecision(loss_scale=mb.SCALE, flat_master=flat)
+    def mpx_setup(n, numel, flat, fused):  # `mb.mpx_setup`, the callback's fit state (and fused steps) begun as `before_fit` begins them
+        learn,cb = mb.make_learner(n, numel),MasterPrecision(loss_scale=mb.SCALE, flat_master=flat, fused=fused)
         learn.add_cb(cb); cb._begin_fit()
         give = mb.grad_source(list(learn.model.parameters()))
         def step(): give(); cb.after_backward(); cb.before_step(); cb.after_step(); learn.opt.zero_grad()
@@ -196,14 +202,17 @@ def bookkeeping(sizes=(100, 1000), numel=1024, rounds=7, k=5) -> list:
     res = []
     for n in sizes:
         for flat in (False, True):
-            with torch.device(DEV): steps = dict(fastai=mb.fastai_setup(n, numel, flat), mpx=mpx_setup(n, numel, flat))
+            with torch.device(DEV):
+                steps = dict(fastai=mb.fastai_setup(n, numel, flat), loop=mpx_setup(n, numel, flat, False),
+                             fused=mpx_setup(n, numel, flat, True))
             def timed(step):
                 sync(); t0 = time.perf_counter()
                 for _ in range(k): step()
                 sync(); return (time.perf_counter() - t0) / k
             t = interleaved({name: partial(timed, st) for name,st in steps.items()}, rounds)
-            res.append([n, flat, f"{med(t['fastai'])*1e3:.3f}", f"{med(t['mpx'])*1e3:.3f}", f"{ratio(t['fastai'], t['mpx']):.1f}x",
-                        mb.syncs(steps['fastai']), mb.syncs(steps['mpx'])])
+            res.append([n, flat, f"{med(t['fastai'])*1e3:.3f}", f"{med(t['loop'])*1e3:.3f}", f"{ratio(t['fastai'], t['loop']):.1f}x",
+                        f"{med(t['fused'])*1e3:.3f}", f"{ratio(t['fastai'], t['fused']):.1f}x",
+                        mb.syncs(steps['fastai']), mb.syncs(steps['fused'])])
     return res
 
 SYNC_MODES = {  # name: the precision callback whose host syncs per optimizer step are counted
@@ -228,6 +237,114 @@ def sync_counts(sizes=(10, 1000)) -> list:
         except Exception as e: return f"fails: {failure(e)[:120]}"
     return [[k] + [cell(cb(), n) for n in sizes] for k,cb in SYNC_MODES.items()]
 
+def timed_modes(makers:dict, rounds) -> tuple:
+    "Make and warm up each mode's timing function (one that fails is left out, its error kept), then time them in interleaved rounds"
+    runs,failed = {},{}
+    for k,make in makers.items():
+        try: f = make(); f(); runs[k] = f
+        except Exception as e: failed[k] = failure(e); gc.collect()
+    res = {k: [] for k in runs}
+    for _ in range(rounds):
+        for k,f in runs.items(): res[k].append(f())
+    return res, failed
+
+def learner_timer(model, batches, how, opt_func=adamw) -> callable:
+    "A function timing one epoch (seconds per step) of a learner on its own copy of `model`, its precision set by `how`"
+    learn = learner(deepcopy(model).to(DEV), batches, cbs=CudaTimer(), opt_func=opt_func, lr=1e-4, loss_func=CrossEntropyLossFlat(), device=DEV)
+    learn = how(learn)
+    return lambda: fit_quiet(learn).cuda_timer.per_step
+
+def on_dev(batches) -> list: return [(x.to(DEV), y.to(DEV)) for x,y in batches]
+
+FUSED_MODES = {  # name: what makes a learner train in that mode, its fastai optimizer stepped in bulk (`f=True`) or per parameter
+    'mpx AMP bf16': lambda l,f: l.to_bf16(fused=f),
+    'mpx master fp16 flat': lambda l,f: l.to_fp16(flat_master=True, dynamic=True, fused=f),
+    # the callback added directly: at 171ac26 `to_bf16(pure=True)` refused `fused` (fixed on main since)
+    'mpx pure bf16 kahan': lambda l,f: l.add_cb(PureBF16(update='kahan', fused=f)),
+    'mpx pure bf16 stochastic': lambda l,f: l.add_cb(PureBF16(update='stochastic', fused=f)),
+}
+
+def fused_rows(cases, rounds) -> list:
+    "Each mode with fastai's `Adam`, fused steps on against off, on each (case, batch size): table rows, and the failures"
+    rows,fails = [],[]
+    for case,bs in cases:
+        model,batches,_,label = case(bs, DEV == 'cpu')
+        batches = on_dev(batches)
+        makers = {(k,f): partial(learner_timer, model, batches, partial(how, f=f), Adam)
+                  for k,how in FUSED_MODES.items() for f in (False, True)}
+        t,failed = timed_modes(makers, rounds)
+        fails += [f"{label}: {k} fused={f}: {e}" for (k,f),e in failed.items()]
+        for k in FUSED_MODES:
+            if (k,False) in t and (k,True) in t:
+                rows.append([label, k, f"{med(t[k,False])*1e3:.2f}", f"{med(t[k,True])*1e3:.2f}", f"{ratio(t[k,False], t[k,True]):.2f}x"])
+        del makers; gc.collect()
+        if DEV == 'cuda': torch.cuda.empty_cache()
+    return rows, fails
+
+def mlp_case(bs, smoke):
+    "The MLP-heavy model: `n` Linear(d, d) layers with GELUs between them, d-feature inputs and d classes"
+    d,n = (64, 4) if smoke else (4096, 8)
+    model = nn.Sequential(*[m for _ in range(n) for m in (nn.Linear(d, d), nn.GELU())][:-1])
+    return model, synth_batches((bs, d), d, n=N_BATCHES), 'sample', f"MLP {n}x Linear({d}, {d}), bs {bs}"
+
+def compiled(learn, smoke):
+    "`learn` with its model compiled (inductor; `aot_eager` in a smoke run, which only checks the code path)"
+    learn.remove_cb(DtypeProbe)  # its forward hook removes itself mid-forward, which dynamo cannot trace
+    learn.model = torch.compile(learn.model, backend='aot_eager' if smoke else 'inductor')
+    return learn
+
+def fp8_modes(smoke, compile_rowwise) -> dict:
+    "name: what makes a learner train in that mode: bf16 and fp8 (tensorwise, rowwise), eager and compiled"
+    c = partial(compiled, smoke=smoke)
+    res = {'mpx bf16': lambda l: l.to_bf16(),
+           'fp8 tensorwise': lambda l: l.to_fp8('tensorwise'), 'fp8 rowwise': lambda l: l.to_fp8('rowwise'),
+           'mpx bf16 compiled': lambda l: c(l).to_bf16(), 'fp8 tensorwise compiled': lambda l: c(l).to_fp8('tensorwise')}
+    if compile_rowwise: res['fp8 rowwise compiled'] = lambda l: c(l).to_fp8('rowwise')
+    return res
+
+def fp8_rows(cases, rounds, smoke) -> list:
+    "fp8 against bf16 (eager and compiled, torch's AdamW) on each (case, batch size, compile rowwise too): table rows, and the failures"
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    rows,fails = [],[]
+    for case,bs,crw in cases:
+        model,batches,unit,label = case(bs, smoke)
+        batches = on_dev(batches)
+        flops,n = step_flops(model, batches, CrossEntropyLossFlat()),batches[0][1].numel()
+        makers = {k: partial(learner_timer, model, batches, how) for k,how in fp8_modes(smoke, crw).items()}
+        t0 = time.perf_counter()
+        t,failed = timed_modes(makers, rounds)
+        fails += [f"{label}: {k}: {e}" for k,e in failed.items()]
+        r = lambda a,b: f"{ratio(t[a], t[b]):.2f}x" if a in t and b in t else ''
+        for k,v in t.items():
+            base = 'mpx bf16 compiled' if 'compiled' in k else 'mpx bf16'
+            rows.append([label, k, f"{med(v)*1e3:.2f}", f"{n/med(v):,.0f} {unit}/s", f"{flops/med(v)/1e12:.1f}",
+                         r('mpx bf16', k), r(base, k)])
+        print(f"# {label}: fp8 modes timed in {time.perf_counter()-t0:.0f} s (compiles included)")
+        del makers; gc.collect()
+        if DEV == 'cuda': torch.cuda.empty_cache()
+    return rows, fails
+
+def profile_gap(bs, smoke) -> list:
+    "Per training step of the GPT, under `torch.profiler`: kernels launched, their GPU time, host syncs, CPU time of the step's ops"
+    from torch.profiler import profile, ProfilerActivity
+    from torch.autograd import DeviceType
+    model,batches,_,label = gpt_case(bs, smoke)
+    batches,loss_func,rows = on_dev(batches),CrossEntropyLossFlat(),[]
+    acts = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA]*(DEV == 'cuda')
+    for k in ('raw AMP bf16 loop', 'mpx bf16', 'mpx bf16 check_finite=False', 'fastai bf16'):
+        run,learn = build(k, model, batches, loss_func); run(); run()
+        with profile(activities=acts) as prof: run()
+        ev,n = prof.key_averages(),len(batches)
+        count = lambda *names: sum(e.count for e in ev if e.key in names) / n
+        gpu = sum(e.self_device_time_total for e in ev if e.device_type == DeviceType.CUDA) / n / 1e3
+        launches = count('cudaLaunchKernel', 'cuLaunchKernel', 'cudaLaunchKernelExC', 'cuLaunchKernelEx')
+        syncs = count('cudaStreamSynchronize', 'cudaDeviceSynchronize', 'cudaEventSynchronize')
+        rows.append([label, k, f"{launches:.0f}", f"{gpu:.1f}", f"{syncs:.2f}", f"{count('cudaMemcpyAsync'):.1f}",
+                     f"{count('aten::item', 'aten::_local_scalar_dense'):.2f}"])
+        if k == 'mpx bf16': top = ev.table(sort_by='self_cpu_time_total', row_limit=12, max_name_column_width=50)
+        del run, learn; gc.collect()
+    return rows, top
+
 def plot(res, out, gpu_name):
     plt = plt_agg()
     fig,axs = plt.subplots(1, len(res), figsize=(8*len(res), 4.2))
@@ -241,38 +358,78 @@ def plot(res, out, gpu_name):
     fig.suptitle(f"Training step speed-up, {gpu_name}", fontsize=9)
     savefig(fig, 'gpu_speedup', out)
 
+SECTIONS = ['book', 'syncs', 'fused', 'fp8', 'main', 'profile']
+
 def main(args):
     name = torch.cuda.get_device_name() if DEV == 'cuda' else f'CPU smoke run ({cpu_name()})'
     peak = peak_tflops(name) if DEV == 'cuda' else 1.
-    header("GPU suite", f"device: {name}, CUDA {torch.version.cuda}, dense bf16 peak {peak:g} TFLOP/s (MFU = counted FLOPs / step time / peak)",
-           f"{N_BATCHES} batches an epoch, the last {N_BATCHES-SKIP} timed, {args.rounds} interleaved rounds, medians; AdamW")
-    rounds = 1 if args.smoke else 7
-    print(f"# master-mode bookkeeping per step on {DEV}: 1024 elements per tensor, {rounds} interleaved rounds of 5 steps, medians")
-    table(['tensors:', ':flat:', 'fastai ms/step:', 'mpx ms/step:', 'mpx speed-up:', 'fastai syncs/step:', 'mpx syncs/step:'],
-          bookkeeping(rounds=rounds))
-    print(f"# host syncs per optimizer step on {DEV} (CountSyncs: a fit with the callback less one without, / steps)")
-    table(['mode', '10 tensors:', '1000 tensors:'], sync_counts())
+    header("GPU suite",
+           f"device: {name}, CUDA {torch.version.cuda}, dense bf16 peak {peak:g} TFLOP/s (MFU = counted FLOPs / step time / peak)",
+           f"{N_BATCHES} batches an epoch, the last {N_BATCHES-SKIP} timed, {args.rounds} interleaved rounds, medians; "
+           f"sections: {args.only}")
+    smoke,only,t0 = args.smoke,args.only.split(','),time.perf_counter()
+    done = lambda what: print(f"# {what} done at {time.perf_counter()-t0:.0f} s\n")
     torch.backends.cudnn.benchmark = True
+    if 'book' in only:
+        rounds = 1 if smoke else 7
+        print(f"# master-mode bookkeeping per step on {DEV}: 1024 elements per tensor, {rounds} interleaved rounds of 5 steps, medians;")
+        print("# mpx with fused steps off (fastai's per-parameter zero_grad) and on (one _foreach_zero_)")
+        table(['tensors:', ':flat:', 'fastai ms/step:', 'mpx fused=False ms/step:', 'speed-up:', 'mpx fused=True ms/step:', 'speed-up:',
+               'fastai syncs/step:', 'mpx syncs/step:'], bookkeeping(rounds=rounds))
+        done('bookkeeping')
+    if 'syncs' in only:
+        print(f"# host syncs per optimizer step on {DEV} (CountSyncs: a fit with the callback less one without, / steps)")
+        table(['mode', '10 tensors:', '1000 tensors:'], sync_counts())
+        done('syncs')
+    if 'fused' in only:
+        print(f"# fused steps against fastai's per-parameter loop: fastai's Adam (lr 1e-4), each mode fused=False and fused=True, "
+              f"{args.rounds} rounds")
+        rws,fails = fused_rows(((cnn_case, args.fused_cnn_bs), (gpt_case, args.gpt_bs)), args.rounds)
+        table(['model', 'mode', 'fused=False ms/step:', 'fused=True ms/step:', 'speed-up (paired):'], rws)
+        for f in fails: print(f"# failed: {f}")
+        done('fused')
+    if 'fp8' in only:
+        emu = not mpx.fp8.real_fp8(DEV)
+        if emu: print("# fp8 is EMULATED here (no fp8 kernels on this device): its rows show only the emulation's overhead, not fp8's speed")
+        print(f"# fp8 (torchao Float8Linear, mpx's default filter: first and last Linear stay bf16) against bf16, torch's AdamW, "
+              f"{args.rounds} rounds;"
+              " compiled: torch.compile of the model before the precision is set")
+        rws,fails = fp8_rows(((mlp_case, args.mlp_bs, True), (gpt_case, args.gpt_bs, False)), args.rounds, smoke)
+        table(['model', 'mode', 'ms/step:', 'throughput:', 'TFLOP/s (bf16 count):', 'vs eager bf16:', 'vs bf16 (same compile):'], rws)
+        for f in fails: print(f"# failed: {f}")
+        done('fp8')
     res = {}
-    for case,bs in ((gpt_case, args.gpt_bs), (cnn_case, args.cnn_bs)):  # each model's table as soon as it is measured
-        n,r = measure(case, bs, args.smoke, args.rounds); res[n] = r
-        table(['model', 'mode', 'ms/step:', 'throughput:', 'vs fp32:', 'TFLOP/s:', 'MFU:', 'peak GiB:', 'fp16 skipped/steps:'],
-              rows(n, r, peak))
-        for k,e in r['failed'].items(): print(f"# {n}: {k} failed: {e}")
-    table(['model', 'mpx bf16 / raw bf16 loop speed:', 'mpx fp16 / raw fp16 loop speed:', 'mpx bf16 vs fp32:', 'mpx bf16 vs tf32:',
-           'pure kahan vs mpx bf16:'],
-          [summary(n, r['t']) for n,r in res.items()])
-    plot(res, args.plots, name)
+    if 'main' in only:
+        for case,bs in ((gpt_case, args.gpt_bs), (cnn_case, args.cnn_bs)):  # each model's table as soon as it is measured
+            n,r = measure(case, bs, smoke, args.rounds); res[n] = r
+            table(['model', 'mode', 'ms/step:', 'throughput:', 'vs fp32:', 'TFLOP/s:', 'MFU:', 'peak GiB:', 'fp16 skipped/steps:'],
+                  rows(n, r, peak))
+            for k,e in r['failed'].items(): print(f"# {n}: {k} failed: {e}")
+            done(n)
+        table(['model', 'mpx bf16 / raw bf16 loop speed:', 'mpx bf16 check_finite=False / raw bf16 loop:',
+               'mpx fp16 / raw fp16 loop speed:',
+               'mpx bf16 vs fp32:', 'mpx bf16 vs tf32:', 'pure kahan vs mpx bf16:'],
+              [summary(n, r['t']) for n,r in res.items()])
+        plot(res, args.plots, name)
+    if 'profile' in only:
+        print("# the GPT under torch.profiler, one epoch each after two warm ones, per training step (all its batches)")
+        rws,top = profile_gap(args.gpt_bs, smoke)
+        table(['model', 'mode', 'kernel launches:', 'GPU kernel ms:', 'host syncs (stream/device/event):', 'cudaMemcpyAsync:',
+               'aten::item:'], rws)
+        print("# mpx bf16, ops by self CPU time (the whole epoch):"); print(top)
+        done('profile')
 
 def parse():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument('--cnn-bs', type=int, default=256); p.add_argument('--gpt-bs', type=int, default=16)
+    p.add_argument('--fused-cnn-bs', type=int, default=64); p.add_argument('--mlp-bs', type=int, default=8192)
     p.add_argument('--rounds', type=int, default=5); p.add_argument('--plots', default=str(PLOTS), help='folder for gpu_speedup.png')
+    p.add_argument('--only', default=','.join(SECTIONS), help=f"comma-separated sections to run, of {SECTIONS}")
     p.add_argument('--smoke', action='store_true', help='a miniature run on the CPU, to check the code paths')
     return p.parse_args()
 
 if __name__ == '__main__':
     args = parse()
     DEV,N_BATCHES,SKIP = ('cpu', 3, 1) if args.smoke else ('cuda', 16, 3)
-    if args.smoke: args.cnn_bs,args.gpt_bs,args.rounds = 4,2,1
+    if args.smoke: args.cnn_bs,args.gpt_bs,args.fused_cnn_bs,args.mlp_bs,args.rounds = 4,2,4,16,1
     s = time.perf_counter(); main(args); print(f"# {time.perf_counter()-s:.0f} s")
