@@ -4,8 +4,7 @@
 
 # %% ../nbs/07_learner.ipynb #f136417a
 from __future__ import annotations
-import difflib, inspect, itertools
-from contextlib import contextmanager, ExitStack
+import difflib, itertools
 from fastai.basics import *
 from .core import *
 from .scaler import *

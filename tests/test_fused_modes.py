@@ -41,3 +41,43 @@ def test_fused_installed_and_removed(mode):
         fit_quiet(learn, 1, cbs=Probe())
         assert set(seen) == {fused}
         assert 'step' not in vars(learn.opt) and 'zero_grad' not in vars(learn.opt)
+
+# ---- per-step work does not grow with the number of parameter tensors
+
+from mpx.fused import CountOps
+
+class OpsFrom(Callback):
+    "First of all at `after_backward`: starts counting aten ops; `OpsTo` stops at the end of `after_step`"
+    order = -100
+    def __init__(self): self.counts,self.mode = [],None
+    def after_backward(self): self.mode = CountOps().__enter__()
+class OpsTo(Callback):
+    order = 100
+    def __init__(self, start): self.start = start
+    def after_step(self):
+        self.start.mode.__exit__(None, None, None); self.start.counts.append(self.start.mode.n)
+
+def step_ops(mode, n_layers, opt) -> int:
+    "Aten ops per optimizer step, from `after_backward` to the end of `after_step`, on a chain of `n_layers` Linear(4, 4)"
+    model = lambda: torch.nn.Sequential(torch.nn.Linear(1, 4), *[torch.nn.Linear(4, 4) for _ in range(n_layers)], torch.nn.Linear(4, 1))
+    learn = tiny_learner(model=model, opt_func=OPTS[opt], n_trn=2)
+    if mode: ALL_MODES[mode](learn)
+    start = OpsFrom()
+    fit_quiet(learn, 1, cbs=[start, OpsTo(start)])
+    return start.counts[-1]
+
+@pytest.mark.parametrize('opt', ['sgd', 'adam', 'ranger'])
+@pytest.mark.parametrize('mode', [m for m in ALL_MODES if m != 'pure_stochastic'])
+def test_step_ops_do_not_grow(mode, opt):
+    "From `after_backward` to the end of `after_step`, every mode dispatches as many aten ops at 100 parameter tensors as at 10."
+    assert step_ops(mode, 4, opt) == step_ops(mode, 49, opt)
+
+@pytest.mark.parametrize('opt', ['sgd', 'adam', 'ranger'])
+def test_fastai_loop_grows(opt):
+    "The contrast: an fp32 learner (fastai's per-parameter loop) dispatches at least 4 more ops per step for each added tensor."
+    assert step_ops(None, 49, opt) - step_ops(None, 4, opt) >= 4 * 2*45
+
+def test_stochastic_step_ops_grow_by_views_only():
+    "Pure stochastic rounding adds one metadata `view` per tensor (its flat buffer's pieces; no kernel) and nothing else per tensor."
+    a,b = step_ops('pure_stochastic', 4, 'adam'),step_ops('pure_stochastic', 49, 'adam')
+    assert b - a == 2*45  # 45 more layers, two tensors each
