@@ -211,12 +211,12 @@ class FP8Precision(PrecisionCallback):
         return f"recipe='{self.recipe}', fp8_layers={len(names)}/{len(self.plan)} {shown}, emulated={self.emulated}, "
 
     def _check_model(self, model:nn.Module):
-        "The base checks (an fp32 model), then the plan: a `ValueError` when no layer can run in fp8"
+        "The base checks (an fp32 model), then the plan: no layer for fp8 is a `ValueError` where fp8 runs (training, `fp8_eval`)"
         super()._check_model(model)
-        self._plan(model)
+        self._plan(model, strict=self.fp8_eval)
 
-    def _plan(self, model:nn.Module):
-        "Choose the fp8 layers of `model` into `self.plan`; a `ValueError` naming each Linear and why when none can take fp8"
+    def _plan(self, model:nn.Module, strict:bool=True):
+        "Choose the fp8 layers of `model` into `self.plan`; with `strict`, a `ValueError` naming each Linear and why when none can"
         got = first(m for m in unwrapped(model).modules() if type(m).__module__.startswith('torchao'))
         if got is not None: raise ValueError(f"The model already holds torchao's {type(got).__name__}: FP8Precision converts the "
                                              "plain model during each fit; pass the model as it was before convert_to_float8_training")
@@ -225,7 +225,7 @@ class FP8Precision(PrecisionCallback):
                           "by default. Make the filter a module-level function, or pass it again (learn.to_fp8(module_filter=...))")
             self._lost_filter = None
         plan = fp8_plan(model, self.module_filter)
-        if not any(o.fp8 for o in plan):
+        if strict and not any(o.fp8 for o in plan):
             why = '; '.join(f'{o.layer or "(the model)"} ({o.in_features}->{o.out_features}): {o.reason}' for o in plan)
             why = why or 'it has no nn.Linear layer'
             raise ValueError(f"No layer of this model can run in fp8, and to_fp8() would train in plain bf16: {why}. "
@@ -256,6 +256,7 @@ class FP8Precision(PrecisionCallback):
         return Float8Swap(unwrapped(self.model), self.fp8_layers, self._config(), now=self._trained or self.fp8_eval)
 
     def before_train(self):
+        if not any(o.fp8 for o in self.plan): self._plan(get_model(self.model))  # raises, naming each layer and why
         self._trained = True
         if self.fit_state is not None: self.fit_state.apply()
     def _finish(self): super()._finish(); self._trained = False

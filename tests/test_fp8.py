@@ -325,6 +325,24 @@ def test_unpicklable_filter_export(tmp_path):
         fit_quiet(new, 1)
     assert new.mixed_precision.fp8_layers == ['2', '4']
 
+class MeanOut(nn.Module):
+    "The mean of the features: a head without a Linear, so `Linear(16, 16)` is the model's last"
+    def forward(self, x): return x.mean(-1, keepdim=True)
+
+def test_no_fp8_layer_outside_training(tmp_path):
+    "A loaded learner whose lost filter leaves no fp8 layer still predicts (in bf16, fp8 is not used there); its next fit says why none converts."
+    learn = tiny_learner(model=lambda: nn.Sequential(nn.Linear(1, 16), nn.ReLU(), nn.Linear(16, 16), MeanOut()))
+    learn.to_fp8(module_filter=lambda fqn, m: True); learn.path = tmp_path
+    fit_quiet(learn, 1)
+    assert learn.mixed_precision.fp8_layers == ['2']
+    learn.export('ex.pkl')
+    new = load_learner(tmp_path/'ex.pkl', cpu=False)
+    new.dls = learn.dls
+    preds,_ = new.get_preds(); new.validate()
+    assert preds.dtype == torch.float32 and preds.isfinite().all()
+    with pytest.raises(ValueError, match=r"No layer of this model can run in fp8.*2 \(16->16\): the last"): fit_quiet(new, 1)
+    assert linear_types(new.model) == ['Linear']*2 and all(p.dtype == torch.float32 for p in new.model.parameters())
+
 # ---- accuracy on the digits
 
 def digits_learner(seed=0, bs=128):
