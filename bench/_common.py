@@ -79,8 +79,10 @@ class DtypeProbe(Callback):
     order = 100  # after every precision callback's `before_batch`
     def before_fit(self): self.dtype,self.h = None,None
     def before_batch(self):
-        if self.h is None: self.h = first_layer(self.model).register_forward_hook(self._hook)
-    def _hook(self, m, i, o): self.dtype = o.dtype; self.h.remove()
+        if self.h is None and self.dtype is None: self.h = first_layer(self.model).register_forward_hook(self._hook)
+    def after_pred(self):
+        if self.h is not None: self.h.remove(); self.h = None  # not inside the forward: torch.compile cannot trace a hook removing itself
+    def _hook(self, m, i, o): self.dtype = o.dtype
 
 def short(dtype) -> str: return str(dtype).replace('torch.', '')
 
