@@ -20,7 +20,7 @@ def mlp(w=32):
     return nn.Sequential(nn.Linear(1, w), nn.ReLU(), nn.Linear(w, w), nn.ReLU(), nn.Linear(w, w), nn.ReLU(), nn.Linear(w, 1))
 
 def fp8_learner(recipe='tensorwise', **kwargs):
-    return tiny_learner(model=mlp(), lr=1e-2, n_trn=4, **kwargs).to_fp8(recipe)
+    return tiny_learner(model=mlp, lr=1e-2, n_trn=4, **kwargs).to_fp8(recipe)  # built after seeding: the same weights every time
 
 def linear_types(model) -> list: return [type(m).__name__ for m in unwrapped(model).modules() if isinstance(m, nn.Linear)]
 
