@@ -81,7 +81,9 @@ def tabular_split(m:nn.Module) -> L:
     "Two parameter groups for a `TabularModel`: embeddings with the continuous BatchNorm, then the layers"
     return L(params(m.embeds) + params(m.bn_cont), params(m.layers))
 
-def tabular_app_learner(seed:int=0, n:int=192, bs:int=64, **kwargs) -> Learner:
+def tabular_app_learner(seed:int=0, n:int=192, bs:int=64,
+                        layers:list=(16, 8), # The hidden layers' sizes (multiples of 16 let `to_fp8()` convert the middle ones)
+                        **kwargs) -> Learner:
     "A quiet seeded `tabular_learner` on `n` rows of scikit-learn's diabetes data (target/100), `sex` and an age band as categories"
     from sklearn.datasets import load_diabetes
     from fastai.tabular.all import TabularDataLoaders, tabular_learner, Categorify, FillMissing, Normalize
@@ -92,7 +94,7 @@ def tabular_app_learner(seed:int=0, n:int=192, bs:int=64, **kwargs) -> Learner:
     conts = ['age', 'bmi', 'bp', 's1', 's2', 's3', 's4', 's5', 's6']
     dls = TabularDataLoaders.from_df(df, procs=[Categorify, FillMissing, Normalize], cat_names=['sex', 'age_band'], cont_names=conts,
                                      y_names='target', valid_idx=list(range(n-bs, n)), bs=bs, num_workers=0)
-    return _quiet(tabular_learner(dls, layers=[16, 8], y_range=(0, 3.5), **{'splitter': tabular_split, **kwargs}))
+    return _quiet(tabular_learner(dls, layers=list(layers), y_range=(0, 3.5), **{'splitter': tabular_split, **kwargs}))
 
 # %% ../nbs/99_test_utils.ipynb #4a90606d
 def collab_app_learner(seed:int=0, n:int=256, bs:int=64, use_nn:bool=False, **kwargs) -> Learner:
@@ -104,7 +106,10 @@ def collab_app_learner(seed:int=0, n:int=256, bs:int=64, use_nn:bool=False, **kw
     return _quiet(collab_learner(dls, n_factors=4, use_nn=use_nn, layers=[8], y_range=(0, 5.5), **kwargs))
 
 # %% ../nbs/99_test_utils.ipynb #f8877c0a
-def text_app_learner(seed:int=0, n:int=64, bs:int=16, **kwargs) -> Learner:
+def text_app_learner(seed:int=0, n:int=64, bs:int=16,
+                     emb_sz:int=8, # The embeddings' and the LSTM's size
+                     lin_ftrs:list=(8,), # The head's hidden sizes
+                     **kwargs) -> Learner:
     "A quiet seeded `AWD_LSTM` classifier (`pretrained=False`, one layer of 8) on `n` random sentences of 12 words"
     from fastai.text.all import (DataBlock, TextBlock, CategoryBlock, ColReader, ColSplitter, BaseTokenizer, AWD_LSTM,
                                  text_classifier_learner)
@@ -115,8 +120,9 @@ def text_app_learner(seed:int=0, n:int=64, bs:int=16, **kwargs) -> Learner:
     tb = TextBlock.from_df('text', tok=BaseTokenizer(), n_workers=0, min_freq=1, seq_len=8)  # no spaCy, no worker processes
     dls = DataBlock(blocks=[tb, CategoryBlock], get_x=ColReader('text'), get_y=ColReader('label'),
                     splitter=ColSplitter('is_valid')).dataloaders(df, bs=bs, seq_len=8, num_workers=0)
-    cfg = dict(emb_sz=8, n_hid=8, n_layers=1)
-    return _quiet(text_classifier_learner(dls, AWD_LSTM, pretrained=False, config=cfg, seq_len=8, max_len=80, lin_ftrs=[8], **kwargs))
+    cfg = dict(emb_sz=emb_sz, n_hid=emb_sz, n_layers=1)
+    return _quiet(text_classifier_learner(dls, AWD_LSTM, pretrained=False, config=cfg, seq_len=8, max_len=80, lin_ftrs=list(lin_ftrs),
+                                          **kwargs))
 
 # %% ../nbs/99_test_utils.ipynb #7c85a0ea
 MASTER_MODES = {

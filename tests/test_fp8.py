@@ -10,7 +10,8 @@ from mpx.all import *
 from mpx.callback import is_mpx_precision
 import mpx.fp8
 from mpx.fp8 import FP8Precision, Float8Swap, fp8_plan, fp8_table, fp8_gain, linear_rows, unwrapped, _torchao_float8
-from mpx.test_utils import tiny_learner, fit_quiet, count_syncs, _quiet
+from mpx.test_utils import tiny_learner, fit_quiet, count_syncs, tabular_app_learner, text_app_learner, _quiet
+from fastai.basics import trainable_params
 
 pytestmark = pytest.mark.filterwarnings('ignore::UserWarning')  # fp8 and bf16 are slow on this CPU; load_learner's pickle warning
 RECIPES = ['tensorwise', 'rowwise']
@@ -227,33 +228,13 @@ def test_inductor():
 
 # ---- workflows on fastai's applications
 
-def tabular_fp8_learner(seed=0, n=192, bs=64):
-    "`mpx.test_utils.tabular_app_learner` with hidden layers of 32 and 32, so the middle Linear takes fp8"
-    from sklearn.datasets import load_diabetes
-    from fastai.tabular.all import TabularDataLoaders, tabular_learner, Categorify, FillMissing, Normalize
-    set_seed(seed, reproducible=True)
-    df = load_diabetes(as_frame=True, scaled=False).frame.iloc[:n].copy()
-    df['sex'],df['age_band'] = df['sex'].astype(int).astype(str),(df['age']//20).astype(int).astype(str)
-    df['target'] /= 100
-    conts = ['age', 'bmi', 'bp', 's1', 's2', 's3', 's4', 's5', 's6']
-    dls = TabularDataLoaders.from_df(df, procs=[Categorify, FillMissing, Normalize], cat_names=['sex', 'age_band'], cont_names=conts,
-                                     y_names='target', valid_idx=list(range(n-bs, n)), bs=bs, num_workers=0)
-    return _quiet(tabular_learner(dls, layers=[32, 32], y_range=(0, 3.5), lr=1e-2))
+def tabular_fp8_learner():
+    "`tabular_app_learner` with hidden layers of 32 and 32, so the middle Linear takes fp8"
+    return tabular_app_learner(layers=[32, 32], splitter=trainable_params, lr=1e-2)
 
-def text_fp8_learner(seed=0, n=64, bs=16):
-    "`mpx.test_utils.text_app_learner` with embeddings of 16 and a head of 48 -> 32 -> 32 -> 2, so the middle Linear takes fp8"
-    from fastai.text.all import DataBlock, TextBlock, CategoryBlock, ColReader, ColSplitter, BaseTokenizer, AWD_LSTM
-    from fastai.text.all import text_classifier_learner
-    import numpy as np, pandas as pd
-    set_seed(seed, reproducible=True)
-    words = np.array('good bad fine awful great poor nice dull movie film plot actor'.split())
-    texts = [' '.join(words[torch.randint(0, len(words), (int(k),)).numpy()]) for k in torch.randint(4, 10, (n,))]
-    df = pd.DataFrame(dict(text=texts, label=['good' in t for t in texts], is_valid=[i >= n-bs for i in range(n)]))
-    tb = TextBlock.from_df('text', tok=BaseTokenizer(), n_workers=0, min_freq=1, seq_len=8)
-    db = DataBlock(blocks=[tb, CategoryBlock], get_x=ColReader('text'), get_y=ColReader('label'), splitter=ColSplitter('is_valid'))
-    dls = db.dataloaders(df, bs=bs, seq_len=8, num_workers=0)
-    cfg = dict(emb_sz=16, n_hid=16, n_layers=1)
-    return _quiet(text_classifier_learner(dls, AWD_LSTM, pretrained=False, config=cfg, seq_len=8, max_len=80, lin_ftrs=[32, 32], lr=1e-2))
+def text_fp8_learner():
+    "`text_app_learner` with embeddings of 16 and a head of 48 -> 32 -> 32 -> 2, so the middle Linear takes fp8"
+    return text_app_learner(emb_sz=16, lin_ftrs=[32, 32], lr=1e-2)
 
 def _bf16_lstm_runs() -> bool:
     "Whether this CPU has a bf16 LSTM kernel (oneDNN has none without AVX512)"
