@@ -22,7 +22,8 @@ import sys, statistics
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import *
-from mpx.fused import FusedSteps, CountOps, bf16_hooks
+from mpx.fused import FusedSteps, bf16_hooks
+from mpx.test_utils import CountOps
 from mpx.patches import is_mpx_precision
 
 def cpu_flags() -> str:

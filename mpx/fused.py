@@ -6,13 +6,12 @@
 from __future__ import annotations
 import math
 from functools import partial
-from torch.utils._python_dispatch import TorchDispatchMode
 from fastai.torch_basics import *
 from fastai.optimizer import *
 
 # %% auto #0
-__all__ = ['FusedChunk', 'fused_cb', 'why_not_fused', 'FusedSteps', 'CountOps', 'count_step_ops', 'float32s', 'widen_bf16',
-           'fold_kahan', 'fold_stochastic', 'bf16_hooks']
+__all__ = ['FusedChunk', 'fused_cb', 'why_not_fused', 'FusedSteps', 'float32s', 'widen_bf16', 'fold_kahan', 'fold_stochastic',
+           'bf16_hooks']
 
 # %% ../nbs/01a_fused.ipynb #fz000006
 class FusedChunk:
@@ -320,20 +319,6 @@ def lookahead_step(self:FusedSteps, la:Lookahead, closure=None):
             torch._foreach_add_(slow, torch._foreach_sub(fast, slow), alpha=la.alpha)
             if self.fold: self.fold(ps, slow)
             else: torch._foreach_copy_(fast, slow)
-
-# %% ../nbs/01a_fused.ipynb #fz000051
-class CountOps(TorchDispatchMode):
-    "Count the aten ops dispatched while active (a multi-tensor op is one): `n` in all, `ops` by name; a GPU's kernel launches on a CPU"
-    def __init__(self): super().__init__(); self.n,self.ops = 0,{}
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += 1
-        self.ops[str(func)] = self.ops.get(str(func), 0) + 1
-        return func(*args, **(kwargs or {}))
-
-def count_step_ops(opt) -> int:
-    "Number of aten ops one `opt.step()` dispatches (it steps `opt`)"
-    with CountOps() as c: opt.step()
-    return c.n
 
 # %% ../nbs/01a_fused.ipynb #fz000055
 def float32s(ts:list) -> list:

@@ -5,10 +5,10 @@
 # %% auto #0
 __all__ = ['MASTER_MODES', 'MODES', 'BASIC_MODES', 'ALL_MODES', 'OPTIMIZERS', 'tiny_dls', 'tiny_model', 'tiny_split',
            'tiny_learner', 'fit_quiet', 'TupleModel', 'first_mse', 'tabular_split', 'tabular_app_learner',
-           'collab_app_learner', 'text_app_learner', 'precision_cbs', 'precision_cb', 'CountSyncs', 'count_syncs',
-           'InjectGrad', 'PoisonLoss', 'PoisonInput', 'weights', 'state_of', 'state_diffs', 'same_state',
-           'all_stepped_changed', 'Snapshot', 'check_skips_change_nothing', 'grad_norm', 'GradNormProbe', 'DtypeHook',
-           'PredProbe', 'LossProbe', 'replay']
+           'collab_app_learner', 'text_app_learner', 'precision_cbs', 'precision_cb', 'CountSyncs', 'CountOps',
+           'count_step_ops', 'count_syncs', 'InjectGrad', 'PoisonLoss', 'PoisonInput', 'weights', 'state_of',
+           'state_diffs', 'same_state', 'all_stepped_changed', 'Snapshot', 'check_skips_change_nothing', 'grad_norm',
+           'GradNormProbe', 'DtypeHook', 'PredProbe', 'LossProbe', 'replay']
 
 # %% ../nbs/99_test_utils.ipynb #29d10340
 from fastai.basics import *
@@ -178,6 +178,18 @@ class CountSyncs(TorchDispatchMode):
         if func is torch.ops.aten._local_scalar_dense.default: self.n += 1
         return func(*args, **(kwargs or {}))
 
+class CountOps(TorchDispatchMode):
+    "Count the aten ops dispatched while active (a multi-tensor op is one): `n` in all, `ops` by name; on a GPU each is a launch"
+    def __init__(self): super().__init__(); self.n,self.ops = 0,{}
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        self.ops[str(func)] = self.ops.get(str(func), 0) + 1
+        return func(*args, **(kwargs or {}))
+
+def count_step_ops(opt) -> int:
+    "Number of aten ops one `opt.step()` dispatches (it steps `opt`)"
+    with CountOps() as c: opt.step()
+    return c.n
 def count_syncs(learn:Learner, n_epoch:int=1, **kwargs) -> int:
     "Host syncs made by `fit_quiet(learn, n_epoch, **kwargs)`"
     with CountSyncs() as c: fit_quiet(learn, n_epoch, **kwargs)

@@ -7,6 +7,7 @@ from fastai.callback.core import Callback
 import fastai.callback.schedule
 from fastai.optimizer import *
 from mpx.fused import *
+from mpx.test_utils import CountOps, count_step_ops
 from mpx.fused import _radam_r, _flat_under
 from mpx.pure import split_kahan, BF16Weights
 from mpx.test_utils import tiny_learner, tiny_split

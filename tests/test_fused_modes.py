@@ -44,7 +44,7 @@ def test_fused_installed_and_removed(mode):
 
 # ---- per-step work does not grow with the number of parameter tensors
 
-from mpx.fused import CountOps
+from mpx.test_utils import CountOps
 
 class OpsFrom(Callback):
     "First of all at `after_backward`: starts counting aten ops; `OpsTo` stops at the end of `after_step`"
