@@ -14,6 +14,11 @@ from .callback import *
 __all__ = ['MixedPrecision']
 
 # %% ../nbs/03_amp.ipynb #451da1d2
+def _holding(g:Tensor) -> Tensor:
+    "A tensor standing in for a parameter (`GradScaler` wants tensors), its `.grad` the gradient `g`"
+    h = g.detach(); h.grad = g
+    return h
+
 class MixedPrecision(PrecisionCallback):
     "Mixed-precision training with `torch.autocast` and, for fp16, a `GradScaler` whose state outlives each fit"
     def __init__(self,
@@ -79,8 +84,12 @@ class MixedPrecision(PrecisionCallback):
         if self.scaling: self.scaler.update()
     @property
     def param_groups(self):
-        "The real optimizer's parameter groups, for `GradScaler`"
-        return self.opt.param_groups
+        "For `GradScaler`: one group of stand-ins whose `.grad` are the gradients to unscale, each tensor once (one a flat bucket)"
+        gs = self._step_grads()
+        held,hs = getattr(self, '_held', ([], []))
+        if len(gs) != len(held) or any(a is not b for a,b in zip(gs, held)): hs = [_holding(g) for g in gs]  # made once a layout
+        self._held = (gs, hs)
+        return [{'params': hs}]
     def step(self, *args, **kwargs):
         "Called by `GradScaler.step` when the gradients are finite: fastai then steps the real optimizer"
         self._stepped = True
@@ -95,4 +104,3 @@ class MixedPrecision(PrecisionCallback):
     def reset_scaler(self):
         "Start the loss scale afresh at `init_scale` on the next fit"
         self.scaler,self._scaler_state_to_load = None,None
-

@@ -11,6 +11,7 @@ from torch.nn.modules.batchnorm import _NormBase
 from .core import *
 from .scaler import *
 from .fused import FusedSteps
+from .plumbing import Ledger
 from .patches import *
 
 # %% auto #0
@@ -92,8 +93,6 @@ _no_kernel = ("not implemented for 'Half'", "not implemented for 'BFloat16'", 'c
 _instead = {AMPMode.FP16: 'train in bf16 (learn.to_bf16()) or fp32 (learn.to_fp32()) instead',
             AMPMode.BF16: 'train in fp16 (learn.to_fp16()) or fp32 (learn.to_fp32()) instead'}
 
-
-
 # %% ../nbs/02_callback.ipynb #e9ed62b0
 class PrecisionCallback(Callback, ScaleTelemetry):
     "What every precision mode shares: checks, fp32 predictions, one fused finite check a step, telemetry, state, nothing left behind"
@@ -106,8 +105,8 @@ class PrecisionCallback(Callback, ScaleTelemetry):
     ):
         check_args(check_finite=check_finite, fused=fused)
         self.amp_mode,self.check_finite,self.fused,self.step_log = AMPMode(amp_mode),check_finite,fused,StepLog()
-        self.device_type,self.fit_state,self.fused_steps = None,None,None
-        self._autocast,self._in_autocast = None,False
+        self.device_type,self.fit_state,self.fused_steps,self.ledger = None,None,None,None
+        self._autocast,self._loss_autocast,self._entered = None,None,None  # the autocast contexts, and the one entered
         self._norms,self._norms_due = None,False
         self._checked,self._found = False,False  # this step was checked, and found non-finite
         self._outer = None  # during a fit, what each fit or validation nested in it put aside
@@ -140,25 +139,29 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         bad = first_not_fp32(model)
         if bad: raise ValueError(f"{type(self).__name__} needs an fp32 model: parameter {bad[0]!r} is {bad[1]}; "
                                  "call learn.to_fp32() or model.float() first")
+    def _check_cbs(self, cbs):
+        "Raise a `ValueError` before anything changes when another callback of the learner does what the mode cannot follow"
     def _new_fit_state(self):
         "Prepare one fit (or `get_preds`): an object whose `undo()` puts back what the mode changed, or None"
     def _new_fused_steps(self):
-        "The fused steps of one fit: `FusedSteps` on a fastai optimizer when `fused`, else None"
-        return FusedSteps(self.learn.opt) if self.fused and self.learn.opt is not None else None
+        "The step engine of one fit on the learner's optimizer (none without one), holding each parameter as the fit state says"
+        if self.learn.opt is None: return None
+        kind_of = None if self.fit_state is None else self.fit_state.kind_of
+        return FusedSteps(self.learn.opt, kind_of, fused=self.fused, ledger=self.ledger)
     def _scale_loss(self, loss): return loss
     def _step_grads(self) -> list:
-        "The gradients the optimizer is about to apply"
-        return [p.grad for pg in self.learn.opt.param_lists for p in pg if p.grad is not None]
+        "The gradients the optimizer is about to apply, each tensor once: one a flat bucket of the step engine"
+        if self.fused_steps is not None: return self.fused_steps.checked()
+        return list({id(p.grad): p.grad for pg in self.learn.opt.param_lists for p in pg if p.grad is not None}.values())
     def _named_grads(self) -> list:
         "`(model parameter name, gradient)` in model order, for the overflow diagnosis"
+        if self.fused_steps is not None: return self.fused_steps.named_grads(get_model(self.model))
         return [(n, p.grad) for n,p in get_model(self.model).named_parameters()]
     def _unscale_and_find_overflow(self) -> tuple:
         "The scale this step's loss was multiplied by, and whether its gradients hold an inf or nan: one fused pass, one host sync"
         return 1.0, has_inf_or_nan(self._step_grads())
     def _update_scale(self, found:bool):
         "Update the loss scale after a checked step"
-    def _apply_step(self):
-        "After an optimizer step that was not skipped"
     def reset_scaler(self):
         "Start the loss scale afresh at its initial value"
     def _scaler_state(self) -> dict: return {}
@@ -173,23 +176,34 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         check_amp_support(self.device_type, self.amp_mode)
         check_one_precision(self.learn.cbs)
         check_single_autocast(self.learn.cbs)
+        self._check_cbs(self.learn.cbs)
         self._check_model(get_model(self.model))
         dt = self.autocast_dtype
         self._autocast = None if dt is None else torch.autocast(self.device_type, dtype=dt)
         self._begin_fit()
+        self._loss_autocast = self._autocast_for_loss()
         self._norms,self._norms_due = (NormStats(self.model) if self.checking else None),True
         self._outer = []  # a fit is under way: a `before_fit` now begins a nested one
     def after_fit(self): self._leave_fit()
     def before_epoch(self): self._epoch_start = self.step_log.total
 
     def _begin_fit(self):
-        "What a fit changes in the model and the optimizer: the mode's fit state, then the fused steps"
+        "What a fit changes in the model and the optimizer: the mode's fit state, then the step engine, both through one ledger"
+        self.ledger = Ledger()
         self.fit_state = self._new_fit_state()
         self.fused_steps = self._new_fused_steps()
+        if self.fit_state is not None: self.fit_state.engine = self.fused_steps
     def _end_fit(self):
         "Undo `_begin_fit` exactly, last change first; a no-op when there is nothing to undo"
         if self.fused_steps is not None: self.fused_steps.undo(); self.fused_steps = None
         if self.fit_state is not None: self.fit_state.undo(); self.fit_state = None
+        if self.ledger is not None: self.ledger.undo(); self.ledger = None
+    def _restart_if_stale(self) -> bool:
+        "Lay the fit out again, its gradients carried across, when the learner's optimizer changed under it (`create_opt()` mid-fit)"
+        fs = self.fused_steps
+        if fs is None or not fs.stale(self.learn.opt): return False
+        with self.suspended(): pass
+        return True
     def _leave_fit(self):
         "End a nested fit or validation, else finish the fit: `after_fit`, or an exception that ends the fit"
         if self._outer: self._unnest()
@@ -197,49 +211,61 @@ class PrecisionCallback(Callback, ScaleTelemetry):
     def _finish(self):
         "Leave autocast, settle a checked step's scale update, end the mode's fit: what `after_fit` does, safe to repeat"
         self._end_forward(); self._close_step(); self._end_fit()
-        self._autocast,self._norms,self._outer = None,None,None
+        self._autocast,self._loss_autocast,self._norms,self._outer = None,None,None,None
     def _nest(self):
         "Begin a fit or validation nested in the one under way: put aside what the outer one has in flight"
-        self._outer.append((self._in_autocast, {k: getattr(self, k, None) for k in _in_flight}))
+        self._outer.append((self._entered, {k: getattr(self, k, None) for k in _in_flight}))
         self._end_forward(); self._checked = self._found = False
     def _unnest(self):
         "End a nested fit or validation: settle its own step, then give the outer one back what it had in flight"
         self._end_forward(); self._close_step()
-        in_autocast,state = self._outer.pop()
+        entered,state = self._outer.pop()
         for k,v in state.items(): setattr(self, k, v)
-        if in_autocast: self._enter_autocast()
+        self._enter(entered)
 
     @contextlib.contextmanager
     def suspended(self):
         "Context manager: inside it, a fit under way is undone (fp32 weights in the model, its parameters in the optimizer), then resumed"
         if self.fit_state is None and self.fused_steps is None: yield; return
-        grads = self.fit_state.grads_in_flight() if self.fit_state is not None else {}  # an accumulation window stays open
+        grads = self.fused_steps.grads_in_flight() if self.fused_steps is not None else {}  # an accumulation window stays open
         self._end_fit()
         try: yield
         finally:
             self._begin_fit()
-            if self.fit_state is not None: self.fit_state.restore_grads(grads)
+            if self.fused_steps is not None: self.fused_steps.restore_grads(grads)
 
     # ---- one batch
     def before_batch(self):
         if self.training and self._norms_due and self._norms is not None: self._norms.save(); self._norms_due = False
         if self.input_dtype is not None: self.learn.xb = _cast_floats(self.xb, self.input_dtype)
-        self._enter_autocast()
-    def after_pred(self): self.learn.pred = to_float32(self.pred)
-    def after_loss(self): self._end_forward()
+        self._enter(self._autocast)
+    def after_pred(self):
+        self.learn.pred = to_float32(self.pred)
+        self._enter(self._loss_autocast)  # a half model's layers inside the loss (a GAN's critic) meet fp32 tensors there
+    def after_loss(self):
+        "Leave autocast; the loss in fp32 (fastai's loss averaging adds it to fp32 totals), whatever dtype the loss function made"
+        self._end_forward()
+        if len(self.yb): self.learn.loss_grad,self.learn.loss = to_float32(self.loss_grad),to_float32(self.loss)
     def before_backward(self):
         if self.scaling: self.learn.loss_grad = self._scale_loss(self.loss_grad)
     def after_batch(self): self._end_forward(); self._close_step()
-    def _enter_autocast(self):
-        if self._autocast is not None and not self._in_autocast: self._autocast.__enter__(); self._in_autocast = True
+    def _enter(self, ctx):
+        "Enter autocast context `ctx` unless one is entered already (or `ctx` is None)"
+        if ctx is not None and self._entered is None: ctx.__enter__(); self._entered = ctx
     def _end_forward(self):
-        "Leave autocast if the forward pass entered it; a no-op otherwise"
-        if self._in_autocast: self._autocast.__exit__(None, None, None); self._in_autocast = False
+        "Leave the autocast the forward pass (or the loss) entered; a no-op otherwise"
+        if self._entered is not None: self._entered.__exit__(None, None, None); self._entered = None
+    def _autocast_for_loss(self):
+        "Autocast in the half dtype for the loss where the model is half and the loss function holds some of its layers, else None"
+        lf,dt = getattr(self.learn, 'loss_func', None),self.input_dtype
+        if dt is None or not isinstance(lf, nn.Module) or not any(p.dtype == dt for p in lf.parameters()): return None
+        return torch.autocast(self.device_type, dtype=dt)
 
     # ---- one optimizer step
     def before_step(self):
         "Unscale and check the gradients (one fused pass, one host sync) and skip a step that holds inf/nan; with no check, log the step"
         self._norms_due = True
+        self._restart_if_stale()
         if not self.checking: return self.step_log.record(1.0)
         scale,self._found = self._unscale_and_find_overflow()
         self._checked = True
@@ -250,9 +276,7 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         if self._norms is not None: self._norms.restore()
         self._on_overflow(self._named_grads(), float(scale), at_floor=self._at_floor)
         raise CancelStepException()
-    def after_step(self):
-        if not self._found: self._apply_step()
-        self._close_step()
+    def after_step(self): self._close_step()
     def _close_step(self):
         "Update the scale once for a checked step, wherever it ended: `after_step`, `after_batch`, or a fit cut short"
         if self._checked: self._update_scale(self._found)
@@ -274,4 +298,3 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         if not any(s in msg for s in _no_kernel): return
         e.args = (f"{msg}\n\nmpx: under {type(self).__name__}(amp_mode='{self.amp_mode}') an op of this model has no {self.amp_mode} "
                   f"kernel on {self.device_type}: {_instead[self.amp_mode]}.",) + e.args[1:]
-

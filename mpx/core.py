@@ -13,7 +13,8 @@ from fastai.torch_core import apply
 
 # %% auto #0
 __all__ = ['MODE_ARGS', 'AMPMode', 'model_device', 'training_device', 'autocast_device_type', 'check_amp_support', 'to_float32',
-           'unscale_and_find_inf_', 'has_inf_or_nan', 'check_args', 'default', 'passed', 'mode_args', 'check_mode_args']
+           'stored_values', 'unscale_and_find_inf_', 'has_inf_or_nan', 'check_args', 'default', 'passed', 'mode_args',
+           'check_mode_args']
 
 # %% ../nbs/00_core.ipynb #9dc79e19
 _dtype2mode = {torch.float16: 'fp16', torch.bfloat16: 'bf16'}
@@ -67,11 +68,15 @@ def to_float32(x):
     return apply(lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype in _half_dtypes else t, x)
 
 # %% ../nbs/00_core.ipynb #eb05c41c
+def stored_values(t:torch.Tensor) -> torch.Tensor:
+    "The values `t` stores: `t` itself, or a sparse tensor's (an `nn.Embedding(sparse=True)` gradient), in place"
+    return t if t.layout is torch.strided else t._values()
+
 def _grouped(tensors) -> dict:
     "`tensors` (a tensor, or an iterable of tensors and `None`s) grouped by device and dtype, as the fused kernel needs"
     groups = defaultdict(list)
     for t in ([tensors] if isinstance(tensors, torch.Tensor) else tensors):
-        if t is not None: groups[(t.device, t.dtype)].append(t)
+        if t is not None: groups[(t.device, t.dtype)].append(stored_values(t))
     return groups
 
 # %% ../nbs/00_core.ipynb #6338f53c

@@ -4,139 +4,107 @@
 
 # %% ../nbs/04_master.ipynb #55689d66
 from __future__ import annotations
-import itertools
-from collections import defaultdict
-from contextlib import contextmanager
 from fastai.basics import *
-from torch.nn.modules.batchnorm import _BatchNorm
 from .core import *
 from .scaler import *
 from .plumbing import *
+from .fused import Kind, FusedSteps
 from .callback import *
 
 # %% auto #0
-__all__ = ['MasterCopies', 'MasterPrecision']
+__all__ = ['MasterKind', 'MasterCopies', 'MasterPrecision']
 
 # %% ../nbs/04_master.ipynb #971f8fad
-_align = 64  # elements: 256 bytes of fp32
+class MasterKind(Kind):
+    "fp32 masters stepped for a half model's parameters: the model's gradients taken after each backward, masters written back after the step"
+    taken,in_place = True,False
+    def __init__(self, dtype:torch.dtype, flat:bool=False): self.half,self.flat = dtype,flat
+    def sdtype(self, b): return torch.float32
 
-def _alias(buf:Tensor, offset:int, shape) -> Tensor:
-    "A tensor of `shape` over `buf`'s memory from element `offset`: shared as a view would be, but not a view, so `detach_` works on it"
-    return torch.empty(0, dtype=buf.dtype, device=buf.device).set_(buf.untyped_storage(), buf.storage_offset() + offset, shape)
+    def build(self, b):
+        "fp32 masters from the parameters, which become half: flat buffers of masters, half weights and both gradients, or tensors"
+        ps = b.params
+        if b.flat:
+            b.x,b.w = b.flat_copy([p.data for p in ps], torch.float32),b.flat_copy([p.data for p in ps], self.half)
+            b.point(b.w)
+            b.gx,b.g = b.zeros(torch.float32),b.zeros(self.half)
+            b.xv,b.gxv = b.views(b.x),b.views(b.gx)
+        else:
+            b.xv = [p.detach().clone(memory_format=torch.preserve_format) for p in ps]
+            b.gxv = [torch.zeros_like(m) for m in b.xv]
+            for p in ps: p.data = p.data.to(self.half)
+        b.ms = [nn.Parameter(m, requires_grad=False) for m in b.xv]
 
-def _offsets(ps:list) -> tuple:
-    "Where each of `ps` starts in one flat buffer, every start aligned to `_align` elements, and the buffer's length"
-    offs,n = [],0
-    for p in ps: offs.append(n); n += -(-p.numel() // _align) * _align
-    return offs,n
+    def wide(self, b, i, j, phase=0):
+        return (b.part(b.x, i, j), b.part(b.gx, i, j)) if b.flat else (b.ms[i:j], b.gxv[i:j])
+    def fold(self, b, i, j, x, phase=0):
+        "The stepped masters into the half weights, one copy"
+        if b.flat: b.part(b.w, i, j).copy_(x)
+        else: torch._foreach_copy_([p.data for p in b.params[i:j]], b.xv[i:j])
+    def checked(self, b): return [b.gx] if b.flat else [g for g,l in zip(b.gxv, b.live) if l]
+    def grad_of(self, b, i): return b.gxv[i] if b.live[i] else None
+    def stepped(self, b, i):
+        m = b.ms[i]; m.grad = b.gxv[i] if b.live[i] else None
+        return m
 
-class _Buffer:
-    "fp32 masters of the parameters `ps`, each shaped like its parameter, in one flat buffer; their gradients in another"
-    def __init__(self, ps:list):
-        offs,n = _offsets(ps)
-        self.params = ps
-        self.data,self.grad = torch.zeros(n, device=ps[0].device),torch.zeros(n, device=ps[0].device)
-        self.masters = [nn.Parameter(_alias(self.data, o, p.shape), requires_grad=p.requires_grad) for o,p in zip(offs, ps)]
-        self.grads = [_alias(self.grad, o, p.shape) for o,p in zip(offs, ps)]
-        with torch.no_grad(): torch._foreach_copy_(self.masters, [p.detach() for p in ps])
+# %% ../nbs/04_master.ipynb #4d1a7c02
+@patch
+def take(self:MasterKind, b, fresh:bool):
+    "Add the model's half gradients into the master gradients (copy them on a step's first backward), then zero them"
+    if b.flat:
+        (b.gx.copy_ if fresh else b.gx.add_)(b.g)
+        b.g.zero_()
+        extra = sorted(b.loose)
+    else: extra = [i for i,l in enumerate(b.live) if l]
+    if fresh and not b.flat: torch._foreach_zero_(b.gxv)
+    for i in extra:
+        g = b.params[i].grad
+        if b.flat and fresh: b.gxv[i].zero_()
+        b.gxv[i].add_(g)
+        g.zero_()
 
-# %% ../nbs/04_master.ipynb #63641c77
-def _runs(opt, params:list, flat:bool) -> list:
-    "`params` in the runs that share a buffer: one each, or (`flat`) those of one group on one device"
-    if not flat or opt is None: return [[p] for p in params]  # no optimizer (a `validate` before the first fit): no masters
-    ours,runs,seen = {id(p) for p in params},{},set()
-    for i,pg in enumerate(opt.param_lists):
-        for p in pg:
-            if id(p) in ours and id(p) not in seen: seen.add(id(p)); runs.setdefault((i, p.device), []).append(p)
-    return list(runs.values())
+@patch
+def finish(self:MasterKind, b):
+    "The masters become the fp32 parameters, never rounded through half; the half gradients go"
+    for p,m in zip(b.params, b.xv): p.grad = None; p.data = m.clone(memory_format=torch.preserve_format) if b.flat else m
 
+@patch
+def carried(self:MasterKind, b) -> dict:
+    "The master gradients accumulated since the last step (still scaled), by `id` of parameter"
+    return {id(p): ('master', g.clone()) for p,g,l in zip(b.params, b.gxv, b.live) if l} if not b.engine.fresh else {}
+
+@patch
+def restore(self:MasterKind, b, grads:dict):
+    "Master gradients from an earlier layout into this one's; their parameters get a zero half gradient (they have one)"
+    for i,p in enumerate(b.params):
+        if id(p) not in grads: continue
+        b.gxv[i].copy_(grads[id(p)][1])
+        p.grad = b.gv[i] if b.flat else torch.zeros_like(p)
+        b.live[i] = True
 
 # %% ../nbs/04_master.ipynb #8802bdff
 class MasterCopies(FitState):
-    "The fp32 masters of one fit: built from the fp32 model and its optimizer, the model halved; `undo` puts it all back"
+    "A master fit's half model: the optimizer's halvable parameters stepped through fp32 masters (`MasterKind`), the rest halved exactly"
     def __init__(self,
-        learn:Learner, # Its optimizer (if any) is pointed at the masters, with its state
+        learn:Learner, # The learner whose model is halved
         dtype:torch.dtype, # The model's dtype during the fit: torch.float16 or torch.bfloat16
-        flat:bool=False, # One flat buffer per parameter group and device instead of one per parameter
+        flat:bool=False, # Flat masters also without fused steps
     ):
-        self.learn,self.opt,self.done = learn,learn.opt,False
-        self.bufs = [_Buffer(ps) for ps in _runs(self.opt, opt_params(self.opt), flat)]
-        self.params,self.masters = [p for b in self.bufs for p in b.params],[m for b in self.bufs for m in b.masters]
-        self._step_lists()
-        ours,halved = {id(p) for p in self.params},halvable(learn.model)
-        self.kept = [(t, t.detach().clone()) for t in halved if id(t) not in ours]
-        for t in halved: t.data = t.data.to(dtype)
-        if self.opt is not None:
-            self.lists = self.opt.param_lists
-            self.opt.param_lists = mapped(self.lists, dict(zip(map(id, self.params), self.masters)))
-            move_state(self.opt, self.params, self.masters)
-        learn.parameters = self.parameters  # what `GradientClip` and anything else calling `learn.parameters()` sees
+        halved,ours = halvable(learn.model),{id(p) for p in opt_params(learn.opt)}
+        self.halves,self.kind,self.plain = {id(t) for t in halved},MasterKind(dtype, flat),Kind()
+        self.rest = HalvedRest([t for t in halved if id(t) not in ours], dtype)
+    def kind_of(self, p) -> Kind: return self.kind if id(p) in self.halves else self.plain
+    def undo(self): self.rest.undo()
 
-    def parameters(self) -> list:
-        "The fp32 masters the optimizer steps"
-        return list(self.masters)
-
-# %% ../nbs/04_master.ipynb #d6905b98
-@patch
-def _step_lists(self:MasterCopies):
-    "The lists each step works on, made once per fit: trainable parameters, their masters and master gradients"
-    tr = [(p, m, g) for b in self.bufs for p,m,g in zip(b.params, b.masters, b.grads) if p.requires_grad]
-    self.train_params,self.train_masters,self.train_grads = [list(x) for x in zip(*tr)] if tr else ([], [], [])
-    self.grad_bufs,self.fresh = [b.grad for b in self.bufs],True
-
-@patch
-@torch.no_grad()
-def take_grads(self:MasterCopies):
-    "Add the model's half gradients into the master gradients (fp32, still scaled) in one fused add, and free the model's"
-    if self.fresh: torch._foreach_zero_(self.grad_bufs); self.fresh = False  # the first backward of an optimizer step
-    dst,src = [],[]
-    for p,m,g in zip(self.train_params, self.train_masters, self.train_grads):
-        if p.grad is None: continue  # unused in this forward: the master keeps the gradient it has, as the fp32 parameter would
-        if m.grad is not g: m.grad = g  # first use, or an optimizer's `zero_grad(set_to_none=True)` dropped it
-        dst.append(g); src.append(p.grad)
-    if dst: torch._foreach_add_(dst, src)
-    for p in self.train_params: p.grad = None
-
-@patch
-@torch.no_grad()
-def put_masters(self:MasterCopies):
-    "Copy the stepped masters into the half model in one fused copy"
-    if self.train_params: torch._foreach_copy_(self.train_params, self.train_masters)
-
-@patch
-def grads_in_flight(self:MasterCopies) -> dict:
-    "The master gradients accumulated since the last optimizer step (still scaled), by model parameter: what `restore_grads` takes"
-    self.take_grads()  # a backward's half gradients not yet taken (a `save` before `after_backward`): the same fp32 add, made now
-    return {id(p): m.grad.clone() for p,m in zip(self.params, self.masters) if m.grad is not None}
-
-@patch
-@torch.no_grad()
-def restore_grads(self:MasterCopies, grads:dict):
-    "Put back gradients `grads_in_flight` took from the masters of an earlier fit state of the same fit (a `save` mid-accumulation)"
-    if not grads: return
-    torch._foreach_zero_(self.grad_bufs); self.fresh = False
-    for p,m,g in zip(self.params, self.masters, itertools.chain(*[b.grads for b in self.bufs])):
-        if id(p) in grads: g.copy_(grads[id(p)]); m.grad = g
-
-@patch
-def named_grads(self:MasterCopies, model:nn.Module) -> list:
-    "`(model parameter name, its master's gradient)` in model order, for the overflow diagnosis"
-    grads = {id(p): m.grad for p,m in zip(self.params, self.masters)}
-    return [(n, grads.get(id(p))) for n,p in model.named_parameters()]
-
-# %% ../nbs/04_master.ipynb #e225594a
-@patch
-def undo(self:MasterCopies):
-    "Masters become the fp32 model's weights, the rest comes back unrounded unless trained, the optimizer gets the model's parameters back"
-    if self.done: return
-    for p,m in zip(self.params, self.masters):
-        p.grad,p.data = None,torch.empty_like(p, dtype=torch.float32).copy_(m.detach())  # keeps p's memory format
-    for t,c in self.kept: t.data = exact_fp32(t, c)
-    if self.opt is not None:
-        self.opt.param_lists = self.lists
-        move_state(self.opt, self.masters, self.params)
-    self.learn.__dict__.pop('parameters', None)
-    self.done = True
+    @property
+    def params(self) -> list:
+        "The model's parameters that have a master, in the engine's order"
+        return [p for b in self._buckets() for p in b.params]
+    @property
+    def masters(self) -> list:
+        "Their fp32 masters"
+        return [m for b in self._buckets() for m in b.ms]
+    def _buckets(self): return [b for b in getattr(self.engine, 'buckets', []) if b.kind is self.kind]
 
 # %% ../nbs/04_master.ipynb #24f87157
 class MasterPrecision(PrecisionCallback):
@@ -178,18 +146,27 @@ class MasterPrecision(PrecisionCallback):
     def _at_floor(self) -> bool: return self.scaler is None or self.scaler.at_floor
     def _repr_extra(self): return f'flat_master={self.flat_master}, '
 
+    def _check_cbs(self, cbs):
+        "Refuse fastai's `GANTrainer` with `clip`: it clamps the model's weights in place, where the masters never see it"
+        gt = first(c for c in cbs if type(c).__name__ == 'GANTrainer' and getattr(c, 'clip', None) is not None)
+        if gt is not None: raise ValueError(
+            f"GANTrainer(clip={gt.clip}) clamps the critic's weights in place before each batch, and under fp32 master weights "
+            "the clamp reaches only their half copies: the next step would undo it. Train a clipped GAN (GANLearner.wgan) "
+            "with AMP (learn.to_fp16() or learn.to_bf16()) or pure bf16 (learn.to_bf16(pure=True)), or pass clip=None")
     def _new_fit_state(self): return MasterCopies(self.learn, self.amp_mode.dtype, self.flat_master)
+    def _begin_fit(self):
+        super()._begin_fit()
+        if self.fused_steps is not None: self.ledger.set(self.learn, 'parameters', self.fused_steps.stepped)  # what `GradientClip` clips
     def _scale_loss(self, loss): return self.scaler.scale_loss(loss)
-    def after_backward(self): self.masters.take_grads()
-    def _step_grads(self) -> list: return self.masters.grad_bufs
-    def _named_grads(self) -> list: return self.masters.named_grads(get_model(self.model))
+    def after_backward(self):
+        self._restart_if_stale()
+        if self.fused_steps is not None: self.fused_steps.take()
     def _unscale_and_find_overflow(self) -> tuple:
         "Unscale (fp16) and check the master gradients: one fused pass, one host sync"
         if self.scaler is None: return super()._unscale_and_find_overflow()
-        return self.scaler.scale, bool(self.scaler.unscale_(self.masters.grad_bufs).item())
-    def _apply_step(self): self.masters.put_masters()
+        return self.scaler.scale, bool(self.scaler.unscale_(self._step_grads()).item())
     def after_step(self):
-        if self.masters is not None: self.masters.fresh = True  # the next backward starts fresh master gradients, skipped or not
+        if self.fused_steps is not None: self.fused_steps.fresh = True  # the next backward starts fresh master gradients, skipped or not
         super().after_step()
     def _update_scale(self, found:bool):
         if self.scaler is not None: self.scaler.update(found)
@@ -208,4 +185,3 @@ def _scaler(dynamic:bool, loss_scale:float, growth_interval:int, min_scale:float
                          "it must lie within them when dynamic=True")
     return LossScaler(float(loss_scale), dynamic, int(growth_interval), min_scale=float(min_scale), max_scale=float(max_scale),
                       **{k: float(v) for k,v in kwargs.items()})
-

@@ -9,10 +9,11 @@ from fastai.basics import *
 from .core import *
 from .callback import *
 from .plumbing import *
-from .fused import FusedSteps, why_not_fused, bf16_hooks
+from .fused import Kind
 
 # %% auto #0
-__all__ = ['round_stochastic', 'split_kahan', 'BF16Weights', 'PureBF16']
+__all__ = ['round_stochastic', 'split_kahan', 'fold_kahan', 'widen_kahan', 'fold_stochastic', 'BF16Kind', 'KahanKind',
+           'StochasticKind', 'KeptKind', 'BF16Weights', 'PureBF16']
 
 # %% ../nbs/05_pure.ipynb #pb000007
 _hi = -65536  # 0xFFFF0000 as an int32: the bits of an fp32 that a bf16 keeps
@@ -31,163 +32,152 @@ def split_kahan(x:Tensor) -> tuple:
     return _split(w.float() + c.float())
 
 # %% ../nbs/05_pure.ipynb #pb000013
-class BF16Weights(FitState):
-    "The bf16 weights of one fit: made from the fp32 model, each trained weight split in place; `undo` gives back the fp32 model"
-    def __init__(self,
-        learn:Learner, # Its optimizer (if any) gets the widen and fold
-        update:str='kahan', # 'kahan' (a bf16 compensation per weight) or 'stochastic'
-        gen:torch.Generator|None=None, # The random bits of `stochastic` rounding
-        fused:bool=True, # A fastai optimizer steps in bulk (`FusedSteps` with multi-tensor widen and fold), where it can
-    ):
-        self.learn,self.opt,self.update,self.gen,self.fuse,self.done,self.open = learn,learn.opt,update,gen,fused,False,[]
-        trained = {id(p) for p in opt_params(self.opt) if p.requires_grad}
-        self.halved,self.comp,self.kept = halvable(learn.model),{},{}
-        for t in self.halved:
-            x = t.detach()
-            if id(t) not in trained: self.kept[t] = x.clone()  # frozen, outside the optimizer, or a buffer: its exact fp32 value
-            if t.grad is not None: t.grad = None
-            t.data = x.bfloat16()
-            if id(t) in trained and update == 'kahan': t.data,self.comp[t] = split_kahan(x)
-        self._hook()
-
-# %% ../nbs/05_pure.ipynb #pb000015
-@patch
-def wide(self:BF16Weights, p:Tensor) -> Tensor:
-    "The fp32 value of parameter `p`: `w + c`, `w`, or the exact value kept aside"
-    if p.dtype is not torch.bfloat16: return p.data
-    x = self.kept.get(p)
-    if x is not None: return x
-    c = self.comp.get(p)
-    return p.data.float() if c is None else p.data.float().add_(c.float())
-
-@patch
 @torch.no_grad()
-def put(self:BF16Weights, p:Tensor, w:Tensor, x:Tensor):
-    "Write fp32 `x` to `p`'s bf16 weight `w` (and compensation): Kahan split, stochastic rounding, or to nearest, exact value kept aside"
-    k,c = self.kept.get(p),self.comp.get(p)
-    if k is not None:
-        if k is not x: k.copy_(x)
-        w.copy_(x)
-    elif c is not None: nw,nc = split_kahan(x); w.copy_(nw); c.copy_(nc)
-    else: w.copy_(round_stochastic(x, self.gen))
+def fold_kahan(xs:list, ws:list, cs:list):
+    "Write fp32 `xs` into bf16 weights `ws` and compensations `cs` exactly as `split_kahan` splits them, in eight multi-tensor ops"
+    torch._foreach_copy_(ws, xs)  # w = bf16(x), to nearest
+    r = torch._foreach_sub(xs, ws)  # x - w in fp32
+    torch._foreach_copy_(cs, r)
+    torch._foreach_copy_(r, ws)  # then the canonical split of w + c
+    torch._foreach_add_(r, cs)
+    torch._foreach_copy_(ws, r)
+    torch._foreach_sub_(r, ws)
+    torch._foreach_copy_(cs, r)
 
-# %% ../nbs/05_pure.ipynb #pb000017
-@patch
-def _widen(self:BF16Weights, p:Tensor) -> tuple:
-    "`p` with fp32 data and gradient; what `_fold` needs"
-    w,g = p.data,p.grad
-    p.grad = None; p.data = self.wide(p)
-    if g is not None: p.grad = g.float()
-    return p,w,g
+@torch.no_grad()
+def widen_kahan(xs:list, ws:list, cs:list|None=None):
+    "Write the fp32 values `w + c` of bf16 `ws` (and compensations `cs`) into fp32 `xs`"
+    torch._foreach_copy_(xs, ws)
+    if cs: torch._foreach_add_(xs, cs)
 
-@patch
-def _fold(self:BF16Weights, p:Tensor, w:Tensor, g:Tensor|None):
-    "Fold `p`'s stepped fp32 data into its bf16 weight `w`, and give it back `w` and its bf16 gradient `g`"
-    self.put(p, w, p.data)
-    p.grad = None; p.data = w; p.grad = g
-
-@patch
-def widen(self:BF16Weights, p:Tensor, **kwargs):
-    "First step function of a fastai optimizer: `p` in fp32 for the step functions after it"
-    if p.dtype is torch.bfloat16: self.open.append(self._widen(p))
-
-@patch
-def fold(self:BF16Weights, p:Tensor, **kwargs):
-    "Last step function of a fastai optimizer: `p` back in bf16, with the step folded in"
-    if self.open and self.open[-1][0] is p: self._fold(*self.open.pop())
+# %% ../nbs/05_pure.ipynb #pb000016
+@torch.no_grad()
+def fold_stochastic(x:Tensor, w:Tensor, gen:torch.Generator|None=None):
+    "Write fp32 `x` (contiguous; its bits are overwritten) into bf16 `w` of the same shape, rounded stochastically with random bits from `gen`"
+    bits = x.view(torch.int32)
+    bits.add_(torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=bits.device, generator=gen)).bitwise_and_(_hi)
+    w.copy_(x)  # exact: every value is a bf16 now
 
 # %% ../nbs/05_pure.ipynb #pb000019
-def _chunks(ps:list, n:int=1<<22) -> list:
-    "`ps` in consecutive runs of at most `n` elements (a larger tensor alone)"
-    res,cur,k = [],[],0
-    for p in ps:
-        if cur and k + p.numel() > n: res.append(cur); cur,k = [],0
-        cur.append(p); k += p.numel()
-    return res + [cur]*bool(cur)
+class BF16Kind(Kind):
+    "bf16 weights stepped in fp32: widened into the engine's reused workspace a window at a time, folded back by `fold_to`"
+    workspace,in_place = True,False
+    def sdtype(self, b): return torch.float32
+    def build(self, b):
+        "Each parameter's fp32 value split into its bf16 storage (`split`): one flat buffer a role, or tensors of its own"
+        xs = [p.detach() for p in b.params]
+        if b.flat:
+            b.w,b.g = b.zeros(torch.bfloat16),b.zeros(torch.bfloat16)
+            self.split(b, [b.flat_copy(xs, torch.float32)], [b.w])
+            b.point(b.w)
+        else:
+            ws = [torch.empty_like(x, dtype=torch.bfloat16) for x in xs]
+            self.split(b, [x.clone(memory_format=torch.preserve_format) for x in xs], ws)
+            for p,w in zip(b.params, ws): p.data = w
+    def split(self, b, xs:list, ws:list): torch._foreach_copy_(ws, xs)  # to nearest
 
-@patch
-def wrapper_step(self:BF16Weights, closure=None):
-    "`OptimWrapper.step`: the torch optimizer on each group's parameters, a chunk at a time, widened before and folded after"
-    topt = self.inner.opt
-    groups = topt.param_groups
-    try:
-        for g in groups:
-            for ps in _chunks([p for p in g['params'] if p.grad is not None]):
-                self.open += [self._widen(p) for p in ps if p.dtype is torch.bfloat16]
-                topt.param_groups = [{**g, 'params': ps}]
-                topt.step()
-                while self.open: self._fold(*self.open.pop())
-    finally: topt.param_groups = groups
+    def wide(self, b, i, j, phase=0):
+        "The fp32 values and gradients of parameters `i` to `j`: in the workspace (flat), or as new tensors"
+        if not b.flat:
+            ps = b.params[i:j]
+            xs = [torch.empty_like(p, dtype=torch.float32) for p in ps]
+            self.widen(b, i, j, xs, [p.data for p in ps])
+            return xs,[None if p.grad is None else p.grad.float().to_dense() for p in ps]
+        n = b.end(j) - b.lo(i)
+        x,g = b.engine.workspace(b.device, n, 0),b.engine.workspace(b.device, n, 1)
+        self.widen(b, i, j, [x], [b.part(b.w, i, j)])
+        g.copy_(b.part(b.g, i, j))
+        for k in sorted(k for k in b.loose if i <= k < j): b.slot(g, k, b.lo(i)).copy_(b.params[k].grad.to_dense())
+        return x,g
+    def widen(self, b, i, j, xs:list, ws:list): torch._foreach_copy_(xs, ws)
+    def fold(self, b, i, j, x, phase=0):
+        self.fold_to(b, i, j, x if isinstance(x, list) else [x], [p.data for p in b.params[i:j]] if not b.flat else [b.part(b.w, i, j)])
 
-@patch
-@torch.no_grad()
-def lookahead_step(self:BF16Weights, la):
-    "`Lookahead.step` with fp32 slow weights, synced on the fast weights' fp32 values"
-    if la.slow_weights is None: la.slow_weights = L(L(self.wide(p).clone() for p in pg) for pg in la.param_lists)
-    la.opt.step()
-    la.count += 1
-    if la.count % la.k: return
-    for spg,fpg in zip(la.slow_weights, la.param_lists):
-        for s,p in zip(spg, fpg):
-            s.add_(self.wide(p) - s, alpha=la.alpha)
-            if p.dtype is torch.bfloat16: self.put(p, p.data, s)
-            else: p.data.copy_(s)
+    def finish(self, b):
+        "Each weight back in fp32 storage of its own, holding what training made of it"
+        vals = self.values(b)
+        for p,v in zip(b.params, vals): p.grad = None; p.data = v
+    def values(self, b) -> list: return [p.data.float() for p in b.params]
+    def carried(self, b) -> dict: return {id(p): ('bf16', p.grad.clone()) for p in b.params if p.grad is not None}
+    def restore(self, b, grads:dict):
+        for i,p in enumerate(b.params):
+            if id(p) not in grads: continue
+            if b.flat: b.gv[i].copy_(grads[id(p)][1]); p.grad = b.gv[i]
+            else: p.grad = grads[id(p)][1]
+            b.live[i] = True
 
-# %% ../nbs/05_pure.ipynb #pb000021
-@patch
-def _hook(self:BF16Weights):
-    "Put the widen and fold into the optimizer: in bulk through `FusedSteps` where it fuses the optimizer, else per parameter"
-    self.las,o = unwrap(self.opt)
-    self.inner,self.fused = o,None
-    for la in self.las:
-        if la.slow_weights is not None: la.slow_weights = L(L(s.float() for s in pg) for pg in la.slow_weights)
-    if o is not None and not isinstance(o, OptimWrapper): self.cbs = o.cbs
-    if self.fuse and o is not None and why_not_fused(self.opt) is None:  # fuses Lookahead's sync too
-        self.fused = FusedSteps(self.opt, *bf16_hooks(self.comp, self.kept, self.gen), fallback=self._loop_step); return
-    if isinstance(o, OptimWrapper): o.step = self.wrapper_step
-    elif o is not None: o.cbs = L([self.widen]) + self.cbs + L([self.fold])
-    for la in self.las: la.step = partial(self.lookahead_step, la)
+# %% ../nbs/05_pure.ipynb #pb000020
+class KahanKind(BF16Kind):
+    "bf16 weights with a bf16 Kahan compensation each: stepped as `w + c`, split back canonically"
+    def split(self, b, xs, ws):
+        b.c = b.zeros(torch.bfloat16) if b.flat else None
+        b.cs = [b.c] if b.flat else [torch.empty_like(w) for w in ws]
+        fold_kahan(xs, ws, b.cs)
+        if b.flat: b.cv = b.views(b.c)
+        else: b.cv = b.cs
+    def widen(self, b, i, j, xs, ws): widen_kahan(xs, ws, [b.part(b.c, i, j)] if b.flat else b.cv[i:j])
+    def fold_to(self, b, i, j, xs, ws): fold_kahan(xs, ws, [b.part(b.c, i, j)] if b.flat else b.cv[i:j])
+    def values(self, b): return [p.data.float().add_(c.float()) for p,c in zip(b.params, b.cv)]
 
-@patch
-def _loop_step(self:BF16Weights, o):
-    "fastai's per-parameter step of `o` with the widen and fold around it: fused steps fall back to it when `o.cbs` changed mid-fit"
-    cbs = o.cbs
-    o.cbs = L([self.widen]) + cbs + L([self.fold])
-    try: Optimizer.step(o)
-    finally: o.cbs = cbs
+class StochasticKind(BF16Kind):
+    "bf16 weights rounded stochastically after each step, random bits from the mode's generator"
+    def __init__(self, gen:torch.Generator|None=None): self.gen = gen
+    def fold_to(self, b, i, j, xs, ws):
+        if b.flat: return fold_stochastic(xs[0], ws[0], self.gen)
+        lo = b.lo(i)  # one draw for the window laid out as a flat bucket lays it out, so both draw the same bits
+        flat = torch.zeros(b.end(j) - lo, device=b.device)
+        vs = [b.slot(flat, k, lo) for k in range(i, j)]
+        torch._foreach_copy_(vs, xs)
+        fold_stochastic(flat, torch.empty_like(flat, dtype=torch.bfloat16), self.gen)
+        torch._foreach_copy_(ws, vs)
 
-@patch
-def _unhook(self:BF16Weights):
-    if self.fused is not None: self.fused.undo(); self.inner.cbs = self.cbs; return
-    o = self.inner
-    if isinstance(o, OptimWrapper): o.__dict__.pop('step', None)
-    elif o is not None: o.cbs = self.cbs
-    for la in self.las: la.__dict__.pop('step', None)
+class KeptKind(BF16Kind):
+    "bf16 weights with their exact fp32 value kept aside (frozen when the fit began): stepped in it, written to nearest"
+    def split(self, b, xs, ws):
+        b.x = xs[0] if b.flat else None
+        b.xv = b.views(b.x) if b.flat else xs
+        torch._foreach_copy_(ws, xs)
+    def wide(self, b, i, j, phase=0):
+        if not b.flat: return b.xv[i:j],[None if p.grad is None else p.grad.float().to_dense() for p in b.params[i:j]]
+        _,g = super().wide(b, i, j, phase)
+        return b.part(b.x, i, j),g
+    def fold_to(self, b, i, j, xs, ws): torch._foreach_copy_(ws, xs)
+    def values(self, b): return [exact_fp32(p.data, x) for p,x in zip(b.params, b.xv)]
 
-@patch
-@torch.no_grad()
-def undo(self:BF16Weights):
-    "Give back the fp32 model, holding `w + c` exactly, and the optimizer as it was; a no-op the second time"
-    if self.done: return
-    while self.open: self._fold(*self.open.pop())  # a step an exception cut short: keep what it did, as fp32 would
-    self._unhook()
-    for t in self.halved:
-        if t.dtype is not torch.bfloat16: continue
-        k = self.kept.get(t)
-        if t.grad is not None: t.grad = None
-        t.data = exact_fp32(t, k) if k is not None else self.wide(t) if t in self.comp else t.float()
-    self.done = True
+# %% ../nbs/05_pure.ipynb #pb000021c
+class BF16Weights(FitState):
+    "A pure-bf16 fit's half model: the optimizer's weights stepped in fp32 and folded back by their kind, the rest halved exactly"
+    def __init__(self,
+        learn:Learner, # The learner whose model is halved
+        update:str='kahan', # 'kahan' (a bf16 compensation per weight) or 'stochastic'
+        gen:torch.Generator|None=None, # The random bits of `stochastic` rounding
+    ):
+        halved,ps = halvable(learn.model),opt_params(learn.opt)
+        self.halves,self.trained = {id(t) for t in halved},{id(p) for p in ps if p.requires_grad}
+        self.gen,self.train = gen,(KahanKind() if update == 'kahan' else StochasticKind(gen))
+        self.frozen,self.plain = KeptKind(),Kind()
+        ours = {id(p) for p in ps}
+        self.rest = HalvedRest([t for t in halved if id(t) not in ours], torch.bfloat16)
+    def kind_of(self, p) -> Kind:
+        if id(p) not in self.halves: return self.plain
+        return self.train if id(p) in self.trained else self.frozen
+    def undo(self): self.rest.undo()
 
-@patch
-def grads_in_flight(self:BF16Weights) -> dict:
-    "The bf16 gradients accumulated since the last optimizer step, by parameter: what `restore_grads` takes"
-    return {id(t): t.grad for t in self.halved if t.grad is not None and t.dtype is torch.bfloat16}
-
-@patch
-def restore_grads(self:BF16Weights, grads:dict):
-    "Put back the gradients `grads_in_flight` took from an earlier fit state of the same fit (a `save` mid-accumulation)"
-    for t in self.halved:
-        if id(t) in grads and t.dtype is torch.bfloat16: t.grad = grads[id(t)]
+    def _buckets(self, kind) -> list: return [b for b in getattr(self.engine, 'buckets', []) if b.kind is kind]
+    @property
+    def comp(self) -> dict:
+        "Each Kahan-compensated weight's compensation"
+        return {p: c for b in self._buckets(self.train) if hasattr(b, 'cv') for p,c in zip(b.params, b.cv)}
+    @property
+    def kept(self) -> dict:
+        "The exact fp32 values kept aside: of the tensors no optimizer steps, and of the weights frozen when the fit began"
+        return {**{t: c for t,c in self.rest.kept}, **{p: x for b in self._buckets(self.frozen) for p,x in zip(b.params, b.xv)}}
+    def wide(self, p:Tensor) -> Tensor:
+        "The fp32 value of parameter `p` during the fit: `w + c`, `w`, or the exact value kept aside"
+        h = self.engine.home.get(id(p)) if self.engine is not None else None
+        if h is None: return self.kept.get(p, p.data.float())
+        b,i = h
+        return b.kind.values(b)[i] if isinstance(b.kind, BF16Kind) else p.data
 
 # %% ../nbs/05_pure.ipynb #pb000023
 class PureBF16(PrecisionCallback):
@@ -208,8 +198,7 @@ class PureBF16(PrecisionCallback):
         return self.fit_state
     def _repr_extra(self): return f"update='{self.update}', "
 
-    def _new_fit_state(self): return BF16Weights(self.learn, self.update, self._generator(), fused=self.fused)
-    def _new_fused_steps(self): return None  # `BF16Weights` fuses the steps itself, with its bulk widen and fold
+    def _new_fit_state(self): return BF16Weights(self.learn, self.update, self._generator())
     def _generator(self):
         "The stochastic rounding's generator on the model's device, seeded with `seed` the first time"
         if self.update != 'stochastic': return None
@@ -225,4 +214,3 @@ class PureBF16(PrecisionCallback):
     def reset_scaler(self):
         "Start the stochastic rounding's generator afresh from `seed` at the next fit"
         self.rng = None
-

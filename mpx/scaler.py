@@ -80,10 +80,10 @@ def first_nonfinite(named) -> tuple|None:
     "The `(name, 'inf' or 'nan')` of the first of the `(name, tensor)` pairs `named` holding a non-finite value, or None"
     named = [(n, t) for n,t in named if t is not None]
     if not named: return None
-    bad = torch.stack([(~torch.isfinite(t)).any().to(named[0][1].device) for _,t in named]).nonzero()
+    bad = torch.stack([(~torch.isfinite(stored_values(t))).any().to(named[0][1].device) for _,t in named]).nonzero()
     if not len(bad): return None
     n,t = named[int(bad[0])]
-    return n, 'nan' if t.isnan().any() else 'inf'
+    return n, 'nan' if stored_values(t).isnan().any() else 'inf'
 
 # %% ../nbs/01_scaler.ipynb #e0aaca87
 class Overflow(NamedTuple):

@@ -241,9 +241,10 @@ def weights(learn:Learner) -> list:
     return [_clone(p) for p in learn.model.parameters()]
 
 def state_of(learn:Learner) -> dict:
-    "Copies of the model's weights, buffers and trainable flags, of the parameters `learn.parameters()` steps and of their optimizer state"
+    "Copies of the model's weights, buffers and trainable flags, of the tensors `learn.parameters()` steps and of the optimizer's state"
     ps,opt = list(learn.parameters()),learn.opt
-    def per_param(state): return [{k: _clone(v) for k,v in state.get(p, {}).items()} for p in ps]
+    keys = list({id(p): p for pg in opt.param_lists for p in pg}.values()) if opt is not None else []  # the state is the optimizer's parameters'
+    def per_param(state): return [{k: _clone(v) for k,v in state.get(p, {}).items()} for p in keys]
     res = dict(weights=weights(learn), buffers=[_clone(b) for b in learn.model.buffers()],
                requires_grad=[p.requires_grad for p in learn.model.parameters()],
                stepped=[_clone(p) for p in ps], state=per_param(opt.state) if opt is not None else [])

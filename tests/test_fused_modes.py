@@ -30,7 +30,8 @@ def test_fused_equals_loop(mode, opt):
 
 @pytest.mark.parametrize('mode', ALL_MODES)
 def test_fused_installed_and_removed(mode):
-    "`fused=True` installs multi-tensor steps for the fit only; `fused=False` leaves fastai's; neither outlives the fit."
+    """`fused=True` installs the engine's steps for the fit only; `fused=False` leaves fastai's own where the parameters are stepped in
+    place (AMP), and runs fastai's loop on the masters or widened weights otherwise; nothing outlives the fit."""
     for fused in (True, False):
         learn = tiny_learner(opt_func=OPTS['adam'])
         ALL_MODES[mode](learn, fused=fused)
@@ -39,7 +40,7 @@ def test_fused_installed_and_removed(mode):
             order = 11
             def before_step(self): seen.append('step' in vars(self.learn.opt) or 'zero_grad' in vars(self.learn.opt))
         fit_quiet(learn, 1, cbs=Probe())
-        assert set(seen) == {fused}
+        assert set(seen) == {fused or not mode.startswith('amp')}
         assert 'step' not in vars(learn.opt) and 'zero_grad' not in vars(learn.opt)
 
 # ---- per-step work does not grow with the number of parameter tensors
@@ -67,7 +68,7 @@ def step_ops(mode, n_layers, opt) -> int:
     return start.counts[-1]
 
 @pytest.mark.parametrize('opt', ['sgd', 'adam', 'ranger'])
-@pytest.mark.parametrize('mode', [m for m in ALL_MODES if m != 'pure_stochastic'])
+@pytest.mark.parametrize('mode', list(ALL_MODES))
 def test_step_ops_do_not_grow(mode, opt):
     "From `after_backward` to the end of `after_step`, every mode dispatches as many aten ops at 100 parameter tensors as at 10."
     assert step_ops(mode, 4, opt) == step_ops(mode, 49, opt)
@@ -76,8 +77,3 @@ def test_step_ops_do_not_grow(mode, opt):
 def test_fastai_loop_grows(opt):
     "The contrast: an fp32 learner (fastai's per-parameter loop) dispatches at least 4 more ops per step for each added tensor."
     assert step_ops(None, 49, opt) - step_ops(None, 4, opt) >= 4 * 2*45
-
-def test_stochastic_step_ops_grow_by_views_only():
-    "Pure stochastic rounding adds one metadata `view` per tensor (its flat buffer's pieces; no kernel) and nothing else per tensor."
-    a,b = step_ops('pure_stochastic', 4, 'adam'),step_ops('pure_stochastic', 49, 'adam')
-    assert b - a == 2*45  # 45 more layers, two tensors each
