@@ -8,17 +8,18 @@ from fastai.basics import *
 import html, math, random, re, statistics, warnings
 from contextlib import contextmanager, nullcontext
 from copy import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from time import perf_counter
 from typing import NamedTuple
 from .core import *
 from .hardware import *
+from .callback import _no_kernel
 from .fp8 import fp8_table, linear_rows, real_fp8
 
 # %% auto #0
-__all__ = ['fp32_trial', 'ModuleStats', 'module_numerics', 'time_steps', 'assess_numerics', 'PrecisionReport', 'precision_report',
-           'Hardware', 'cpu_hardware', 'cuda_hardware', 'mps_hardware', 'detect_hardware', 'slow_reason',
-           'warn_if_slow', 'reset_slow_warnings']
+__all__ = ['fp32_trial', 'ModuleStats', 'module_numerics', 'time_steps', 'ModeFailure', 'mode_failure', 'assess_numerics',
+           'PrecisionReport', 'precision_report', 'Hardware', 'cpu_hardware', 'cuda_hardware', 'mps_hardware',
+           'detect_hardware', 'slow_reason', 'warn_if_slow', 'reset_slow_warnings']
 
 # %% ../nbs/06_advisor.ipynb #62e927f3
 _all_ = ['Hardware', 'cpu_hardware', 'cuda_hardware', 'mps_hardware', 'detect_hardware', 'slow_reason', 'warn_if_slow',
@@ -208,6 +209,15 @@ def _stepper(model:nn.Module, mode:str) -> callable:
     opt = torch.optim.SGD(model.parameters(), lr=0.)  # lr=0: every step does the same work on the same weights
     return partial(_step, model, opt=opt, ctx=ctx, scaler=scaler)
 
+@contextmanager
+def _restored(model:nn.Module):
+    "Inside, `f()` gives each module of `model` back its attributes of now (an RNN's hidden state), as does the exit"
+    kept = [(m, *_kept(m)) for m in model.modules()]
+    def restore():
+        for m,attrs,contents in kept: _put_back(m, attrs, contents)
+    try: yield restore
+    finally: restore()
+
 def _timed(f, dt:str, *args) -> float:
     _sync(dt); t0 = perf_counter(); f(*args); _sync(dt)
     return perf_counter()-t0
@@ -223,15 +233,62 @@ def time_steps(
 ) -> dict:
     "Median seconds of a training step of `model` on one batch in each of `modes`, their steps interleaved. Syncs the device each step"
     dt,run = model_device(model).type,{}
-    for m in modes:
-        try: f = _stepper(model, m); _timed(f, dt, xb, yb, loss_func); run[m] = f  # warm-up
-        except RuntimeError as e: warnings.warn(f"{m} could not run here, so it is not timed: {e}")
-    times,t0 = {m: [] for m in run},perf_counter()
-    while True:  # one step of each mode per round: a burst of load elsewhere hits every mode alike
-        for m,f in run.items(): times[m].append(_timed(f, dt, xb, yb, loss_func))
-        k,spent = len(times[first(run)]),perf_counter()-t0
-        if k >= 10*n or spent > budget or (k >= n and spent >= min_time): break
+    with _restored(model) as restore:  # each step starts from the same state: a bf16 step's hidden state would reach the fp32 step
+        for m in modes:
+            try: f = _stepper(model, m); restore(); _timed(f, dt, xb, yb, loss_func); run[m] = f  # warm-up
+            except Exception as e: warnings.warn(f"{m} could not run here, so it is not timed: {e}")
+        times,t0 = {m: [] for m in run},perf_counter()
+        while run:  # one step of each mode per round: a burst of load elsewhere hits every mode alike
+            for m,f in run.items(): restore(); times[m].append(_timed(f, dt, xb, yb, loss_func))
+            k,spent = len(times[first(run)]),perf_counter()-t0
+            if k >= 10*n or spent > budget or (k >= n and spent >= min_time): break
     return {m: statistics.median(ts) for m,ts in times.items()}
+
+# %% ../nbs/06_advisor.ipynb #c28a986c
+_device_names = dict(cpu='CPU', cuda='GPU', mps='Apple GPU')
+
+class ModeFailure(NamedTuple):
+    "Why a 16-bit mode cannot train a model here: where its training step failed, and the error"
+    mode:str # 'bf16' or 'fp16'
+    device:str # the device type: 'cpu', 'cuda', 'mps'
+    module:str|None # the innermost module whose forward failed ('(model)' for the model itself); None: outside any forward
+    kind:str|None # that module's class name
+    error:str # the error's type and first line
+    no_kernel:bool # whether the error says the device has no kernel for an op in this dtype
+
+    def __str__(self):
+        dev = _device_names.get(self.device, self.device)
+        what = f"no {self.mode} kernel on this {dev}" if self.no_kernel else f"a training step fails on this {dev}"
+        where = f"{' for' if self.no_kernel else ' in'} `{self.module}` ({self.kind})" if self.module else ''
+        return f"{self.mode}: {what}{where}: {self.mode} cannot train this model here ({self.error})"
+
+# %% ../nbs/06_advisor.ipynb #0031a229
+class _Running:
+    "Forward hooks keeping the names of the modules of `model` whose forward has begun and not ended, the innermost last"
+    def __init__(self, model:nn.Module):
+        self.stack = []
+        self.handles = [h for n,m in model.named_modules() for h in (m.register_forward_pre_hook(partial(self.begin, n or '(model)')),
+                                                                     m.register_forward_hook(partial(self.end, n or '(model)')))]
+    def begin(self, name, *args): self.stack.append(name)
+    def end(self, name, *args):
+        while self.stack and self.stack.pop() != name: pass  # a forward that failed and was caught inside its parent's: gone too
+    def remove(self):
+        for h in self.handles: h.remove()
+
+def mode_failure(
+    model:nn.Module, # an fp32 model, trained here (inside `fp32_trial`): its modules' attributes are put back after the step
+    xb:tuple, yb:tuple, loss_func:callable, # a batch and the loss, as for `module_numerics`
+    mode:str, # 'bf16' or 'fp16'
+) -> ModeFailure|None:
+    "None where one training step of `model` runs in `mode` here (as `time_steps` runs it), else where and why it failed"
+    dt,running,mods = model_device(model).type,_Running(model),dict(model.named_modules())
+    try:
+        with _restored(model): _stepper(model, mode)(xb, yb, loss_func)
+    except Exception as e:
+        name,msg = last(running.stack),(str(e).strip().splitlines() or [''])[0]
+        kind = None if name is None else type(model if name == '(model)' else mods[name]).__name__
+        return ModeFailure(mode, dt, name, kind, f"{type(e).__name__}: {msg}", any(s in str(e) for s in _no_kernel))
+    finally: running.remove()
 
 # %% ../nbs/06_advisor.ipynb #6794b91a
 def _num(v:float) -> str: return 'inf' if math.isinf(v) else re.sub(r'e\+?0*(\d)', r'e\1', f'{v:.2g}')
@@ -298,9 +355,10 @@ def assess_numerics(
     return safe, at_risk, reasons
 
 # %% ../nbs/06_advisor.ipynb #43af0c8a
-def _hw_verdict(hw:Hardware, safe:dict) -> tuple[str, str]:
-    "The mode `hw`'s flags and the numerics recommend, and why: bf16 before fp16 (no loss scaling), fp32 when neither is fast and safe"
-    ok = [m for m in ('bf16', 'fp16') if safe[m] and getattr(hw, f'{m}_fast')]
+def _hw_verdict(hw:Hardware, safe:dict, fails=()) -> tuple[str, str]:
+    "The mode `hw`'s flags and the numerics recommend among those that did not fail (`fails`), and why: bf16 before fp16, else fp32"
+    ok = [m for m in ('bf16', 'fp16') if safe[m] and m not in fails and getattr(hw, f'{m}_fast')]
+    if not ok and fails: return 'fp32', f"fp32: no 16-bit mode is fast on this {hw.device}, numerically safe and able to train this model"
     if not ok: return 'fp32', f"fp32: no 16-bit mode is both fast on this {hw.device} and numerically safe for this model"
     why = f"{ok[0]}: fast on this {hw.device} and numerically safe"
     return ok[0], why + ('; preferred to fp16: no loss scaling needed' if ok[0] == 'bf16' and 'fp16' in ok else '')
@@ -334,6 +392,7 @@ class PrecisionReport:
     timings:dict|None=None # mode -> median seconds of a training step (with `time=True`)
     fp8:pd.DataFrame|None=None # each `nn.Linear`: would `to_fp8()` run it in fp8, its M×K×N and `fp8_gain` class
     fp8_real:bool=False # whether the device computes fp8 (else `to_fp8()` emulates it, slowly: never recommended)
+    cannot_run:dict=field(default_factory=dict) # mode -> the `ModeFailure` of a 16-bit mode that cannot train the model here
 
     @property
     def speedups(self) -> dict:
@@ -392,7 +451,7 @@ def _failed(learn:Learner, e:Exception) -> RuntimeError:
 
 def precision_report(
     learn:Learner, # the learner to examine: nothing of it changes
-    time:bool=False, # also time training steps in fp32 and in each numerically safe 16-bit mode; the speed then decides
+    time:bool=False, # also time training steps in fp32 and in each numerically safe 16-bit mode that runs; the speed then decides
     min_speedup:float=1.1, # with `time`: the gain over fp32 a 16-bit mode must measure (and fp16 over bf16)
     max_underflow:float=0.01, # the largest share of gradient elements that may underflow in fp16 at 2**16
     n_steps:int=5, # with `time`: timed steps per mode at least, after a warm-up step
@@ -407,12 +466,15 @@ def precision_report(
         try: mods,underflow = module_numerics(model, xb, yb, loss_func)
         except Exception as e: raise _failed(learn, e) from e
         safe,at_risk,why = assess_numerics(mods, underflow, max_underflow)
-        modes = ('fp32', *(m for m in ('bf16', 'fp16') if safe[m]))
-        timings = time_steps(model, xb, yb, loss_func, modes, n_steps) if time else None
         fp8 = fp8_table(model, rows=linear_rows(model, *xb))
-    rec,verdict = _timed_verdict(timings, safe, min_speedup) if time else _hw_verdict(hw, safe)
-    reasons = [verdict, *hw.notes[:2], *why, *(_timing_reasons(timings) if time else [])]
-    return PrecisionReport(hw, mods, underflow, at_risk, rec, reasons, timings, fp8, real_fp8(dev))
+        tried = [m for m in ('bf16', 'fp16') if safe[m] and (time or getattr(hw, f'{m}_fast'))]  # the modes that could be recommended
+        fails = {m: f for m in tried if (f := mode_failure(model, xb, yb, loss_func, m)) is not None}
+        timings = time_steps(model, xb, yb, loss_func, ('fp32', *(m for m in tried if m not in fails)), n_steps) if time else None
+    rec,verdict = _timed_verdict(timings, safe, min_speedup) if time else _hw_verdict(hw, safe, fails)
+    for f in fails.values():
+        if f.module: at_risk.setdefault(f.module, f"no {f.mode} kernel here" if f.no_kernel else f"fails in {f.mode}")
+    reasons = [verdict, *hw.notes[:2], *why, *map(str, fails.values()), *(_timing_reasons(timings) if time else [])]
+    return PrecisionReport(hw, mods, underflow, at_risk, rec, reasons, timings, fp8, real_fp8(dev), fails)
 
 # %% ../nbs/06_advisor.ipynb #e101f421
 @patch
@@ -422,5 +484,6 @@ def precision_report(self:Learner, time:bool=False, **kwargs) -> PrecisionReport
 
 @patch
 def to_auto_precision(self:Learner, time:bool=False, **kwargs):
-    "Apply the recommendation of `precision_report` through `to_bf16()`, `to_fp16()` or `to_fp32()`; returns the learner"
+    "Apply the recommendation of `precision_report` through mpx's `to_bf16()`, `to_fp16()` or `to_fp32()`; returns the learner"
+    import mpx.learner  # patches those three; it sits above this module (learner -> advisor), so it is imported here, not at the top
     return getattr(self, f'to_{self.precision_report(time=time, **kwargs).recommended}')()

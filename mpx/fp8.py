@@ -10,6 +10,7 @@ from fastai.basics import *
 from .core import *
 from .plumbing import FitState
 from .callback import *
+import mpx.patches  # Learner._set_precision, which `to_fp8` ends with
 
 # %% auto #0
 __all__ = ['fp8_recipes', 'Fp8Layer', 'unwrapped', 'fp8_plan', 'layers_frame', 'real_fp8', 'warn_if_emulated', 'fp8_gain',
@@ -29,10 +30,14 @@ def fp8_recipes() -> list:
     return [r.value for r in _torchao_float8().Float8LinearRecipeName]
 
 def _check_recipe(recipe) -> str:
-    "`recipe`, or a `ValueError` naming it and torchao's recipes"
-    names = fp8_recipes()
-    if recipe not in names: raise ValueError(f"Unknown fp8 recipe {recipe!r}: torchao offers {names}")
-    return recipe
+    "The name of `recipe`, torchao's `Float8LinearRecipeName` or a string (any case); else an error naming it and torchao's recipes"
+    names,Recipe = fp8_recipes(),_torchao_float8().Float8LinearRecipeName
+    if isinstance(recipe, Recipe): return recipe.value  # a string is what `export` pickles: loading needs no torchao enum
+    if not isinstance(recipe, str):
+        raise TypeError(f"recipe={recipe!r} is a {type(recipe).__name__}: pass one of {names} or a torchao Float8LinearRecipeName")
+    if recipe.lower() not in names:
+        raise ValueError(f"Unknown fp8 recipe {recipe!r}: torchao offers {names} (or its Float8LinearRecipeName)")
+    return recipe.lower()
 
 # %% ../nbs/05a_fp8.ipynb #f8000009
 class Fp8Layer(NamedTuple):
@@ -179,7 +184,7 @@ def _check_flag(name:str, v):
 class FP8Precision(PrecisionCallback):
     "bf16 autocast and, in the `nn.Linear` layers that can take them, fp8 matmuls (torchao's `Float8Linear`), swapped in for each fit"
     def __init__(self,
-        recipe:str='tensorwise', # torchao's scaling recipe: 'tensorwise', 'rowwise' or 'rowwise_with_gw_hp' (`fp8_recipes()`)
+        recipe:str='tensorwise', # torchao's scaling recipe: 'tensorwise', 'rowwise', 'rowwise_with_gw_hp' (`fp8_recipes()`) or its enum
         module_filter:callable|None=None, # `module_filter(fqn, module) -> bool` picks the fp8 layers; None: all that can, but the ends
         emulate:bool|None=None, # Compute the fp8 matmuls in fp32 from fp8-rounded operands; None: where the device has no fp8 kernels
         fp8_eval:bool=False, # Run `validate` and `get_preds` outside a fit in fp8 too (by default in bf16)

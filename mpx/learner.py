@@ -4,13 +4,13 @@
 
 # %% ../nbs/07_learner.ipynb #f136417a
 from __future__ import annotations
-import difflib, itertools
+import difflib
 from fastai.basics import *
 from .core import *
 from .scaler import *
 from .callback import *
-from .patches import *
-from .patches import _fastai_types, _precision_cbs
+from .patches import *  # Learner._set_precision, which each switch ends with
+from .patches import _precision_cbs
 from .amp import *
 from .master import *
 from .pure import *
@@ -18,20 +18,6 @@ from .hardware import warn_if_slow
 
 # %% auto #0
 __all__ = ['precision_callback']
-
-# %% ../nbs/07_learner.ipynb #b0ecfdcb
-def _float_(model:nn.Module):
-    "Cast `model`'s fp16 and bf16 parameters (with their gradients) and buffers to fp32 in place, keeping every tensor object"
-    for t in itertools.chain(model.parameters(), model.buffers()):
-        if t.dtype in (torch.float16, torch.bfloat16): t.data = t.data.float()
-        if t.grad is not None and t.grad.dtype != t.dtype: t.grad = t.grad.to(t.dtype)
-
-@patch
-def _set_precision(self:Learner, cb:Callback|None=None):
-    "Remove every precision callback, mpx's and fastai's (finishing a half-done fit), then add `cb`; with none, put the model back in fp32"
-    self.remove_cbs([c for c in self.cbs if is_mpx_precision(c) or isinstance(c, _fastai_types)])
-    if cb is None: _float_(self.model)
-    return self if cb is None else self.add_cb(cb)
 
 # %% ../nbs/07_learner.ipynb #d87a8c7a
 _callbacks = dict(amp=MixedPrecision, master=MasterPrecision, pure=PureBF16)
@@ -50,10 +36,18 @@ def _check_known(mode:AMPMode, kwargs:dict):
         raise TypeError(f"to_{mode}() got an unexpected keyword argument {k!r}{hint}: "
                         f"it takes master, {'pure, ' * (mode is AMPMode.BF16)}and {known}")
 
+def _check_pure_mode(mode:AMPMode, pure:bool, kwargs:dict):
+    "Raise a `ValueError` when fp16 is asked for pure training (`pure=True`, `update`, `seed`): pure training is bf16 only"
+    if mode is AMPMode.BF16: return
+    asked = (['pure=True'] if pure else []) + [f'{k}={v!r}' for k,v in kwargs.items() if list(MODE_ARGS.get(k, {})) == ['pure']]
+    if asked: raise ValueError(f"to_{mode}({', '.join(asked)}): pure training keeps bf16 weights (PureBF16), so it is bf16 only: "
+                               "use learn.to_bf16(pure=True, ...)")
+
 def precision_callback(mode:str|AMPMode, master:bool=False, pure:bool=False, **kwargs) -> PrecisionCallback:
     "What `to_fp16`/`to_bf16` add: `PureBF16` with `pure`, `MasterPrecision` with `master` or its own arguments, else `MixedPrecision`"
     mode = AMPMode(mode)
     check_args(master=master, pure=pure)
+    _check_pure_mode(mode, pure, kwargs)
     _check_known(mode, kwargs)
     if pure: return _pure_cb(master, kwargs)
     if _only('pure', kwargs): k = _only('pure', kwargs)[0]; raise ValueError(
@@ -70,7 +64,6 @@ def _pure_cb(master:bool, kwargs:dict) -> PureBF16:
     if bad: raise ValueError(f"{bad} have no effect with pure=True: pure bf16 has no loss scale and no masters; "
                              f"it takes {sorted(mode_args('pure'))}")
     return PureBF16(**kwargs)
-
 
 # %% ../nbs/07_learner.ipynb #dd31e57e
 @patch

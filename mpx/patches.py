@@ -114,6 +114,20 @@ def remove_cb(self:Learner, cb):
 
 Learner.add_cb._fastai,Learner.remove_cb._fastai = _fastai_add_cb,_fastai_remove_cb
 
+# %% ../nbs/01c_patches.ipynb #123e880b
+def _float_(model:nn.Module):
+    "Cast `model`'s fp16 and bf16 parameters (with their gradients) and buffers to fp32 in place, keeping every tensor object"
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        if t.dtype in (torch.float16, torch.bfloat16): t.data = t.data.float()
+        if t.grad is not None and t.grad.dtype != t.dtype: t.grad = t.grad.to(t.dtype)
+
+@patch
+def _set_precision(self:Learner, cb:Callback|None=None):
+    "Remove every precision callback, mpx's and fastai's (finishing a half-done fit), then add `cb`; with none, put the model back in fp32"
+    self.remove_cbs([c for c in self.cbs if is_mpx_precision(c) or isinstance(c, _fastai_types)])
+    if cb is None: _float_(self.model)
+    return self if cb is None else self.add_cb(cb)
+
 # %% ../nbs/01c_patches.ipynb #fc4208d9
 @contextmanager
 def _suspended(learn:Learner):

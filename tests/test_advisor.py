@@ -12,7 +12,7 @@ from mpx.all import *
 import mpx.advisor as advisor
 from mpx.advisor import *
 from mpx.hardware import cpu_hardware, cuda_hardware
-from mpx.test_utils import tiny_learner, tabular_app_learner, collab_app_learner, text_app_learner
+from mpx.test_utils import tiny_learner, fit_quiet, precision_cbs, tabular_app_learner, collab_app_learner, text_app_learner
 from test_hardware import cpuinfo_flags
 
 # ---- known numerics ---------------------------------------------------------------------------------------------
@@ -254,14 +254,16 @@ def test_applications(app):
             with learn.no_bar(), learn.no_logging(): learn.fit(1)
         before,attrs = state(learn),module_attrs(learn.model)
         with warnings.catch_warnings():
-            warnings.simplefilter('ignore')  # 16-bit LSTMs may not run on this CPU: not timed, with a warning
+            warnings.simplefilter('ignore')  # 16-bit modes are slow on some CPUs: a warning
             r = learn.precision_report(time=fit, n_steps=1)
         assert r.recommended in {'fp32', 'bf16', 'fp16'} and r.modules[-1].name == '(model)' and r.modules[-1].act_max > 0
+        assert r.recommended not in r.cannot_run and not set(r.timings or {}) & set(r.cannot_run)
         assert_unchanged(before, state(learn))
         assert_same_attrs(attrs, module_attrs(learn.model))
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')
         assert learn.to_auto_precision() is learn
+        fit_quiet(learn)  # what it chose trains here
 
 class Locked(nn.Module):
     "A model holding a lock: `copy.deepcopy` cannot copy it"
@@ -350,3 +352,116 @@ def test_report_covers_fp8():
     assert list(rep.fp8.layer) == lins and rep.fp8.rows.gt(0).all() and set(rep.fp8.gain) <= {'loses', 'about even', 'gains'}
     assert not rep.fp8_real and 'emulated on this device (slow; never recommended)' in str(rep)
     assert rep.recommended in ('fp32', 'bf16', 'fp16')
+
+
+# ---- a mode that cannot run the model here ----------------------------------------------------------------------
+
+NO_KERNEL = {  # what a device says when it has no kernel for an op in a dtype, and one error that is not about kernels
+    'onednn': (RuntimeError, "could not create a primitive descriptor for the LSTM forward propagation primitive."),
+    'aten': (RuntimeError, '"addmm_impl_cpu_" not implemented for {}'),
+    'other': (TypeError, "unsupported operand type(s) for @: 'Tensor' and 'NoneType'")}
+
+class Fails(nn.Module):
+    "Passes its input on, but under autocast to one of `dtypes` raises the error `kind` of `NO_KERNEL`, as an fp16 LSTM on a Zen 4 CPU"
+    def __init__(self, dtypes, kind='onednn'): super().__init__(); self.dtypes,self.kind = dtypes,kind
+    def forward(self, x):
+        dt = x.device.type
+        if torch.is_autocast_enabled(dt) and (d := torch.get_autocast_dtype(dt)) in self.dtypes:
+            exc,msg = NO_KERNEL[self.kind]
+            raise exc(msg.format("'Half'" if d == torch.float16 else "'BFloat16'"))
+        return x
+
+def failing_learner(modes, kind='onednn'):
+    dtypes = tuple(AMPMode(m).dtype for m in modes)
+    return tiny_learner(model=lambda: nn.Sequential(nn.Linear(1, 8), Fails(dtypes, kind), nn.ReLU(), nn.Linear(8, 1)))
+
+FAST = dict(fp32=1., bf16=.5, fp16=.4)  # fp16 fastest, then bf16: a mode that runs and is timed wins on these
+
+@pytest.mark.parametrize('kind', list(NO_KERNEL))
+@pytest.mark.parametrize('time', [False, True])
+@pytest.mark.parametrize('failing', [('fp16',), ('bf16',), ('bf16', 'fp16')])
+def test_mode_that_cannot_run(mock_hw, monkeypatch, failing, time, kind):
+    "A 16-bit mode whose step fails here is reported with the module, never timed or recommended; `to_auto_precision` picks one that runs."
+    mock_hw(A100)  # both modes fast: without timings the flags alone would pick bf16
+    timed = []
+    def fake(model, xb, yb, loss_func, modes, n=5): timed.append(modes); return {m: FAST[m] for m in modes}
+    monkeypatch.setattr(advisor, 'time_steps', fake)
+    expected = next(m for m in (('fp16', 'bf16') if time else ('bf16', 'fp16')) + ('fp32',) if m not in failing)
+    learn = failing_learner(failing, kind)
+    before = state(learn)
+    r = learn.precision_report(time=time)
+    assert_unchanged(before, state(learn))
+    assert r.recommended == expected and sorted(r.cannot_run) == sorted(failing), r
+    assert timed == ([('fp32', *(m for m in ('bf16', 'fp16') if m not in failing))] if time else [])
+    for m in failing:
+        f = r.cannot_run[m]
+        assert (f.module, f.kind, f.no_kernel) == ('1', 'Fails', kind != 'other') and str(f) in r.reasons
+        what = f"no {m} kernel on this CPU for" if kind != 'other' else 'a training step fails on this CPU in'
+        assert str(f).startswith(f"{m}: {what} `1` (Fails): {m} cannot train this model here ({NO_KERNEL[kind][0].__name__}: ")
+    assert r.at_risk == {'1': f"no {failing[0]} kernel here" if kind != 'other' else f"fails in {failing[0]}"}
+    assert learn.to_auto_precision(time=time) is learn
+    assert [str(c.amp_mode) for c in precision_cbs(learn)] == ([] if expected == 'fp32' else [expected])
+    assert fit_quiet(learn).recorder.losses  # the mode it chose trains
+
+def test_failure_outside_a_module(mock_hw):
+    "A step that fails outside any module's forward (in the loss here) is reported without a module, and the report still comes."
+    mock_hw(A100)
+    learn = tiny_learner()
+    lf = learn.loss_func
+    def loss(p, y):
+        if torch.is_autocast_enabled('cpu') and torch.get_autocast_dtype('cpu') == torch.bfloat16:
+            raise RuntimeError("\"mse_cpu\" not implemented for 'BFloat16'")
+        return lf(p, y)
+    learn.loss_func = loss
+    r = learn.precision_report()
+    assert r.recommended == 'fp16' and list(r.cannot_run) == ['bf16'] and r.cannot_run['bf16'].module is None and not r.at_risk
+    assert str(r.cannot_run['bf16']).startswith("bf16: no bf16 kernel on this CPU: bf16 cannot train this model here (RuntimeError: ")
+
+def _lstm_runs(mode:str) -> bool:
+    "Whether a training step of a bare LSTM runs here under autocast to `mode`: probed now, whatever this CPU is"
+    lstm,h = nn.LSTM(1, 4, batch_first=True),torch.zeros(1, 2, 4)  # as `LSTMModel` calls it, with an fp32 hidden state
+    try:
+        with torch.autocast('cpu', dtype=AMPMode(mode).dtype): out = lstm(torch.randn(2, 1, 1), (h, h))[0]
+        out.float().sum().backward(); return True
+    except Exception: return False
+
+class LSTMModel(nn.Module):
+    "An LSTM keeping its hidden state between calls, as fastai's `AWD_LSTM` does, and a linear head"
+    def __init__(self): super().__init__(); self.rnn,self.head,self.hidden = nn.LSTM(1, 4, batch_first=True),nn.Linear(4, 1),None
+    def forward(self, x):
+        out,h = self.rnn(x[:, None], self.hidden)
+        self.hidden = tuple(t.detach() for t in h)
+        return self.head(out[:, -1])
+
+def test_real_lstm_on_this_cpu():
+    "A real LSTM: the report finds exactly the 16-bit modes in which this CPU has no LSTM kernel (probed here), and times the others."
+    runs = {m: _lstm_runs(m) for m in ('bf16', 'fp16')}
+    learn = tiny_learner(model=LSTMModel)
+    fit_quiet(learn)  # the model now holds a hidden state
+    before,attrs = state(learn),module_attrs(learn.model)
+    with warnings.catch_warnings(): warnings.simplefilter('ignore'); r = learn.precision_report(time=True, n_steps=1)
+    assert_unchanged(before, state(learn))
+    assert_same_attrs(attrs, module_attrs(learn.model))
+    assert set(r.cannot_run) == {m for m,ok in runs.items() if not ok}, (runs, r.reasons)
+    assert set(r.timings) == {'fp32'} | {m for m,ok in runs.items() if ok}
+    assert all(f.module == 'rnn' and f.kind == 'LSTM' for f in r.cannot_run.values()), r.cannot_run
+    assert r.recommended not in r.cannot_run
+    with warnings.catch_warnings(): warnings.simplefilter('ignore'); learn.to_auto_precision()
+    fit_quiet(learn)
+
+class KeepsLast(nn.Module):
+    "Adds `x @ h` to its output, `h` being its last output, kept in the dtype it came out in: outside autocast `h` must be fp32"
+    def __init__(self): super().__init__(); self.lin,self.h = nn.Linear(1, 1),None
+    def forward(self, x):
+        out = self.lin(x) if self.h is None else self.lin(x) + x @ self.h
+        self.h = out.detach()[:1, :1]
+        return out
+
+def test_timed_modes_start_alike():
+    "Each timed step starts from the model's state before the first: a bf16 step's kept tensor never reaches an fp32 step."
+    learn = tiny_learner(model=KeepsLast)
+    fit_quiet(learn)
+    h = learn.model.h
+    r = learn.precision_report(time=True, n_steps=2)
+    assert set(r.timings) == {'fp32', 'bf16', 'fp16'} and not r.cannot_run
+    assert learn.model.h is h

@@ -59,6 +59,17 @@ PATCH_BAD = [
     ('to_fp16', dict(init_scale=1e39), ValueError, 'init_scale=1e+39 is out of range'),
     ('to_fp16', dict(loss_scale=1e39), ValueError, 'loss_scale=1e+39 is out of range'),
     ('to_fp16', dict(growth_factor=math.inf), ValueError, 'growth_factor=inf is out of range'),
+    # pure training is bf16 only: fp16 asked for it fails, whatever comes with it, and is never trained as pure bf16
+    ('to_fp16', dict(pure=True), ValueError,
+     'to_fp16(pure=True): pure training keeps bf16 weights (PureBF16), so it is bf16 only: use learn.to_bf16(pure=True, ...)'),
+    ('to_fp16', dict(pure=True, update='kahan'), ValueError, "to_fp16(pure=True, update='kahan'): pure training keeps bf16 weights"),
+    ('to_fp16', dict(pure=True, update='stochastic', seed=1), ValueError, "to_fp16(pure=True, update='stochastic', seed=1): pure training"),
+    ('to_fp16', dict(pure=True, master=True), ValueError, 'to_fp16(pure=True): pure training'),
+    ('to_fp16', dict(pure=True, loss_scale=512), ValueError, 'to_fp16(pure=True): pure training'),
+    ('to_fp16', dict(pure=True, init_scale=8.), ValueError, 'to_fp16(pure=True): pure training'),
+    ('to_fp16', dict(pure=True, check_finite=False), ValueError, 'to_fp16(pure=True): pure training'),
+    ('to_fp16', dict(update='kahan'), ValueError, "to_fp16(update='kahan'): pure training keeps bf16 weights"),
+    ('to_fp16', dict(pure=1), TypeError, 'pure=1 is a int'),
 ]
 
 @pytest.mark.parametrize('patch,kwargs,exc,msg', PATCH_BAD, ids=[f'{p}:{k}' for p,k,*_ in PATCH_BAD])

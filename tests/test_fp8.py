@@ -306,6 +306,35 @@ def test_unpicklable_filter_export(tmp_path):
         fit_quiet(new, 1)
     assert new.mixed_precision.fp8_layers == ['2', '4']
 
+@pytest.mark.parametrize('recipe', list(_torchao_float8().Float8LinearRecipeName), ids=lambda r: r.name)
+def test_torchao_recipe_enum(recipe, tmp_path):
+    "torchao's own `Float8LinearRecipeName` selects its recipe; the callback keeps the name, so `export` and `load_learner` work."
+    learn = fp8_learner(recipe); learn.path = tmp_path
+    assert learn.mixed_precision.recipe == recipe.value and type(learn.mixed_precision.recipe) is str
+    config = _torchao_float8().Float8LinearConfig.from_recipe_name(recipe)
+    assert learn.mixed_precision._config() == dataclasses.replace(config, emulate=True)
+    fit_quiet(learn, 1)
+    learn.export('ex.pkl')
+    new = load_learner(tmp_path/'ex.pkl', cpu=False)
+    assert new.mixed_precision.recipe == recipe.value
+    new.dls = learn.dls
+    assert fit_quiet(new, 1).mixed_precision.total_steps == 8
+
+def test_recipe_spellings():
+    "A recipe's value in any case and torchao's enum are accepted; an unknown value or type is named with torchao's recipes."
+    names = "['tensorwise', 'rowwise', 'rowwise_with_gw_hp']"
+    Recipe = _torchao_float8().Float8LinearRecipeName
+    got = [FP8Precision(r).recipe for r in ('ROWWISE', 'Rowwise_With_GW_HP', Recipe.TENSORWISE)]
+    assert got == ['rowwise', 'rowwise_with_gw_hp', 'tensorwise']
+    learn = tiny_learner(model=mlp()).to_bf16()
+    for recipe,err,msg in [('delayed', ValueError, f"Unknown fp8 recipe 'delayed': torchao offers {names} (or its Float8LinearRecipeName)"),
+                           (AMPMode.BF16, ValueError, "Unknown fp8 recipe <AMPMode.BF16: 'bf16'>: torchao offers"),
+                           (None, TypeError, f"recipe=None is a NoneType: pass one of {names} or a torchao Float8LinearRecipeName"),
+                           (2, TypeError, "recipe=2 is a int")]:
+        with pytest.raises(err) as e: learn.to_fp8(recipe)
+        assert msg in str(e.value), str(e.value)
+        assert type(learn.mixed_precision) is MixedPrecision
+
 class MeanOut(nn.Module):
     "The mean of the features: a head without a Linear, so `Linear(16, 16)` is the model's last"
     def forward(self, x): return x.mean(-1, keepdim=True)
