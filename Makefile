@@ -13,8 +13,12 @@ $(STAMP): settings.ini setup.py pyproject.toml constraints.txt
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev,fp8]'
 	touch $@
 
-demo: $(STAMP)
-	$(BIN)/python demo/digits.py
+# The first run sets up .venv, with pip's output in .venv/setup.log (shown if the set-up fails), so that the demo's
+# output, piped to a file or not, is the demo's: the advice, a line per epoch, the table.
+demo:
+	@$(MAKE) -q $(STAMP) 2>/dev/null || { echo "setting up $(VENV) (a few minutes; pip's output: $(VENV)/setup.log)"; mkdir -p $(VENV) && \
+	  $(MAKE) --no-print-directory $(STAMP) > $(VENV)/setup.log 2>&1 || { cat $(VENV)/setup.log; exit 1; }; }
+	@$(BIN)/python demo/digits.py
 
 test: $(STAMP) check-export check-clean nbtest pytest
 

@@ -1,5 +1,6 @@
 """mpx's public names; importing it patches `Learner`:
-`to_fp16`, `to_bf16`, `to_fp32`, `to_fp8`, `precision_report`, `to_auto_precision`, `log_loss_scale`, `save`, `load`."""
+`to_fp16`, `to_bf16`, `to_fp32`, `to_fp8`, `precision_report`, `to_auto_precision`, `log_loss_scale`, `save`, `load`,
+`quiet_progress`."""
 from .core import *
 from .scaler import *
 from .callback import *
@@ -9,6 +10,7 @@ from .pure import *
 from .fp8 import *
 from .advisor import *
 from .learner import *
+from .progress import *  # `Learner.quiet_progress`; `QuietProgress` stays in `mpx.progress`
 
 # Star-exported: what a user writes. Helpers stay importable from their modules (`mpx.core`, `mpx.scaler`, ...).
 __all__ = ['AMPMode', 'LossScaler', 'PrecisionCallback', 'MixedPrecision', 'MasterPrecision', 'PureBF16', 'FP8Precision', 'PrecisionReport']
