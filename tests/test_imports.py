@@ -5,7 +5,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 # DESIGN.md's arrows: `learner -> (amp, master, pure, fp8, advisor) -> callback -> (fused, plumbing, scaler, hardware, patches) -> core`
-TIERS = dict(core=0, hardware=1, scaler=1, fused=1, plumbing=1, patches=1, callback=2, amp=3, master=3, pure=3, fp8=3, advisor=3,
+TIERS = dict(core=0, hardware=1, scaler=1, fused=1, plumbing=1, patches=1, progress=1, callback=2, amp=3, master=3, pure=3, fp8=3, advisor=3,
              learner=4, test_utils=5, all=5)
 MODES = {'amp', 'master', 'pure', 'fp8'}  # no mode imports another mode
 EXTRA = dict(advisor={'fp8'})  # the advisor is no mode: its report says what `to_fp8()` would convert (`fp8_table`, `real_fp8`)
@@ -41,6 +41,12 @@ def not_loaded(name): assert name not in sys.modules, f"{name} was imported"
 '''
 
 USES = dict(
+    progress='''
+from mpx.progress import *
+learn = learner(); learn.quiet_progress(True)
+assert type(learn.progress).__name__ == 'QuietProgress'
+fit(learn)
+''',
     core='''
 from mpx.core import *
 assert 'fastai.learner' not in LOADED_FIRST  # core knows nothing of fastai's Learner
@@ -64,7 +70,7 @@ t = LossScaler(); t.load_state_dict(s.state_dict()); assert t.scale == 4.
 from mpx.fused import *
 a,b = learner(),learner()
 a.create_opt(); steps = FusedSteps(a.opt)
-assert steps.active, steps
+assert steps.path == 'fused', steps
 fit(a); fit(b)  # fastai's loop in `b`: the same weights, bit for bit
 assert all(torch.equal(p, q) for p,q in zip(a.model.parameters(), b.model.parameters()))
 steps.undo()
