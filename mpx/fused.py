@@ -13,7 +13,7 @@ from fastai.optimizer import _update
 from .plumbing import Ledger, unwrap
 
 # %% auto #0
-__all__ = ['FusedChunk', 'fused_cb', 'why_not_fused', 'Kind', 'Bucket', 'FusedSteps']
+__all__ = ['FusedChunk', 'fused_cb', 'why_not_fused', 'set_data', 'Kind', 'Bucket', 'FusedSteps']
 
 # %% ../nbs/01a_fused.ipynb #fz000006
 class FusedChunk:
@@ -273,6 +273,12 @@ def _dense(t:Tensor) -> bool:
         n *= sz
     return True
 
+def set_data(p:Tensor, t:Tensor):
+    "`p.data = t`, the gradient `p` has (if any) cast to `t`'s dtype: whether it is stepped stays as it was"
+    g = p.grad
+    p.grad = None; p.data = t
+    if g is not None: p.grad = g.to(t.dtype)
+
 def _slottable(t:Tensor) -> bool:
     "Whether `t` can live in a flat buffer: a plain strided tensor (not a DTensor, not sparse) whose memory is dense"
     return type(t) in (Tensor, nn.Parameter) and t.layout is torch.strided and _dense(t)
@@ -347,7 +353,7 @@ class Bucket:
         return buf
     def point(self, buf:Tensor):
         "Make each parameter's data its slot of `buf`"
-        for p,v in zip(self.params, self.views(buf)): p.data = v
+        for p,v in zip(self.params, self.views(buf)): set_data(p, v)
     def lo(self, i:int) -> int: return self.offs[i]
     def end(self, j:int) -> int:
         "Where the span of parameters `i` to `j` ends: at parameter `j`'s slot (spans tile the buffer, padding included)"
@@ -387,7 +393,7 @@ def adopt_weights(self:Bucket):
     if not self.flat or getattr(self, 'w', None) is None: return
     base,sz = self.w.data_ptr(),self.w.element_size()
     for i,p in enumerate(self.params):
-        if p.data_ptr() != base + sz*self.offs[i]: v = self.slot(self.w, i); v.copy_(p.data); p.data = v
+        if p.data_ptr() != base + sz*self.offs[i]: v = self.slot(self.w, i); v.copy_(p.data); set_data(p, v)
 
 _flat_keys = lambda p,v: isinstance(v, Tensor) and v.layout is torch.strided and v.shape == p.shape and v.is_floating_point()
 

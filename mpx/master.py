@@ -8,7 +8,7 @@ from fastai.basics import *
 from .core import *
 from .scaler import *
 from .plumbing import *
-from .fused import Kind, FusedSteps
+from .fused import Kind, FusedSteps, set_data
 from .callback import *
 
 # %% auto #0
@@ -32,7 +32,7 @@ class MasterKind(Kind):
         else:
             b.xv = [p.detach().clone(memory_format=torch.preserve_format) for p in ps]
             b.gxv = [torch.zeros_like(m) for m in b.xv]
-            for p in ps: p.data = p.data.to(self.half)
+            for p in ps: set_data(p, p.data.to(self.half))
         b.ms = [nn.Parameter(m, requires_grad=False) for m in b.xv]
 
     def wide(self, b, i, j, phase=0):
@@ -65,8 +65,9 @@ def take(self:MasterKind, b, fresh:bool):
 
 @patch
 def finish(self:MasterKind, b):
-    "The masters become the fp32 parameters, never rounded through half; the half gradients go"
-    for p,m in zip(b.params, b.xv): p.grad = None; p.data = m.clone(memory_format=torch.preserve_format) if b.flat else m
+    "The masters become the fp32 parameters, never rounded through half; a parameter with a gradient keeps it, in fp32 (as fastai's do)"
+    for p,m in zip(b.params, b.xv):
+        set_data(p, m.clone(memory_format=torch.preserve_format) if b.flat else m)  # its half gradient, zero after `take`: fastai's after a step
 
 @patch
 def carried(self:MasterKind, b) -> dict:

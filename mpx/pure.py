@@ -9,7 +9,7 @@ from fastai.basics import *
 from .core import *
 from .callback import *
 from .plumbing import *
-from .fused import Kind
+from .fused import Kind, set_data
 
 # %% auto #0
 __all__ = ['round_stochastic', 'split_kahan', 'fold_kahan', 'widen_kahan', 'fold_stochastic', 'BF16Kind', 'KahanKind',
@@ -73,7 +73,7 @@ class BF16Kind(Kind):
         else:
             ws = [torch.empty_like(x, dtype=torch.bfloat16) for x in xs]
             self.split(b, [x.clone(memory_format=torch.preserve_format) for x in xs], ws)
-            for p,w in zip(b.params, ws): p.data = w
+            for p,w in zip(b.params, ws): set_data(p, w)
     def split(self, b, xs:list, ws:list): torch._foreach_copy_(ws, xs)  # to nearest
 
     def wide(self, b, i, j, phase=0):
@@ -87,7 +87,7 @@ class BF16Kind(Kind):
         x,g = b.engine.workspace(b.device, n, 0),b.engine.workspace(b.device, n, 1)
         self.widen(b, i, j, [x], [b.part(b.w, i, j)])
         g.copy_(b.part(b.g, i, j))
-        for k in sorted(k for k in b.loose if i <= k < j): b.slot(g, k, b.lo(i)).copy_(b.params[k].grad.to_dense())
+        for k in sorted(k for k in b.loose if i <= k < j): b.slot(g, k, b.lo(i)).copy_(b.params[k].grad.float().to_dense())  # summed in fp32
         return x,g
     def widen(self, b, i, j, xs:list, ws:list): torch._foreach_copy_(xs, ws)
     def fold(self, b, i, j, x, phase=0):
@@ -96,7 +96,7 @@ class BF16Kind(Kind):
     def finish(self, b):
         "Each weight back in fp32 storage of its own, holding what training made of it"
         vals = self.values(b)
-        for p,v in zip(b.params, vals): p.grad = None; p.data = v
+        for p,v in zip(b.params, vals): set_data(p, v)  # a parameter with a gradient keeps it, in fp32
     def values(self, b) -> list: return [p.data.float() for p in b.params]
     def carried(self, b) -> dict: return {id(p): ('bf16', p.grad.clone()) for p in b.params if p.grad is not None}
     def restore(self, b, grads:dict):

@@ -5,7 +5,8 @@
 # %% auto #0
 __all__ = ['MASTER_MODES', 'MODES', 'BASIC_MODES', 'ALL_MODES', 'OPTIMIZERS', 'tiny_dls', 'tiny_model', 'tiny_split',
            'tiny_learner', 'fit_quiet', 'TupleModel', 'first_mse', 'tabular_split', 'tabular_app_learner',
-           'collab_app_learner', 'text_app_learner', 'precision_cbs', 'precision_cb', 'CountSyncs', 'CountOps',
+           'collab_app_learner', 'text_app_learner', 'Tied', 'tied_split', 'tied_learner', 'SparseEmb',
+           'sparse_learner', 'fastai_gan', 'gan_learner', 'precision_cbs', 'precision_cb', 'CountSyncs', 'CountOps',
            'count_step_ops', 'count_syncs', 'InjectGrad', 'PoisonLoss', 'PoisonInput', 'weights', 'state_of',
            'state_diffs', 'same_state', 'all_stepped_changed', 'Snapshot', 'check_skips_change_nothing', 'grad_norm',
            'GradNormProbe', 'DtypeHook', 'PredProbe', 'LossProbe', 'replay']
@@ -123,6 +124,64 @@ def text_app_learner(seed:int=0, n:int=64, bs:int=16,
     cfg = dict(emb_sz=emb_sz, n_hid=emb_sz, n_layers=1)
     return _quiet(text_classifier_learner(dls, AWD_LSTM, pretrained=False, config=cfg, seq_len=8, max_len=80, lin_ftrs=list(lin_ftrs),
                                           **kwargs))
+
+# %% ../nbs/99_test_utils.ipynb #st000002
+class Tied(Module):
+    "Two n-by-n layers sharing their weight (as fastai's language models tie encoder and decoder), between an input and a head"
+    def __init__(self, n:int=8):
+        self.inp,self.enc,self.dec,self.head = nn.Linear(1, n),nn.Linear(n, n),nn.Linear(n, n),nn.Linear(n, 1)
+        self.dec.weight = self.enc.weight
+    def forward(self, x): return self.head(F.relu(self.dec(F.relu(self.enc(F.relu(self.inp(x)))))))
+
+def tied_split(m:Tied, across:bool=False) -> L:
+    "A splitter listing each module's parameters: the tied weight twice, in one group (or, `across`, in two)"
+    if across: return L(params(m.inp) + params(m.enc), params(m.dec) + params(m.head))
+    return L(params(m.inp) + params(m.enc) + params(m.dec) + params(m.head))
+
+@delegates(tiny_learner)
+def tied_learner(across:bool=False, **kwargs) -> Learner:
+    "`tiny_learner` on `Tied`, the tied weight twice in the optimizer: in one group, or (`across`) in two"
+    return tiny_learner(model=Tied, splitter=partial(tied_split, across=across), **kwargs)
+
+# %% ../nbs/99_test_utils.ipynb #st000004
+class SparseEmb(Module):
+    "An `nn.Embedding(sparse=True)` of 10 rows (token ids from the first input) and a linear head"
+    def __init__(self): self.e,self.l = nn.Embedding(10, 4, sparse=True),nn.Linear(4, 1)
+    def forward(self, x): return self.l(self.e(x.squeeze(-1).long().clamp(0, 9)))
+
+@delegates(Learner.__init__)
+def sparse_learner(seed:int=0, opt_func=partial(SGD, mom=.9), lr:float=1e-2, **kwargs) -> Learner:
+    "A quiet seeded learner on `SparseEmb`: 64 token ids, the target the id itself"
+    set_seed(seed, reproducible=True)
+    x = torch.randint(0, 10, (64, 1))
+    dls = DataLoaders.from_dsets(list(zip(x, x.float())), list(zip(x[:16], x[:16].float())), bs=16, num_workers=0)
+    return _quiet(Learner(dls, SparseEmb(), loss_func=MSELossFlat(), opt_func=opt_func, lr=lr, **kwargs))
+
+# %% ../nbs/99_test_utils.ipynb #st000006
+def fastai_gan():
+    "fastai's `fastai.vision.gan` module, loaded alone: without `fastai.vision.all`, which imports torchvision"
+    import fastai, types
+    path = Path(fastai.__file__).parent/'vision'/'gan.py'
+    src = path.read_text().replace('from .all import *', 'from fastai.torch_core import TensorImage\nfrom fastai.layers import *')
+    mod = types.ModuleType('fastai_gan'); mod.__file__ = str(path)
+    exec(compile(src.replace('from ..basics import *', 'from fastai.basics import *'), str(path), 'exec'), mod.__dict__)
+    return mod
+
+@delegates(Learner.__init__)
+def gan_learner(wgan:bool=True, seed:int=0, lr:float=1e-3, **kwargs) -> Learner:
+    "A quiet seeded fastai `GANLearner` (a WGAN, clipping the critic's weights, or with `wgan=False` a GAN without clipping) on vectors"
+    gan = fastai_gan()
+    set_seed(seed, reproducible=True)
+    noise,real = torch.randn(64, 16),torch.randn(64, 16) * .5 + 1
+    dls = DataLoaders.from_dsets(list(zip(noise, real)), list(zip(noise[:16], real[:16])), bs=16, num_workers=0)
+    G = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16))
+    C = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1), nn.Flatten(0))
+    if wgan: learn = gan.GANLearner.wgan(dls, G, C, opt_func=partial(RMSProp, mom=0.), lr=lr, **kwargs)
+    else: learn = gan.GANLearner(dls, G, C, gen_loss_func=_gen_loss, crit_loss_func=_crit_loss, lr=lr, **kwargs)
+    return _quiet(learn)
+
+def _gen_loss(fake_pred, output, target): return fake_pred.mean()
+def _crit_loss(real_pred, fake_pred): return real_pred.mean() - fake_pred.mean()
 
 # %% ../nbs/99_test_utils.ipynb #7c85a0ea
 MASTER_MODES = {

@@ -9,7 +9,8 @@ from fastai.callback.tracker import SaveModelCallback
 from fastai.callback.training import GradientAccumulation
 import fastai.callback.schedule  # lr_find, fit_one_cycle, fine_tune
 from mpx.all import *
-from mpx.test_utils import tiny_learner, tiny_split, tabular_app_learner, collab_app_learner, text_app_learner, MASTER_MODES, OPTIMIZERS
+from mpx.test_utils import (tiny_learner, tiny_split, tabular_app_learner, collab_app_learner, text_app_learner, tied_learner, sparse_learner,
+                            gan_learner, MASTER_MODES, OPTIMIZERS)
 
 pytestmark = pytest.mark.filterwarnings('ignore::UserWarning')  # load_learner's pickle warning, fastai's freeze warnings
 
@@ -18,7 +19,10 @@ def tiny(opt='adam'):
     return tiny_learner(bn=True, splitter=tiny_split, opt_func=OPTIMIZERS[opt], lr=1e-2, wd=1e-2, n_trn=4, n_val=1)
 CLIENTS = dict(tiny=tiny, tabular=lambda opt='adam': tabular_app_learner(opt_func=OPTIMIZERS[opt], lr=1e-2),
                collab=lambda opt='adam': collab_app_learner(opt_func=OPTIMIZERS[opt], lr=1e-2),
-               text=lambda opt='adam': text_app_learner(opt_func=OPTIMIZERS[opt], lr=1e-2))
+               text=lambda opt='adam': text_app_learner(opt_func=OPTIMIZERS[opt], lr=1e-2),
+               tied=lambda opt='adam': tied_learner(across=True, opt_func=OPTIMIZERS[opt], lr=1e-2, n_trn=4, n_val=1),  # a weight in two groups
+               sparse=lambda opt='adam': sparse_learner(),  # an nn.Embedding(sparse=True), fastai's SGD with momentum
+               gan=lambda opt='adam': gan_learner(wgan=False))  # fastai's GANLearner; a clipping WGAN is refused in master modes
 
 # ---- what a learner between fits must show, and what fp32 decides
 
@@ -32,8 +36,8 @@ def problems(learn) -> list:
     opt = learn.opt
     if opt is None: return res
     ids = {id(p) for p in ps}
-    ops = [p for pg in opt.param_lists for p in pg]
-    if sorted(map(id, ops)) != sorted(ids): res.append(f'optimizer holds {len(ops)} tensors, {len(ids & set(map(id, ops)))} of them model parameters, of {len(ids)}')
+    ops = {id(p) for pg in opt.param_lists for p in pg}  # a tied weight may sit in it twice
+    if ops != ids: res.append(f'optimizer holds {len(ops)} tensors, {len(ids & ops)} of them model parameters, of {len(ids)}')
     try: opt.all_params()
     except KeyError: res.append('opt.all_params() raises KeyError')
     stale = lambda st: sum(isinstance(k, Tensor) and id(k) not in ids for k in st)  # fastai itself keys `do_wd` by collab's `bias` method: not a tensor
@@ -86,6 +90,13 @@ def fit_fit(learn, mode): learn.fit(1); learn.fit(1); return learn
 def create_opt(learn, mode): learn.fit(1); learn.create_opt(); learn.fit(1); return learn
 def reset_opt(learn, mode): learn.fit(1); learn.fit(1, reset_opt=True); return learn
 def validate_first(learn, mode): learn.validate(); learn.get_preds(); learn.fit(1); learn.validate(); return learn
+
+class _UnfreezeAt(Callback):
+    "Gradual unfreezing from a callback: `unfreeze()` at the start of epoch 1"
+    order = 5
+    def before_epoch(self):
+        if self.epoch == 1: self.learn.unfreeze()
+def unfreeze_cb(learn, mode): learn.freeze(); learn.fit(2, cbs=_UnfreezeAt()); learn.fit(1); return learn
 
 class _ValidateEachEpoch(Callback):
     "Calls `validate()` from `after_epoch`: a nested fastai call inside the fit"
@@ -151,7 +162,8 @@ def switch(learn, mode):
     return learn
 
 SEQUENCES = {f.__name__: f for f in [lrfind_onecycle, lrfind_finetune, fit_fit, save_load_opt, save_load_noopt, freeze_discrim, save_model_cb,
-                                      export_cpu, export_nocpu, create_opt, reset_opt, switch, validate_first, nested_validate, accumulate_save]}
+                                      export_cpu, export_nocpu, create_opt, reset_opt, switch, validate_first, nested_validate, accumulate_save,
+                                      unfreeze_cb]}
 
 def run(client, seq, mode, opt, path):
     "Run `seq` on a fresh `client` learner with `opt` in `mode` (None: fp32) in `path`; its `problems` after every fit and at the end, and its `summary`"
@@ -198,7 +210,12 @@ _APP_CELLS = [('tabular', 'lrfind_onecycle', 'fp16'), ('tabular', 'lrfind_finetu
               ('tabular', 'validate_first', 'fp16_flat'), ('collab', 'nested_validate', 'bf16'), ('text', 'nested_validate', 'bf16_flat'),
               ('tabular', 'accumulate_save', 'fp16_flat'),
               ('text', 'lrfind_finetune', 'fp16'), ('text', 'fit_fit', 'bf16_flat'), ('text', 'save_load_opt', 'bf16'),
-              ('text', 'export_cpu', 'fp16_flat'), ('text', 'freeze_discrim', 'fp16_dynamic'), ('text', 'export_nocpu', 'bf16')]
+              ('text', 'export_cpu', 'fp16_flat'), ('text', 'freeze_discrim', 'fp16_dynamic'), ('text', 'export_nocpu', 'bf16'),
+              ('tabular', 'unfreeze_cb', 'fp16_flat'), ('text', 'unfreeze_cb', 'bf16'), ('collab', 'create_opt', 'fp16_dynamic'),
+              ('tied', 'lrfind_onecycle', 'fp16'), ('tied', 'save_load_opt', 'bf16_flat'), ('tied', 'unfreeze_cb', 'fp16_dynamic'),
+              ('tied', 'export_cpu', 'bf16'), ('sparse', 'fit_fit', 'fp16'), ('sparse', 'save_model_cb', 'bf16_flat'),
+              ('sparse', 'create_opt', 'fp16_flat'), ('gan', 'fit_fit', 'fp16_dynamic'), ('gan', 'accumulate_save', 'bf16'),
+              ('gan', 'nested_validate', 'fp16_flat'), ('gan', 'fit_fit', 'bf16_flat')]
 
 @pytest.mark.parametrize('client,seq,mode', _APP_CELLS, ids=['-'.join(c) for c in _APP_CELLS])
 def test_app_sequence(client, seq, mode, tmp_path):
