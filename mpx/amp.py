@@ -14,11 +14,6 @@ from .callback import *
 __all__ = ['MixedPrecision']
 
 # %% ../nbs/03_amp.ipynb #451da1d2
-def _holding(g:Tensor) -> Tensor:
-    "A tensor standing in for a parameter (`GradScaler` wants tensors), its `.grad` the gradient `g`"
-    h = g.detach(); h.grad = g
-    return h
-
 class MixedPrecision(PrecisionCallback):
     "Mixed-precision training with `torch.autocast` and, for fp16, a `GradScaler` whose state outlives each fit"
     def __init__(self,
@@ -27,16 +22,20 @@ class MixedPrecision(PrecisionCallback):
         growth_factor:float=default(2.), # fp16: multiply the scale by this after `growth_interval` clean steps in a row
         backoff_factor:float=default(.5), # fp16: multiply the scale by this when a step overflows
         growth_interval:int=default(2000), # fp16: clean steps in a row before the scale grows
+        hysteresis:int=default(1), # fp16: back off on the N-th overflow only, the budget refilled when the scale grows (DeepSpeed's)
         enabled:bool=True, # False: no autocast and no scaling, the callback stays in place
         check_finite:bool=True, # Skip a step whose gradients hold inf/nan; fp16 always checks
-        fused:bool=True, # Step fastai's optimizers with multi-tensor ops; False: fastai's per-parameter loop
+        fused:bool|str=True, # Step over flat buffers; 'compile': one compiled kernel a run; False: fastai's per-parameter loop
+        schedule_skips:bool=True, # False: a skipped step does not advance fastai's schedules
     ):
-        super().__init__(amp_mode, check_finite, fused)
-        given = passed(init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor, growth_interval=growth_interval)
+        super().__init__(amp_mode, check_finite, fused, schedule_skips)
+        given = passed(init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor, growth_interval=growth_interval,
+                       hysteresis=hysteresis)
         check_mode_args('amp', self.amp_mode, **given, enabled=enabled)
         self.init_scale,self.growth_factor,self.backoff_factor = float(init_scale),float(growth_factor),float(backoff_factor)
-        self.growth_interval = int(growth_interval)
-        self.enabled,self.scaler = enabled,None
+        self.growth_interval,self.hysteresis = int(growth_interval),int(hysteresis)
+        self.enabled,self.scaler,self._left = enabled,None,None
+        self._check_schedule_skips()
         self._scaler_state_to_load = None  # a checkpoint's scaler state, loaded before `before_fit` builds the scaler
 
     @property
@@ -59,7 +58,11 @@ class MixedPrecision(PrecisionCallback):
                                                   f"or keep a half model with fp32 master weights: learn.to_{self.amp_mode}(master=True)")
     def _new_fit_state(self):
         "The scaler, built or kept from the fits before; nothing in the model or optimizer changes"
-        if self.scaling: self.scaler = self._scaler_on(self.device_type)
+        if not self.scaling: return
+        self.scaler = self._scaler_on(self.device_type)
+        if self.scaler._scale is None: self.scaler._lazy_init_scale_growth_tracker(training_device(self.dls, self.model))  # its tensors
+        left = self._left.item() if self._left is not None else (self._scaler_state_to_load or {}).get('hysteresis_left', self.hysteresis)
+        self._left = torch.full((1,), int(left), dtype=torch.int32, device=self.scaler._scale.device)
 
     def _scaler_on(self, device_type:str) -> GradScaler:
         "This callback's `GradScaler` on `device_type`: built on first use, moved with its state when the device changes"
@@ -71,36 +74,31 @@ class MixedPrecision(PrecisionCallback):
         if state: scaler.load_state_dict(state)
         return scaler
 
-    # ---- the step: `GradScaler.step` gets this callback as a stand-in optimizer
+    # ---- the step: the `GradScaler` holds the scale; unscaling and updating are mpx's, on its tensors
     def _scale_loss(self, loss): return self.scaler.scale(loss)
-    def _unscale_and_find_overflow(self) -> tuple:
-        "fp16: unscale and check the gradients with the `GradScaler` (one fused pass, one host sync); else the base check"
-        if not self.scaling: return super()._unscale_and_find_overflow()
-        scale,self._stepped = self.scaler._get_scale_async(),False
-        self.scaler.step(self)
-        return scale, not self._stepped
-    def _update_scale(self, found:bool):
-        "fp16: back the scale off after an overflow, grow it after `growth_interval` clean steps"
-        if self.scaling: self.scaler.update()
-    @property
-    def param_groups(self):
-        "For `GradScaler`: one group of stand-ins whose `.grad` are the gradients to unscale, each tensor once (one a flat bucket)"
-        gs = self._step_grads()
-        held,hs = getattr(self, '_held', ([], []))
-        if len(gs) != len(held) or any(a is not b for a,b in zip(gs, held)): hs = [_holding(g) for g in gs]  # made once a layout
-        self._held = (gs, hs)
-        return [{'params': hs}]
-    def step(self, *args, **kwargs):
-        "Called by `GradScaler.step` when the gradients are finite: fastai then steps the real optimizer"
-        self._stepped = True
+    def _unscale_and_find_overflow(self, lazy:bool=False) -> tuple:
+        "fp16: unscale by the scaler's scale and check the gradients in one fused pass, as `GradScaler.unscale_` does; one host sync (`lazy`: none)"
+        if not self.scaling: return super()._unscale_and_find_overflow(lazy)
+        scale = self.scaler._get_scale_async()
+        found = unscale_and_find_inf_(self._step_grads(), scale.double().reciprocal().float())
+        return scale,(found if lazy else bool(found.item()))
+    def _update_scale(self, found):
+        "fp16: back the scale off after an overflow (after `hysteresis` of them), grow it after `growth_interval` clean steps: on the device"
+        if not self.scaling: return
+        f = found if isinstance(found, Tensor) else torch.full((1,), float(found), device=self.scaler._scale.device)
+        update_scale_(self.scaler._scale, self.scaler._growth_tracker, self._left, f, self.growth_factor, self.backoff_factor,
+                      self.growth_interval, self.hysteresis)
 
     # ---- state
     def _scaler_state(self) -> dict:
-        "The scaler's state as plain Python values (one host sync)"
-        return self.scaler.state_dict() if self.scaler is not None else self._scaler_state_to_load or {}
+        "The scaler's state as plain Python values, the hysteresis budget left among them (one host sync)"
+        if self.scaler is None: return self._scaler_state_to_load or {}
+        return {**self.scaler.state_dict(), 'hysteresis_left': int(self._left.item()) if self._left is not None else self.hysteresis}
     def _load_scaler_state(self, sd:dict):
-        if self.scaler is not None: self.scaler.load_state_dict(sd)
+        if self.scaler is not None:
+            self.scaler.load_state_dict(sd)
+            if self._left is not None: self._left.fill_(sd.get('hysteresis_left', self.hysteresis))
         else: self._scaler_state_to_load = sd
     def reset_scaler(self):
-        "Start the loss scale afresh at `init_scale` on the next fit"
-        self.scaler,self._scaler_state_to_load = None,None
+        "Start the loss scale afresh at `init_scale` (the hysteresis budget full) on the next fit"
+        self.scaler,self._scaler_state_to_load,self._left = None,None,None

@@ -56,6 +56,22 @@ def _on_overflow(self:ScaleTelemetry, named_grads, scale:float, at_floor:bool=Tr
                       f"the first {kind} gradient was in {param!r}. "
                       f"The model itself may be producing inf/nan: {_hints[AMPMode(getattr(self, 'amp_mode', 'fp16'))]}.")
 
+# %% ../nbs/02_callback.ipynb #cb000008b
+@patch
+def _settle_overflows(self:ScaleTelemetry, scale:float, at_floor:bool=True):
+    "After steps skipped on the device (`fused='compile'`): the last one into `last_overflow`, the warning as `_on_overflow` gives it"
+    if not self.step_log.pending: return
+    skips = self.step_log.skips  # one host sync, at most once an epoch
+    last = next((i for i in range(len(skips)-1, -1, -1) if skips[i]), None)
+    if last is None or (self.last_overflow is not None and self.last_overflow.step >= last): return
+    self.last_overflow = Overflow(last, None, 'inf or nan', scale)  # the gradients are gone: which parameter is not known
+    run = _trailing(skips)
+    if run >= self.warn_after and at_floor and not getattr(self, '_warned', False):
+        self._warned = True
+        warnings.warn(f"{run} optimizer steps in a row had inf/nan gradients at loss scale {scale:g}. The model itself may be "
+                      f"producing inf/nan: {_hints[AMPMode(getattr(self, 'amp_mode', 'fp16'))]}. "
+                      "(With fused=True the warning names the first parameter whose gradient went non-finite.)")
+
 # %% ../nbs/02_callback.ipynb #cb000014
 def check_single_autocast(cbs) -> None:
     "Raise a `ValueError` if a callback in `cbs` (fastai's `DistributedTrainer`) runs Accelerate with its own mixed precision"
@@ -78,6 +94,11 @@ class NormStats:
     def restore(self):
         "Put the saved statistics back (no host sync)"
         if self.bufs: torch._foreach_copy_(self.bufs, self.saved)
+    def restore_where(self, found:Tensor):
+        "Put the saved statistics back where `found` (a one-element tensor) is non-zero: on the device, no host sync"
+        if not self.bufs: return
+        keep = found.reshape(()) != 0
+        for b,s in zip(self.bufs, self.saved): b.copy_(torch.where(keep, s, b))
 
 # %% ../nbs/02_callback.ipynb #81db7728
 def first_not_fp32(model:nn.Module) -> tuple|None:
@@ -88,7 +109,7 @@ def _cast_floats(x, dtype):
     "The floating tensors of `x` (a batch's inputs) in `dtype`; integer inputs such as token ids untouched"
     return apply(lambda t: t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t, x)
 
-_in_flight = ('_checked', '_found', '_norms_due', '_epoch_start')  # what a nested fit or validation puts aside
+_in_flight = ('_checked', '_found', '_norms_due', '_epoch_start', '_batch_skipped')  # what a nested fit or validation puts aside
 _no_kernel = ("not implemented for 'Half'", "not implemented for 'BFloat16'", 'could not create a primitive', 'Unsupported dtype')
 _instead = {AMPMode.FP16: 'train in bf16 (learn.to_bf16()) or fp32 (learn.to_fp32()) instead',
             AMPMode.BF16: 'train in fp16 (learn.to_fp16()) or fp32 (learn.to_fp32()) instead'}
@@ -101,10 +122,12 @@ class PrecisionCallback(Callback, ScaleTelemetry):
     def __init__(self,
         amp_mode:str|AMPMode=AMPMode.FP16, # The 16-bit dtype: 'fp16' or 'bf16'
         check_finite:bool=True, # Skip a step whose gradients hold inf/nan (one host sync a step); a scaled loss is always checked
-        fused:bool=True, # Step fastai's optimizers with multi-tensor ops (`mpx.fused`); False: fastai's per-parameter loop
+        fused:bool|str=True, # The step engine (`mpx.fused`): flat buffers; 'compile': one compiled kernel a run; False: fastai's loop
+        schedule_skips:bool=True, # False: a skipped step does not advance fastai's schedules (`pct_train`), as it makes no update
     ):
-        check_args(check_finite=check_finite, fused=fused)
+        check_args(check_finite=check_finite, fused=fused, schedule_skips=schedule_skips)
         self.amp_mode,self.check_finite,self.fused,self.step_log = AMPMode(amp_mode),check_finite,fused,StepLog()
+        self.schedule_skips,self._sched_skipped,self._batch_skipped = schedule_skips,0,False
         self.device_type,self.fit_state,self.fused_steps,self.ledger = None,None,None,None
         self._autocast,self._loss_autocast,self._entered = None,None,None  # the autocast contexts, and the one entered
         self._norms,self._norms_due = None,False
@@ -115,6 +138,11 @@ class PrecisionCallback(Callback, ScaleTelemetry):
     def checking(self) -> bool:
         "Whether each optimizer step's gradients are checked for inf/nan: always when the loss is scaled, else `check_finite`"
         return self.scaling or self.check_finite
+    def _check_schedule_skips(self):
+        "`schedule_skips=False` has an effect only where steps are checked, so may be skipped"
+        if not self.schedule_skips and not self.checking: raise ValueError(
+            f"schedule_skips=False has no effect with check_finite=False and amp_mode='{self.amp_mode}': no step is ever skipped. "
+            "Drop schedule_skips, or pass check_finite=True")
     @property
     def autocast_dtype(self) -> torch.dtype|None:
         "The dtype the forward pass autocasts to; None where the mode does not autocast"
@@ -157,9 +185,10 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         "`(model parameter name, gradient)` in model order, for the overflow diagnosis"
         if self.fused_steps is not None: return self.fused_steps.named_grads(get_model(self.model))
         return [(n, p.grad) for n,p in get_model(self.model).named_parameters()]
-    def _unscale_and_find_overflow(self) -> tuple:
-        "The scale this step's loss was multiplied by, and whether its gradients hold an inf or nan: one fused pass, one host sync"
-        return 1.0, has_inf_or_nan(self._step_grads())
+    def _unscale_and_find_overflow(self, lazy:bool=False) -> tuple:
+        "The scale this step's loss was multiplied by, and whether its gradients hold an inf or nan: one fused pass, one host sync (`lazy`: none, a tensor)"
+        found = unscale_and_find_inf_(self._step_grads())
+        return 1.0,(found if lazy else bool(found.item()))
     def _update_scale(self, found:bool):
         "Update the loss scale after a checked step"
     def reset_scaler(self):
@@ -178,6 +207,7 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         check_single_autocast(self.learn.cbs)
         self._check_cbs(self.learn.cbs)
         self._check_model(get_model(self.model))
+        if not any(type(c).__name__ == 'SkipToEpoch' for c in self.learn.cbs): self._sched_skipped = 0  # a resumed fit keeps its count
         dt = self.autocast_dtype
         self._autocast = None if dt is None else torch.autocast(self.device_type, dtype=dt)
         self._begin_fit()
@@ -186,6 +216,11 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         self._outer = []  # a fit is under way: a `before_fit` now begins a nested one
     def after_fit(self): self._leave_fit()
     def before_epoch(self): self._epoch_start = self.step_log.total
+    def after_epoch(self):
+        if self.step_log.pending: self._settle_overflows(self.loss_scale, self._at_floor)
+    def before_train(self):
+        "fastai sets `pct_train` from the epoch at each epoch's start: take off the steps skipped so far (`schedule_skips=False`)"
+        if self._sched_skipped: self.learn.pct_train -= self._sched_skipped / (self.n_iter * self.n_epoch)
 
     def _begin_fit(self):
         "What a fit changes in the model and the optimizer: the mode's fit state, then the step engine, both through one ledger"
@@ -211,6 +246,7 @@ class PrecisionCallback(Callback, ScaleTelemetry):
     def _finish(self):
         "Leave autocast, settle a checked step's scale update, end the mode's fit: what `after_fit` does, safe to repeat"
         self._end_forward(); self._close_step(); self._end_fit()
+        if self.step_log.pending: self._settle_overflows(self.loss_scale, self._at_floor)
         self._autocast,self._loss_autocast,self._norms,self._outer = None,None,None,None
     def _nest(self):
         "Begin a fit or validation nested in the one under way: put aside what the outer one has in flight"
@@ -248,7 +284,12 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         if len(self.yb): self.learn.loss_grad,self.learn.loss = to_float32(self.loss_grad),to_float32(self.loss)
     def before_backward(self):
         if self.scaling: self.learn.loss_grad = self._scale_loss(self.loss_grad)
-    def after_batch(self): self._end_forward(); self._close_step()
+    def after_batch(self):
+        self._end_forward(); self._close_step()
+        if self.training and self._batch_skipped and not self.schedule_skips:  # fastai's `TrainEvalCallback` (order -10) counted the step
+            self._sched_skipped += 1
+            self.learn.pct_train -= 1. / (self.n_iter * self.n_epoch)
+        self._batch_skipped = False
     def _enter(self, ctx):
         "Enter autocast context `ctx` unless one is entered already (or `ctx` is None)"
         if ctx is not None and self._entered is None: ctx.__enter__(); self._entered = ctx
@@ -263,14 +304,25 @@ class PrecisionCallback(Callback, ScaleTelemetry):
 
     # ---- one optimizer step
     def before_step(self):
-        "Unscale and check the gradients (one fused pass, one host sync) and skip a step that holds inf/nan; with no check, log the step"
+        "Unscale and check the gradients in one fused pass and skip a step that holds inf/nan: one host sync, or none on the device"
         self._norms_due = True
         self._restart_if_stale()
         if not self.checking: return self.step_log.record(1.0)
-        scale,self._found = self._unscale_and_find_overflow()
+        lazy = self._on_device()
+        scale,self._found = self._unscale_and_find_overflow(lazy)
         self._checked = True
         self.step_log.record(scale, skipped=self._found)
+        if lazy: return self._skip_on_device(self._found)
+        self._batch_skipped = self._found
         if self._found: self._skip(scale)
+    def _on_device(self) -> bool:
+        "Whether this step is skipped on the device: `fused='compile'` and the engine's kernels step every bucket"
+        return self.fused == 'compile' and self.fused_steps is not None and self.fused_steps.will_compile()
+    def _skip_on_device(self, found:Tensor):
+        "The compiled step keeps every output where `found`; the norm statistics too: no host sync (but `schedule_skips=False`'s one)"
+        self.fused_steps.found = found
+        if self._norms is not None: self._norms.restore_where(found)
+        if not self.schedule_skips: self._batch_skipped = bool(found.item())
     def _skip(self, scale):
         "Put the norm statistics back, record which gradient went non-finite, and cancel the optimizer step"
         if self._norms is not None: self._norms.restore()
@@ -281,14 +333,16 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         "Update the scale once for a checked step, wherever it ended: `after_step`, `after_batch`, or a fit cut short"
         if self._checked: self._update_scale(self._found)
         self._checked = self._found = False
+        if self.fused_steps is not None: self.fused_steps.found = None
 
     # ---- state
     def state_dict(self) -> dict:
-        "The scaler's state and the step log as plain Python values"
-        return dict(scaler=self._scaler_state(), log=self.step_log.state_dict())
+        "The scaler's state, the step log, and the steps the schedule has not counted, as plain Python values"
+        return dict(scaler=self._scaler_state(), log=self.step_log.state_dict(), sched_skipped=self._sched_skipped)
     def load_state_dict(self, sd:dict):
         "Restore what `state_dict` returned; a checkpoint without a scaler state starts the scale afresh"
         self.step_log.load_state_dict(sd['log'])
+        self._sched_skipped = sd.get('sched_skipped', 0)
         if sd['scaler']: self._load_scaler_state(sd['scaler'])
         else: self.reset_scaler()
     def _explain(self, e:BaseException):

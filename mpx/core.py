@@ -131,8 +131,10 @@ _arg_rules = dict(
     master          = (bool, lambda v: True,                'True or False'),
     pure            = (bool, lambda v: True,                'True or False'),
     check_finite    = (bool, lambda v: True,                'True or False'),
-    fused           = (bool, lambda v: True,                'True or False'),
+    fused           = ((bool, str), lambda v: v in (True, False, 'compile'), "True, False or 'compile'"),
     seed            = (numbers.Integral, lambda v: v >= 0,  'an integer >= 0'),
+    hysteresis      = (numbers.Integral, lambda v: v >= 1,  'an integer >= 1'),
+    schedule_skips  = (bool, lambda v: True,                'True or False'),
     update          = (str, lambda v: v in ('kahan', 'stochastic'), "'kahan' or 'stochastic'"),
 )
 
@@ -141,9 +143,10 @@ def check_args(**kwargs) -> None:
     "Raise a `TypeError` or `ValueError` naming the first invalid loss-scaling argument in `kwargs` and what is allowed"
     for k,v in kwargs.items():
         typ,ok,allowed = _arg_rules[k]
-        if not isinstance(v, typ) or (isinstance(v, bool) and typ is not bool):
+        typs = typ if isinstance(typ, tuple) else (typ,)
+        if not isinstance(v, typ) or (isinstance(v, bool) and bool not in typs):
             raise TypeError(f"{k}={v!r} is a {type(v).__name__}: {k} must be {allowed}")
-        if not ok(v): raise ValueError(f"{k}={v!r} is {'not allowed' if typ is str else 'out of range'}: {k} must be {allowed}")
+        if not ok(v): raise ValueError(f"{k}={v!r} is {'not allowed' if isinstance(v, str) else 'out of range'}: {k} must be {allowed}")
     if kwargs.get('min_scale', 0) > kwargs.get('max_scale', math.inf):
         raise ValueError(f"min_scale={kwargs['min_scale']!r} > max_scale={kwargs['max_scale']!r}: min_scale must be <= max_scale")
 
@@ -166,6 +169,7 @@ MODE_ARGS = dict(  # argument: {callback that takes it: what it needs there to h
     growth_factor   = dict(amp='fp16', master='dynamic'),
     backoff_factor  = dict(amp='fp16', master='dynamic'),
     growth_interval = dict(amp='fp16', master='dynamic'),
+    hysteresis      = dict(amp='fp16', master='dynamic'),
     enabled         = dict(amp=None),
     loss_scale      = dict(master='fp16'),
     dynamic         = dict(master='fp16'),
@@ -176,6 +180,7 @@ MODE_ARGS = dict(  # argument: {callback that takes it: what it needs there to h
     seed            = dict(pure=None),
     check_finite    = _both,
     fused           = _both,
+    schedule_skips  = _both,
 )
 
 def mode_args(mode:str) -> list:

@@ -4,7 +4,8 @@
 
 # %% ../nbs/01a_fused.ipynb #fz000003
 from __future__ import annotations
-import math
+import math, types
+import warnings
 from functools import partial
 from contextlib import contextmanager
 from fastai.torch_basics import *
@@ -322,6 +323,14 @@ class Kind:
         "Put back what `carried` took from an earlier layout of the same fit"
     def tick(self):
         "Once after each optimizer step"
+    # ---- the compiled step (`fused='compile'`): what goes into the kernel, and how it widens and folds
+    def cio(self, b:Bucket, a:int, c:int, phase:int=0) -> tuple:
+        "The kernel's tensors for parameters `a` to `c` of flat bucket `b` (updated in place), and its scalars (numbers)"
+        return dict(w=b.part(b.w, a, c), g=b.part(b.g, a, c)),{}
+    @staticmethod
+    def cwiden(t:dict, s:dict) -> tuple: return t['w'],t['g']
+    @staticmethod
+    def cfold(t:dict, s:dict, x:Tensor) -> dict: return dict(w=x)
 
 # %% ../nbs/01a_fused.ipynb #fz000040
 class Bucket:
@@ -439,12 +448,12 @@ def _scalar_key(b:Bucket, i:int) -> tuple:
     return (d.get('step', 0), d.get('do_wd', True), *(k in d for k in b.st))
 
 @patch
-def runs(self:Bucket, i:int, j:int, single:bool=False) -> list:
-    "The runs `(a, c)` of live parameters among `i` to `j` sharing their scalar state; with `single`, one parameter a run"
+def runs(self:Bucket, i:int, j:int, single:bool=False, hist:bool=False) -> list:
+    "The runs `(a, c)` of live parameters among `i` to `j` sharing their scalar state (`hist`: their history); with `single`, one a run"
     res,cur,key = [],None,None
     for k in range(i, j):
         if not self.live[k] or (k in self.loose and self.kind.in_place): cur = None; continue
-        kk = _scalar_key(self, k) if self.flat else None
+        kk = (_scalar_key(self, k)[1:] + (self.hist[k],) if hist else _scalar_key(self, k)) if self.flat else None
         if cur is not None and not single and self.flat and kk == key: cur[1] = k+1; continue
         cur,key = [k, k+1],kk
         res.append(cur)
@@ -466,11 +475,12 @@ class FusedSteps:
     def __init__(self,
         opt, # The learner's optimizer: fastai's (maybe inside `Lookahead`s), an `OptimWrapper`, or another `_BaseOptimizer`
         kind_of:Callable|None=None, # `kind_of(p) -> Kind` for each parameter; None: `Kind()` (in place)
-        fused:bool=True, # Step fastai's functions fused over flat buffers; False: fastai's per-parameter loop, on lists
+        fused:bool|str=True, # Step fastai's functions fused over flat buffers; 'compile': one compiled kernel a run; False: fastai's loop
         ledger:Ledger|None=None, # Where the methods it installs are recorded; None: its own, undone by `undo`
         chunk:int=1<<22, # Most elements a workspace kind widens at once (a larger parameter alone)
     ):
-        self.opt,self.fused,self.chunk,self.done = opt,fused,chunk,False
+        if fused not in (True, False, 'compile'): raise ValueError(f"fused={fused!r} is not allowed: fused must be True, False or 'compile'")
+        self.opt,self.fused,self.compile,self.chunk,self.done = opt,bool(fused),fused == 'compile',chunk,False
         self.own_ledger = ledger is None
         self.ledger = Ledger() if ledger is None else ledger
         self.las,self.inner = unwrap(opt)
@@ -478,7 +488,7 @@ class FusedSteps:
         self.path = 'fused' if self.reason is None else 'wrapper' if isinstance(self.inner, OptimWrapper) else 'swap'
         self.lists = [list(pg) for pg in self.inner.param_lists]
         self.kind_of = lambda p: (kind_of(p) if kind_of is not None else None) or _in_place
-        self.fresh,self.ws = True,{}
+        self.fresh,self.ws,self.scal,self.found,self.said = True,{},{},None,set()
         self._layout()
         self._install()
 
@@ -562,6 +572,7 @@ def undo(self:FusedSteps):
     "Give every parameter, gradient and state tensor storage of its own, and the optimizer its methods back; a no-op the second time"
     if self.done: return
     self.done = True
+    self._steps_to_host()
     for b in self.buckets:
         b.kind.finish(b)
         if b.flat and b.gv is not None:
@@ -661,11 +672,16 @@ def step(self:FusedSteps, closure=None):
     fcbs = _chain(o.cbs) if self.fused else None
     single = fcbs is not None and any(f in _PER_PARAM for f,_ in fcbs)
     self.refresh()
+    compiled = self.compiling(fcbs)
+    for b in self.buckets: self._history(b) if compiled else self._steps_to_host(b)
     for gi,hyper in enumerate(o.hypers):
+        chain,hs = (_static_chain(o.cbs, hyper),_hypers(fcbs, hyper)) if compiled else (None, None)
         for b in self.groups[gi]:
+            if compiled and self._compiled(b, [(a, c, 0) for a,c in b.runs(0, len(b.params), hist=True)], chain, hs): continue
             for i,j in b.windows(self.chunk): self._step_window(b, i, j, fcbs, hyper, single)
         for n,p in self.extras[gi]:
             b,i = self.home[id(p)]
+            if compiled and self._compiled(b, [(i, i+1, n)] if b.live[i] else [], chain, hs): continue
             self._step_window(b, i, i+1, fcbs, hyper, True, n)
     for k in {id(b.kind): b.kind for b in self.buckets}.values(): k.tick()
 
@@ -815,3 +831,185 @@ def _sync_extra(self:FusedSteps, la:Lookahead, gi:int, n:int, p:Tensor):
     fast = (x[0] if isinstance(x, list) else b.slot(x, i, b.lo(i))).detach()
     s.add_(fast - s, alpha=la.alpha); fast.copy_(s)
     b.kind.fold(b, i, i+1, x, -1)
+
+# %% ../nbs/01a_fused.ipynb #fc000002
+def _cx_weight_decay(e, s, kw): e['x'] = e['x'] * (1 - s['lr'] * s['wd'])  # `wd` is 0 where `do_wd` is off: `x * 1`
+def _cx_l2_reg(e, s, kw): e['g'] = e['g'] + s['wd'] * e['x']
+def _cx_average_grad(e, s, kw):
+    m = e['grad_avg'] * s['mom']
+    e['grad_avg'] = m + (1 - s['mom']) * e['g'] if kw.get('dampening', False) else m + e['g']
+def _cx_average_sqr_grad(e, s, kw):
+    v = e['sqr_avg'] * s['sqr_mom']
+    e['sqr_avg'] = v + (1 - s['sqr_mom']) * e['g'] * e['g'] if kw.get('dampening', True) else v + e['g'] * e['g']
+def _cx_step_stat(e, s, kw): e['step'] = e['step'] + 1
+def _cx_sgd_step(e, s, kw): e['x'] = e['x'] - s['lr'] * e['g']
+def _cx_momentum_step(e, s, kw): e['x'] = e['x'] - s['lr'] * e['grad_avg']
+def _cx_rms_prop_step(e, s, kw): e['x'] = e['x'] - s['lr'] * e.get('grad_avg', e['g']) / (e['sqr_avg'].sqrt() + s['eps'])
+def _cx_debias(mom, step): return (1 - mom) * (1 - mom**step) / (1 - mom)  # fastai's `debias(mom, 1-mom, step)`
+
+def _cx_adam_step(e, s, kw):
+    db1,db2 = _cx_debias(s['mom'], e['step']),_cx_debias(s['sqr_mom'], e['step'])
+    e['x'] = e['x'] - (s['lr'] / db1) * e['grad_avg'] / ((e['sqr_avg'] / db2).sqrt() + s['eps'])
+
+def _cx_radam_step(e, s, kw):
+    "RAdam: the rectified step where the SMA is long enough (`r > 5`), else SGD with momentum: both computed, one chosen"
+    db1,db2,st,sq = _cx_debias(s['mom'], e['step']),_cx_debias(s['sqr_mom'], e['step']),e['step'],s['sqr_mom']
+    r_inf = 2/(1-sq) - 1
+    r = r_inf - 2*st*sq**st/(1-sq**st)
+    v = (((r-4) * (r-2) * r_inf)/((r_inf-4)*(r_inf-2)*r)).clamp_min(0).sqrt()
+    denom = (e['sqr_avg'] / db2).sqrt() + s['eps']
+    if kw.get('beta'): denom = F.softplus(denom, kw['beta'])  # SAdam: `beta` is a number in the kernel
+    e['x'] = torch.where(r > 5, e['x'] - (s['lr']*v/db1) * e['grad_avg'] / denom, e['x'] - (s['lr']/db1) * e['grad_avg'])
+
+def _cx_qhadam_step(e, s, kw):
+    db1,db2,g = _cx_debias(s['mom'], e['step']),_cx_debias(s['sqr_mom'], e['step']),e['g']
+    num = (1 - s['nu_1']) * g + s['nu_1'] * (e['grad_avg'] / db1)
+    den = ((1 - s['nu_2']) * g**2 + s['nu_2'] * (e['sqr_avg'] / db2)).sqrt() + s['eps']
+    e['x'] = e['x'] - s['lr'] * num / den
+
+_COMPILED = {weight_decay: _cx_weight_decay, l2_reg: _cx_l2_reg, average_grad: _cx_average_grad, average_sqr_grad: _cx_average_sqr_grad,
+             step_stat: _cx_step_stat, sgd_step: _cx_sgd_step, momentum_step: _cx_momentum_step, rms_prop_step: _cx_rms_prop_step,
+             adam_step: _cx_adam_step, radam_step: _cx_radam_step, qhadam_step: _cx_qhadam_step}
+_STATE = ('grad_avg', 'sqr_avg')  # the state tensors the recognised chains keep
+
+# %% ../nbs/01a_fused.ipynb #fc000004
+def _kernel_body(kind, chain:tuple, t:dict, s:dict):
+    "One step of `chain` on a run: `kind`'s widen, the step functions, `kind`'s fold; outputs kept as they were where `s['found']`"
+    x,g = kind.cwiden(t, s)
+    e = dict(x=x, g=g, step=t['steps'][0] if 'steps' in t else None, **{k: t[k] for k in _STATE if k in t})
+    for f,kw in chain: _COMPILED[f](e, s, dict(kw))
+    out = {**kind.cfold(t, s, e['x']), **{k: e[k] for k in _STATE if k in t}}
+    keep = s['found'] != 0
+    for k,v in out.items(): t[k].copy_(torch.where(keep, t[k], v.to(t[k].dtype)))
+    if 'steps' in t and e['step'] is not None: t['steps'].copy_(torch.where(keep, t['steps'], t['steps'] + 1))
+
+_kernels,_failed = {},{}
+
+def _kernel(kind, chain:tuple) -> Callable:
+    "The compiled step of `chain` (fastai functions and their static keywords) for `kind`'s class, made once a process"
+    key = (type(kind), tuple((f, tuple(sorted(kw.items()))) for f,kw in chain))
+    if key not in _kernels:
+        def step(t, s): return _kernel_body(kind, chain, t, s)
+        name = f"mpx_{type(kind).__name__}_{'_'.join(f.__name__ for f,_ in chain)}"
+        step = types.FunctionType(step.__code__.replace(co_name=name), step.__globals__, name, None, step.__closure__)
+        _kernels[key] = torch.compile(step, dynamic=True, fullgraph=True, options={'emulate_precision_casts': True})
+    return _kernels[key]
+
+# %% ../nbs/01a_fused.ipynb #fc000006
+def _not_compiled(fs:FusedSteps, fcbs) -> str|None:
+    if fcbs is None: return "a step function is not fastai's own"
+    bad = [_name(f) for f,_ in fcbs if f not in _COMPILED_OF]
+    if bad: return f"{', '.join(bad)} {'reduce' if len(bad) > 1 else 'reduces'} over each parameter: no elementwise kernel"
+    if fs.las: return "Lookahead syncs its slow weights every k steps outside the kernel"
+    if torch._C._len_torch_dispatch_stack(): return "a dispatch mode is active (an op counter), and torch.compile refuses to run under one"
+    if any(not b.flat for b in fs.buckets): return "a parameter cannot take a slot in a flat buffer (a DTensor, a non-dense tensor)"
+    if any(b.loose and b.kind.in_place for b in fs.buckets): return "a gradient is sparse: its parameter is stepped by fastai's loop"
+    for key,why in _failed.items():
+        if key in {type(b.kind) for b in fs.buckets}: return why
+
+_COMPILED_OF = {fused_cb(f)[0] for f in _COMPILED}  # the fused functions of the recognised step functions
+
+# %% ../nbs/01a_fused.ipynb #fc000007
+@patch
+def _scalars(self:FusedSteps, device, vals:dict) -> dict:
+    "0-dim fp32 tensors on `device` holding `vals`, reused from step to step (a new value fills them: no recompile, no new memory)"
+    res = {}
+    for k,v in vals.items():
+        t = self.scal.get((device, k))
+        if t is None: t = self.scal[(device, k)] = torch.zeros((), device=device, dtype=torch.int32 if isinstance(v, int) and not isinstance(v, bool) else torch.float32)
+        t.fill_(v); res[k] = t
+    return res
+
+def _hypers(fcbs, hyper:dict) -> dict:
+    "The scalars the chain reads, as fastai's loop passes them: the hyper-parameter, else the `partial`'s keyword, else the default"
+    c,res = FusedChunk([], [], [], hyper),{}
+    for f,kw in fcbs:
+        for k,d in (('lr', None), ('mom', .9), ('sqr_mom', .99), ('eps', 1e-5), ('wd', 0.), ('beta', 0.), ('nu_1', .7), ('nu_2', 1.)):
+            v = c.hp(k, kw, d)
+            if v is not None: res[k] = float(v)
+    return res
+
+# %% ../nbs/01a_fused.ipynb #fc000008
+@patch
+def _steps_on_device(self:FusedSteps, b:Bucket) -> Tensor:
+    "The bucket's step counts as a device tensor (made from the state dicts once; the device holds them while it steps)"
+    if getattr(b, 'steps_t', None) is None:
+        b.steps_t = torch.tensor([float(d.get('step', 0)) if d is not None else 0. for d in b.dicts], device=b.device)
+        b.stepped_once = [d is not None and 'step' in d for d in b.dicts]
+    return b.steps_t
+
+@patch
+def _steps_to_host(self:FusedSteps, b:Bucket|None=None):
+    "Write the device's step counts of `b` (None: every bucket) into fastai's state dicts (one host sync), where they are read from again"
+    for b in ([b] if b is not None else self.buckets):
+        if getattr(b, 'steps_t', None) is None: continue
+        for d,v,once in zip(b.dicts, b.steps_t.tolist(), b.stepped_once):
+            if d is not None and (once or v > 0): d['step'] = int(v)
+        b.steps_t = b.hist = None
+
+# %% ../nbs/01a_fused.ipynb #fc000010
+def _static_chain(cbs, hyper:dict) -> tuple:
+    "`cbs` as (fastai function, keywords): the `partial`s' keywords, and what must be a number in the kernel (SAdam's `beta`)"
+    res = []
+    for cb in cbs:
+        f,kw = (cb.func,dict(cb.keywords)) if isinstance(cb, partial) and not cb.args else (cb,{})
+        if f is radam_step and hyper.get('beta', kw.get('beta')): kw['beta'] = float(hyper.get('beta', kw.get('beta')))
+        res.append((f, kw))
+    return tuple(res)
+
+@patch
+def will_compile(self:FusedSteps) -> bool:
+    "Whether the next step runs compiled kernels on every bucket, so that a bad step can be skipped on the device"
+    if not self.compile: return False
+    self.refresh()
+    return self.compiling(_chain(self.inner.cbs))
+
+@patch
+def compiling(self:FusedSteps, fcbs) -> bool:
+    "Whether this step runs compiled kernels (`fused='compile'` and nothing stands in the way); the reason said once where not"
+    if not self.compile: return False
+    why = _not_compiled(self, fcbs)
+    if why is not None: self._say(why)
+    return why is None
+
+@patch
+def _compiled(self:FusedSteps, b:Bucket, runs:list, chain:tuple, hs:dict) -> bool:
+    "Step the runs `(a, c, phase)` of `b` with compiled kernels; False (`b` unchanged) where compiling fails: it then steps eagerly"
+    for k,(a,c,phase) in enumerate(runs):
+        if self._run_kernel(b, a, c, chain, hs, phase): continue
+        if k: raise RuntimeError(f"mpx: a compiled kernel failed after another of the same bucket ran: {_failed[type(b.kind)]}")
+        self._steps_to_host(b)
+        if self.found is not None and bool(self.found): return True  # a skipped step: the eager step must not run either
+        self._say(_failed[type(b.kind)])
+        return False
+    return True
+
+@patch
+def _say(self:FusedSteps, why:str):
+    "Warn once an engine why `fused='compile'` steps eagerly"
+    if why in self.said: return
+    self.said.add(why)
+    warnings.warn(f"fused='compile' steps eagerly here: {why}", stacklevel=4)
+
+@patch
+def _history(self:FusedSteps, b:Bucket):
+    "Each parameter's history of having a gradient (host side): parameters with one history have one step count"
+    if getattr(b, 'hist', None) is None: b.hist = [hash((d or {}).get('step', 0)) for d in b.dicts]
+    b.hist = [hash((h, l)) for h,l in zip(b.hist, b.live)]
+
+@patch
+def _run_kernel(self:FusedSteps, b:Bucket, a:int, c:int, chain:tuple, hs:dict, phase:int) -> bool:
+    "One kernel over parameters `a` to `c` of `b`; False where compiling it failed (nothing changed then)"
+    t,extra = b.kind.cio(b, a, c, phase)
+    run,like = _Run(b, a, c),torch.empty((), dtype=b.kind.sdtype(b))  # a new state buffer in the stepped dtype
+    for k,f in (('grad_avg', average_grad), ('sqr_avg', average_sqr_grad)):
+        if any(g is f for g,_ in chain): t[k] = run.zeros(k, like)
+    if any(g is step_stat for g,_ in chain): t['steps'] = self._steps_on_device(b)[a:c]
+    s = self._scalars(b.device, {**hs, 'wd': hs.get('wd', 0.) if b.dicts[a].get('do_wd', True) else 0., **extra})
+    s['found'] = self.found if self.found is not None else self._scalars(b.device, {'nothing_found': 0.})['nothing_found']
+    try: _kernel(b.kind, chain)(t, s)
+    except Exception as e:
+        if torch._C._len_torch_dispatch_stack(): raise
+        _failed[type(b.kind)] = f"torch.compile failed on this machine ({type(e).__name__}: {str(e).strip().splitlines()[0][:200]})"
+        return False
+    return True

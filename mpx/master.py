@@ -42,6 +42,11 @@ class MasterKind(Kind):
         if b.flat: b.part(b.w, i, j).copy_(x)
         else: torch._foreach_copy_([p.data for p in b.params[i:j]], b.xv[i:j])
     def checked(self, b): return [b.gx] if b.flat else [g for g,l in zip(b.gxv, b.live) if l]
+    def cio(self, b, a, c, phase=0): return dict(x=b.part(b.x, a, c), gx=b.part(b.gx, a, c), w=b.part(b.w, a, c)),{}
+    @staticmethod
+    def cwiden(t, s): return t['x'],t['gx']
+    @staticmethod
+    def cfold(t, s, x): return dict(x=x, w=x)  # the half weights are the stepped masters, cast
     def grad_of(self, b, i): return b.gxv[i] if b.live[i] else None
     def stepped(self, b, i):
         m = b.ms[i]; m.grad = b.gxv[i] if b.live[i] else None
@@ -120,21 +125,24 @@ class MasterPrecision(PrecisionCallback):
         backoff_factor:float=default(.5), # Dynamic: multiply the scale by this after an overflow
         min_scale:float=default(1.), # Dynamic: the scale never goes below this
         max_scale:float=default(2.**24), # Dynamic: the scale never goes above this
+        hysteresis:int=default(1), # Dynamic: back off on the N-th overflow only, the budget refilled when the scale grows (DeepSpeed's)
         check_finite:bool=True, # bf16: skip a step whose gradients hold inf/nan (fp16 always checks)
-        fused:bool=True, # Step fastai's optimizers with multi-tensor ops; False: fastai's per-parameter loop
+        fused:bool|str=True, # Step over flat buffers; 'compile': one compiled kernel a run; False: fastai's per-parameter loop
+        schedule_skips:bool=True, # False: a skipped step does not advance fastai's schedules
     ):
-        super().__init__(amp_mode, check_finite, fused)
+        super().__init__(amp_mode, check_finite, fused, schedule_skips)
         check_args(flat_master=flat_master, dynamic=dynamic)
         args = dict(loss_scale=loss_scale, growth_interval=growth_interval, growth_factor=growth_factor, backoff_factor=backoff_factor,
-                    min_scale=min_scale, max_scale=max_scale)
+                    min_scale=min_scale, max_scale=max_scale, hysteresis=hysteresis)
         check_mode_args('master', self.amp_mode, dynamic, **passed(**args), **({'dynamic': dynamic} if dynamic else {}))
         self.scaler = None if self.amp_mode is AMPMode.BF16 else _scaler(dynamic, **args)
         self.flat_master = flat_master
+        self._check_schedule_skips()
 
     @property
     def loss_scale(self) -> float:
-        "The current loss scale (1.0 for bf16); a host value, free to read"
-        return 1.0 if self.scaler is None else self.scaler.scale
+        "The current loss scale (1.0 for bf16); a host value, free to read (one host sync during a compiled fit)"
+        return 1.0 if self.scaler is None else self.scaler.pull().scale
     @property
     def scaling(self) -> bool: return self.scaler is not None
     @property
@@ -162,10 +170,15 @@ class MasterPrecision(PrecisionCallback):
     def after_backward(self):
         self._restart_if_stale()
         if self.fused_steps is not None: self.fused_steps.take()
-    def _unscale_and_find_overflow(self) -> tuple:
-        "Unscale (fp16) and check the master gradients: one fused pass, one host sync"
-        if self.scaler is None: return super()._unscale_and_find_overflow()
-        return self.scaler.scale, bool(self.scaler.unscale_(self._step_grads()).item())
+    def _unscale_and_find_overflow(self, lazy:bool=False) -> tuple:
+        "Unscale (fp16) and check the master gradients: one fused pass, one host sync (`lazy`: none, the scaler's state on the device)"
+        if self.scaler is None: return super()._unscale_and_find_overflow(lazy)
+        if lazy: self.scaler.to_device(training_device(self.dls, self.model))
+        scale,found = (self.scaler.dev['scale'] if lazy else self.scaler.scale),self.scaler.unscale_(self._step_grads())
+        return scale,(found if lazy else bool(found.item()))
+    def _finish(self):
+        super()._finish()
+        if self.scaler is not None: self.scaler.pull(keep=False)  # between fits the scale is a host value
     def after_step(self):
         if self.fused_steps is not None: self.fused_steps.fresh = True  # the next backward starts fresh master gradients, skipped or not
         super().after_step()
@@ -179,10 +192,10 @@ class MasterPrecision(PrecisionCallback):
         "Start the loss scale afresh at its initial value"
         if self.scaler is not None: self.scaler.reset()
 
-def _scaler(dynamic:bool, loss_scale:float, growth_interval:int, min_scale:float, max_scale:float, **kwargs) -> LossScaler:
+def _scaler(dynamic:bool, loss_scale:float, growth_interval:int, min_scale:float, max_scale:float, hysteresis:int, **kwargs) -> LossScaler:
     "The `LossScaler`, in plain floats and ints; a dynamic scale outside its bounds is reported as the `loss_scale` the user passed"
     if dynamic and not min_scale <= loss_scale <= max_scale:
         raise ValueError(f"loss_scale={loss_scale!r} is outside [min_scale, max_scale] = [{min_scale!r}, {max_scale!r}]: "
                          "it must lie within them when dynamic=True")
     return LossScaler(float(loss_scale), dynamic, int(growth_interval), min_scale=float(min_scale), max_scale=float(max_scale),
-                      **{k: float(v) for k,v in kwargs.items()})
+                      hysteresis=int(hysteresis), **{k: float(v) for k,v in kwargs.items()})

@@ -12,8 +12,8 @@ from .plumbing import *
 from .fused import Kind, set_data
 
 # %% auto #0
-__all__ = ['round_stochastic', 'split_kahan', 'fold_kahan', 'widen_kahan', 'fold_stochastic', 'BF16Kind', 'KahanKind',
-           'StochasticKind', 'KeptKind', 'BF16Weights', 'PureBF16']
+__all__ = ['round_stochastic', 'split_kahan', 'fold_kahan', 'widen_kahan', 'fold_stochastic', 'stream_key', 'random_bits16',
+           'BF16Kind', 'KahanKind', 'StochasticKind', 'KeptKind', 'BF16Weights', 'PureBF16']
 
 # %% ../nbs/05_pure.ipynb #pb000007
 _hi = -65536  # 0xFFFF0000 as an int32: the bits of an fp32 that a bf16 keeps
@@ -58,6 +58,24 @@ def fold_stochastic(x:Tensor, w:Tensor, gen:torch.Generator|None=None):
     bits.add_(torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=bits.device, generator=gen)).bitwise_and_(_hi)
     w.copy_(x)  # exact: every value is a bf16 now
 
+# %% ../nbs/05_pure.ipynb #pb000017c
+def _mix32(x:int) -> int:
+    "Mueller's 32-bit integer hash of a Python int"
+    x &= 0xFFFFFFFF
+    for _ in range(2): x = ((x ^ (x >> 16)) * 0x45d9f3b) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+def stream_key(seed:int, count:int, phase:int=0) -> int:
+    "The key of the random bits of step `count` (and `phase`: a parameter stepped twice, a `Lookahead` sync) of stream `seed`, an int32"
+    k = _mix32(_mix32(_mix32(seed) + count) + phase)
+    return k - 2**32 if k >= 2**31 else k
+
+def random_bits16(idx:Tensor, key) -> Tensor:
+    "16 random bits (int32 in [0, 2**16)) for each element index in int32 `idx`, from the stream `key` (a number or a 0-dim tensor)"
+    x = idx + key
+    for _ in range(2): x = (x ^ ((x >> 16) & 0xFFFF)) * 0x45d9f3b
+    return (x ^ ((x >> 16) & 0xFFFF)) & 0xFFFF
+
 # %% ../nbs/05_pure.ipynb #pb000019
 class BF16Kind(Kind):
     "bf16 weights stepped in fp32: widened into the engine's reused workspace a window at a time, folded back by `fold_to`"
@@ -92,6 +110,11 @@ class BF16Kind(Kind):
     def widen(self, b, i, j, xs:list, ws:list): torch._foreach_copy_(xs, ws)
     def fold(self, b, i, j, x, phase=0):
         self.fold_to(b, i, j, x if isinstance(x, list) else [x], [p.data for p in b.params[i:j]] if not b.flat else [b.part(b.w, i, j)])
+    def cio(self, b, a, c, phase=0): return dict(w=b.part(b.w, a, c), g=b.part(b.g, a, c)),{}
+    @staticmethod
+    def cwiden(t, s): return t['w'].float(),t['g'].float()
+    @staticmethod
+    def cfold(t, s, x): return dict(w=x)  # to nearest
 
     def finish(self, b):
         "Each weight back in fp32 storage of its own, holding what training made of it"
@@ -118,10 +141,28 @@ class KahanKind(BF16Kind):
     def widen(self, b, i, j, xs, ws): widen_kahan(xs, ws, [b.part(b.c, i, j)] if b.flat else b.cv[i:j])
     def fold_to(self, b, i, j, xs, ws): fold_kahan(xs, ws, [b.part(b.c, i, j)] if b.flat else b.cv[i:j])
     def values(self, b): return [p.data.float().add_(c.float()) for p,c in zip(b.params, b.cv)]
+    def cio(self, b, a, c, phase=0): return dict(w=b.part(b.w, a, c), c=b.part(b.c, a, c), g=b.part(b.g, a, c)),{}
+    @staticmethod
+    def cwiden(t, s): return t['w'].float() + t['c'].float(),t['g'].float()
+    @staticmethod
+    def cfold(t, s, x):
+        "`split_kahan` in the kernel: the weight and the remainder to nearest, then the canonical split of their sum"
+        w = x.to(torch.bfloat16); c = (x - w.float()).to(torch.bfloat16)
+        v = w.float() + c.float(); w = v.to(torch.bfloat16)
+        return dict(w=w, c=(v - w.float()).to(torch.bfloat16))
 
 class StochasticKind(BF16Kind):
-    "bf16 weights rounded stochastically after each step, random bits from the mode's generator"
-    def __init__(self, gen:torch.Generator|None=None): self.gen = gen
+    "bf16 weights rounded stochastically after each step: random bits from the mode's generator, or (compiled) a counter-based hash"
+    def __init__(self, gen:torch.Generator|None=None, stream:dict|None=None): self.gen,self.stream = gen,stream or dict(seed=0, count=0)
+    def tick(self): self.stream['count'] += 1
+    def cio(self, b, a, c, phase=0):
+        t,_ = super().cio(b, a, c)
+        return t,dict(key=stream_key(self.stream['seed'], self.stream['count'], phase), base=(b.base + b.lo(a)) % 2**31)
+    @staticmethod
+    def cfold(t, s, x):
+        "Stochastic rounding in the kernel: the random bits hashed from each element's index in the stream"
+        idx = torch.arange(x.numel(), device=x.device, dtype=torch.int32) + s['base']
+        return dict(w=((x.view(torch.int32) + random_bits16(idx, s['key'])) & _hi).view(torch.float32))
     def fold_to(self, b, i, j, xs, ws):
         if b.flat: return fold_stochastic(xs[0], ws[0], self.gen)
         lo = b.lo(i)  # one draw for the window laid out as a flat bucket lays it out, so both draw the same bits
@@ -143,6 +184,11 @@ class KeptKind(BF16Kind):
         return b.part(b.x, i, j),g
     def fold_to(self, b, i, j, xs, ws): torch._foreach_copy_(ws, xs)
     def values(self, b): return [exact_fp32(p.data, x) for p,x in zip(b.params, b.xv)]
+    def cio(self, b, a, c, phase=0): return dict(x=b.part(b.x, a, c), w=b.part(b.w, a, c), g=b.part(b.g, a, c)),{}
+    @staticmethod
+    def cwiden(t, s): return t['x'],t['g'].float()
+    @staticmethod
+    def cfold(t, s, x): return dict(x=x, w=x)
 
 # %% ../nbs/05_pure.ipynb #pb000021c
 class BF16Weights(FitState):
@@ -151,10 +197,11 @@ class BF16Weights(FitState):
         learn:Learner, # The learner whose model is halved
         update:str='kahan', # 'kahan' (a bf16 compensation per weight) or 'stochastic'
         gen:torch.Generator|None=None, # The random bits of `stochastic` rounding
+        stream:dict|None=None, # The compiled step's random stream (`seed`, `count`), carried across fits
     ):
         halved,ps = halvable(learn.model),opt_params(learn.opt)
         self.halves,self.trained = {id(t) for t in halved},{id(p) for p in ps if p.requires_grad}
-        self.gen,self.train = gen,(KahanKind() if update == 'kahan' else StochasticKind(gen))
+        self.gen,self.train = gen,(KahanKind() if update == 'kahan' else StochasticKind(gen, stream))
         self.frozen,self.plain = KeptKind(),Kind()
         ours = {id(p) for p in ps}
         self.rest = HalvedRest([t for t in halved if id(t) not in ours], torch.bfloat16)
@@ -187,18 +234,20 @@ class PureBF16(PrecisionCallback):
         update:str='kahan', # 'kahan': a bf16 compensation per weight; 'stochastic': unbiased random rounding, nothing kept
         check_finite:bool=True, # Skip a step whose gradients hold inf/nan (one host sync a step)
         seed:int=0, # Seeds the random bits of `stochastic` rounding
-        fused:bool=True, # Widen, step and fold fastai's optimizers in bulk with multi-tensor ops; False: one parameter at a time
+        fused:bool|str=True, # Widen, step and fold in bulk over flat buffers; 'compile': in one compiled kernel; False: fastai's loop
+        schedule_skips:bool=True, # False: a skipped step does not advance fastai's schedules
     ):
-        super().__init__(AMPMode.BF16, check_finite, fused)
+        super().__init__(AMPMode.BF16, check_finite, fused, schedule_skips)
+        self._check_schedule_skips()
         check_mode_args('pure', AMPMode.BF16, update=update, seed=seed)
-        self.update,self.seed,self.rng = update,seed,None
+        self.update,self.seed,self.rng,self.stream = update,seed,None,dict(seed=seed, count=0)
     @property
     def bf16_weights(self) -> BF16Weights|None:
         "During a fit, its `BF16Weights`"
         return self.fit_state
     def _repr_extra(self): return f"update='{self.update}', "
 
-    def _new_fit_state(self): return BF16Weights(self.learn, self.update, self._generator())
+    def _new_fit_state(self): return BF16Weights(self.learn, self.update, self._generator(), self.stream)
     def _generator(self):
         "The stochastic rounding's generator on the model's device, seeded with `seed` the first time"
         if self.update != 'stochastic': return None
@@ -207,10 +256,14 @@ class PureBF16(PrecisionCallback):
         return self.rng
 
     # ---- the generator's state rides in checkpoints where a loss scale would
-    def _scaler_state(self) -> dict: return {} if self.rng is None else dict(rng=self.rng.get_state(), device=str(self.rng.device))
+    def _scaler_state(self) -> dict:
+        if self.rng is None and not self.stream['count']: return {}
+        return dict(count=self.stream['count'], **({} if self.rng is None else dict(rng=self.rng.get_state(), device=str(self.rng.device))))
     def _load_scaler_state(self, sd:dict):
-        if 'rng' not in sd: return self.reset_scaler()
-        self.rng = torch.Generator(sd['device']); self.rng.set_state(sd['rng'])
+        if 'rng' not in sd and 'count' not in sd: return self.reset_scaler()
+        self.stream['count'] = sd.get('count', 0)
+        if 'rng' in sd: self.rng = torch.Generator(sd['device']); self.rng.set_state(sd['rng'])
+        else: self.rng = None
     def reset_scaler(self):
-        "Start the stochastic rounding's generator afresh from `seed` at the next fit"
-        self.rng = None
+        "Start the stochastic rounding's random streams afresh from `seed` at the next fit"
+        self.rng = None; self.stream['count'] = 0

@@ -11,25 +11,43 @@ from fastcore.basics import *
 from .core import *
 
 # %% auto #0
-__all__ = ['StepLog', 'first_nonfinite', 'Overflow', 'LossScaler']
+__all__ = ['StepLog', 'first_nonfinite', 'Overflow', 'LossScaler', 'update_scale_']
 
 # %% ../nbs/01_scaler.ipynb #e5e5b1ac
 class StepLog:
-    "Per-optimizer-step log of the loss scale (kept on the device until read) and of skipped steps"
+    "Per-optimizer-step log of the loss scale and of skipped steps, each kept on the device until read (no host sync a step)"
     def __init__(self):
-        self.total,self.skipped,self.skips = 0,0,[]
+        self.total,self._skips,self._unread_skips = 0,[],[]
         self._vals,self._unread = [],[]  # scales read to floats (or concatenated), and scale tensors still on the device
     def __repr__(self): return f'{type(self).__name__}(total={self.total}, skipped={self.skipped})'
 
-    def record(self, scale, skipped:bool=False):
-        "Log one optimizer step: `scale` is a float, or a one-element tensor copied without a host sync"
-        if isinstance(scale, torch.Tensor): self._unread.append(scale.detach().reshape(1).clone())
+    def record(self, scale, skipped=False):
+        "Log one optimizer step: `scale` and `skipped` are Python values, or one-element tensors copied without a host sync"
+        if isinstance(scale, torch.Tensor): self._unread.append(scale.detach().reshape(1).float().clone())
         else: self._flush(); self._vals.append(float(scale))
         if len(self._unread) >= 256: self._flush()
-        self.skips.append(bool(skipped)); self.total += 1; self.skipped += bool(skipped)
+        if isinstance(skipped, torch.Tensor): self._unread_skips.append(skipped.detach().reshape(1) != 0)
+        else: self._settle(); self._skips.append(bool(skipped))
+        self.total += 1
 
     def _flush(self):
         if self._unread: self._vals.append(torch.cat(self._unread)); self._unread = []
+    def _settle(self):
+        "The skip flags still on the device read into `skips` (one host sync for all of them)"
+        if self._unread_skips: self._skips += torch.cat([t.to(self._unread_skips[0].device) for t in self._unread_skips]).tolist()
+        self._unread_skips = []
+    @property
+    def skips(self) -> list:
+        "Whether each logged step was skipped; reading it costs one host sync when flags are still on the device"
+        self._settle(); return self._skips
+    @property
+    def skipped(self) -> int:
+        "How many logged steps were skipped (a host sync when flags are still on the device)"
+        return sum(self.skips)
+    @property
+    def pending(self) -> bool:
+        "Whether some skip flags are still on the device"
+        return bool(self._unread_skips)
 
 # %% ../nbs/01_scaler.ipynb #8ea79bca
 @patch(as_prop=True)
@@ -59,8 +77,8 @@ def state_dict(self:StepLog) -> dict:
 @patch
 def load_state_dict(self:StepLog, sd:dict):
     "Replace the log with `sd`, as written by `state_dict`"
-    self._vals,self._unread,self.skips = list(sd['scales']),[],list(sd['skips'])
-    self.total,self.skipped = len(self.skips),sum(self.skips)
+    self._vals,self._unread,self._skips,self._unread_skips = list(sd['scales']),[],list(sd['skips']),[]
+    self.total = len(self._skips)
 
 # %% ../nbs/01_scaler.ipynb #e7ddea11
 @patch
@@ -106,11 +124,12 @@ class LossScaler:
         backoff_factor:float=.5, # Multiply the scale by this after an overflow
         min_scale:float=1., # Dynamic scale never goes below this
         max_scale:float=2.**24, # Dynamic scale never goes above this
+        hysteresis:int=1, # Dynamic: back off on the N-th overflow only, the budget refilled when the scale grows (DeepSpeed's)
     ):
         check_args(dynamic=dynamic, growth_interval=growth_interval, growth_factor=growth_factor, backoff_factor=backoff_factor,
-                   min_scale=min_scale, max_scale=max_scale)
-        store_attr('dynamic,growth_interval,growth_factor,backoff_factor,min_scale,max_scale')
-        self.init_scale = self._checked_scale(init_scale)
+                   min_scale=min_scale, max_scale=max_scale, hysteresis=hysteresis)
+        store_attr('dynamic,growth_interval,growth_factor,backoff_factor,min_scale,max_scale,hysteresis')
+        self.init_scale,self.dev = self._checked_scale(init_scale),None
         self.reset()
 
     def _checked_scale(self, v:float) -> float:
@@ -122,31 +141,34 @@ class LossScaler:
         return v
 
     def reset(self, init_scale:float|None=None):
-        "Start again at `init_scale` (default: the constructor's), with no growth run and zeroed counters"
+        "Start again at `init_scale` (default: the constructor's), with no growth run, a full hysteresis budget and zeroed counters"
         self.scale = _f32(self.init_scale if init_scale is None else self._checked_scale(init_scale))
-        self.growth_tracker,self.total_updates,self.skipped_updates = 0,0,0
+        self.growth_tracker,self.total_updates,self.skipped_updates,self.hysteresis_left,self.dev = 0,0,0,self.hysteresis,None
 
     @property
     def overflow_rate(self) -> float: return self.skipped_updates / self.total_updates if self.total_updates else 0.
     def __repr__(self):
-        kind = f'dynamic, growth {self.growth_tracker}/{self.growth_interval}' if self.dynamic else 'static'
+        self.pull()
+        hy = f', hysteresis {self.hysteresis_left}/{self.hysteresis}' if self.hysteresis > 1 else ''
+        kind = f'dynamic, growth {self.growth_tracker}/{self.growth_interval}{hy}' if self.dynamic else 'static'
         return f'{type(self).__name__}(scale={self.scale:g}, {kind}, skipped {self.skipped_updates}/{self.total_updates})'
 
 # %% ../nbs/01_scaler.ipynb #544e55dc
 @patch
 def scale_loss(self:LossScaler, loss):
     "`loss` multiplied by the scale (no host sync)"
-    return loss * self.scale
+    return loss * (self.dev['scale'] if self.dev is not None else self.scale)
 
 @patch
 def unscale_(self:LossScaler, tensors) -> torch.Tensor:
     "Divide `tensors` (gradients) in place by the scale in one fused pass; a one-element tensor, non-zero on overflow (no host sync)"
-    return unscale_and_find_inf_(tensors, inv_scale=_f32(1. / self.scale))
+    inv = self.dev['scale'].double().reciprocal().float() if self.dev is not None else _f32(1. / self.scale)
+    return unscale_and_find_inf_(tensors, inv_scale=inv)
 
 @patch(as_prop=True)
 def at_floor(self:LossScaler) -> bool:
-    "Whether the scale cannot fall any further: static, or dynamic at `min_scale`"
-    return not self.dynamic or self.scale <= self.min_scale
+    "Whether the scale cannot fall any further: static, or dynamic at `min_scale` (a host sync where the state is on the device)"
+    return not self.dynamic or self.pull().scale <= self.min_scale
 
 @patch
 def has_overflow(self:LossScaler, tensors) -> bool:
@@ -162,29 +184,88 @@ def unscale_and_check(self:LossScaler, tensors) -> bool:
 
 # %% ../nbs/01_scaler.ipynb #a6fe9e2c
 @patch
-def update(self:LossScaler, found_inf) -> float:
+def update(self:LossScaler, found_inf) -> float|None:
     "Count one update and, when dynamic, adapt the scale to `found_inf` (a bool, or a tensor: one host sync); the new scale"
+    if self.dev is not None and isinstance(found_inf, torch.Tensor): return self._update_on_device(found_inf)
+    self.pull(keep=False)  # a host update: the host values are the state from now on
     found = bool(found_inf.item()) if isinstance(found_inf, torch.Tensor) else bool(found_inf)
     self.total_updates += 1; self.skipped_updates += found
     if not self.dynamic: return self.scale
-    if found: self.scale,self.growth_tracker = _f32(self.scale * _f32(self.backoff_factor)),0
+    if found:
+        self.growth_tracker = 0
+        if self.hysteresis_left > 1: self.hysteresis_left -= 1  # an overflow the budget absorbs: the scale stays
+        else: self.scale = _f32(self.scale * _f32(self.backoff_factor))
     elif self.growth_tracker + 1 < self.growth_interval: self.growth_tracker += 1
-    else: self.scale,self.growth_tracker = _f32(self.scale * _f32(self.growth_factor)),0
+    else: self.scale,self.growth_tracker,self.hysteresis_left = _f32(self.scale * _f32(self.growth_factor)),0,self.hysteresis
     self.scale = min(max(self.scale, self.min_scale), self.max_scale)
     return self.scale
+
+# %% ../nbs/01_scaler.ipynb #ds000002
+@torch.no_grad()
+def update_scale_(scale:Tensor, tracker:Tensor, left:Tensor|None, found:Tensor, growth_factor:float, backoff_factor:float,
+                  growth_interval:int, hysteresis:int=1, min_scale:float|None=None, max_scale:float|None=None):
+    "`GradScaler`'s update of `scale` and the run of clean steps `tracker` after `found`, with hysteresis (`left`) and bounds: in place, no host sync"
+    if hysteresis == 1 and min_scale is None and max_scale is None:
+        return torch._amp_update_scale_(scale, tracker, found.reshape(1).float(), growth_factor, backoff_factor, growth_interval)
+    f = found.reshape(scale.shape) != 0
+    t1 = tracker + 1
+    grow = f.logical_not() & (t1 >= growth_interval)
+    back = f & (left <= 1)
+    grown = scale * growth_factor
+    new = torch.where(back, scale * backoff_factor, torch.where(grow & grown.isfinite(), grown, scale))
+    if min_scale is not None or max_scale is not None: new = new.clamp(min_scale, max_scale)
+    scale.copy_(new)
+    left.copy_(torch.where(grow, torch.full_like(left, hysteresis), torch.where(f & (left > 1), left - 1, left)))
+    tracker.copy_(torch.where(f | grow, torch.zeros_like(t1), t1))
+
+@patch
+def to_device(self:LossScaler, device):
+    "Keep the state on `device` from now on: scaling, unscaling and updates make no host sync until `pull`"
+    if self.dev is not None and self.dev['scale'].device == torch.device(device): return self
+    self.pull()
+    dev = torch.device(device)
+    self.dev = dict(scale=torch.full((1,), self.scale, device=dev), tracker=torch.full((1,), self.growth_tracker, device=dev, dtype=torch.int32),
+                    left=torch.full((1,), self.hysteresis_left, device=dev, dtype=torch.int32), skipped=torch.zeros(1, device=dev, dtype=torch.int64))
+    self._skipped0 = self.skipped_updates
+    return self
+
+@patch
+def pull(self:LossScaler, keep:bool=True):
+    "Read the state kept on the device back into the host values (one host sync); with `keep=False` the device copy goes"
+    if self.dev is None: return self
+    d = self.dev
+    vals = torch.cat([d['scale'].double(), d['tracker'].double(), d['left'].double(), d['skipped'].double()]).tolist()
+    self.scale,self.growth_tracker,self.hysteresis_left = vals[0],int(vals[1]),int(vals[2])
+    self.skipped_updates = self._skipped0 + int(vals[3])
+    if not keep: self.dev = None
+    return self
+
+@patch
+def _update_on_device(self:LossScaler, found:Tensor):
+    "`update` on the device: the counters and the scale change there; None (the new scale is not read)"
+    d = self.dev
+    self.total_updates += 1; d['skipped'] += (found.reshape(1) != 0).long()
+    if not self.dynamic: return None
+    update_scale_(d['scale'], d['tracker'], d['left'], found, _f32(self.growth_factor), _f32(self.backoff_factor), self.growth_interval,
+                  self.hysteresis, self.min_scale, self.max_scale)
 
 # %% ../nbs/01_scaler.ipynb #ec81801d
 _ls_keys = ('scale,growth_tracker,total_updates,skipped_updates,init_scale,dynamic,'
             'growth_interval,growth_factor,backoff_factor,min_scale,max_scale').split(',')
+_ls_new = ['hysteresis', 'hysteresis_left']  # since hysteresis: a checkpoint written before keeps this scaler's own
 
 @patch
 def state_dict(self:LossScaler) -> dict:
-    "The scaler's state and settings as plain Python values"
-    return {k: getattr(self, k) for k in _ls_keys}
+    "The scaler's state and settings as plain Python values (one host sync where the state is on the device)"
+    self.pull()
+    return {k: getattr(self, k) for k in _ls_keys + _ls_new}
 
 @patch
 def load_state_dict(self:LossScaler, sd:dict):
-    "Restore the state and settings written by `state_dict`"
+    "Restore the state and settings written by `state_dict` (one of an older mpx, without hysteresis, too)"
     missing = [k for k in _ls_keys if k not in sd]
     if missing: raise ValueError(f"LossScaler state_dict lacks {missing}: expected the keys {_ls_keys}")
+    self.dev = None
     for k in _ls_keys: setattr(self, k, sd[k])
+    self.hysteresis = sd.get('hysteresis', self.hysteresis)
+    self.hysteresis_left = sd.get('hysteresis_left', self.hysteresis)
