@@ -9,6 +9,7 @@ from torch.amp import GradScaler
 from .core import *
 from .scaler import *
 from .callback import *
+from .parallel import compress_grads
 
 # %% auto #0
 __all__ = ['MixedPrecision']
@@ -25,10 +26,12 @@ class MixedPrecision(PrecisionCallback):
         enabled:bool=True, # False: no autocast and no scaling, the callback stays in place
         check_finite:bool=True, # Skip a step whose gradients hold inf/nan; fp16 always checks
         fused:bool=True, # Step fastai's optimizers with multi-tensor ops; False: fastai's per-parameter loop
+        comm:str|None=None, # Under DDP: all-reduce the gradients in 'bf16', or 'fp16' (needs the loss scale), averaged in fp32
     ):
         super().__init__(amp_mode, check_finite, fused)
         given = passed(init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor, growth_interval=growth_interval)
-        check_mode_args('amp', self.amp_mode, **given, enabled=enabled)
+        check_mode_args('amp', self.amp_mode, **given, enabled=enabled, **({} if comm is None else dict(comm=comm)))
+        self.comm,self._comm = comm,None  # the 16-bit all-reduce asked for, and the one this fit's DDP model runs
         self.init_scale,self.growth_factor,self.backoff_factor = float(init_scale),float(growth_factor),float(backoff_factor)
         self.growth_interval = int(growth_interval)
         self.enabled,self.scaler = enabled,None
@@ -55,6 +58,13 @@ class MixedPrecision(PrecisionCallback):
     def _new_fit_state(self):
         "The scaler, built or kept from the fits before; nothing in the model or optimizer changes"
         if self.scaling: self.scaler = self._scaler_on(self.device_type)
+    def _repr_extra(self): return f"comm='{self.comm}', " if self.comm else ''
+    def before_train(self):
+        "With `comm`, under DDP (fastai wraps the model after `before_fit`): the 16-bit gradient all-reduce of `mpx.parallel`"
+        if self.comm: self._comm = compress_grads(self.model, AMPMode(self.comm).dtype)
+    def _finish(self):
+        super()._finish()
+        if self._comm is not None: self._comm.dtype,self._comm = None,None  # a DDP model that outlives the fit all-reduces in fp32
 
     def _scaler_on(self, device_type:str) -> GradScaler:
         "This callback's `GradScaler` on `device_type`: built on first use, moved with its state when the device changes"

@@ -13,6 +13,7 @@ from .core import *
 from .scaler import *
 from .plumbing import *
 from .callback import *
+from .parallel import ShardedMasters, is_sharded
 
 # %% auto #0
 __all__ = ['MasterCopies', 'MasterPrecision']
@@ -178,7 +179,8 @@ class MasterPrecision(PrecisionCallback):
     def _at_floor(self) -> bool: return self.scaler is None or self.scaler.at_floor
     def _repr_extra(self): return f'flat_master={self.flat_master}, '
 
-    def _new_fit_state(self): return MasterCopies(self.learn, self.amp_mode.dtype, self.flat_master)
+    def _new_fit_state(self):  # under FSDP2 its fp32 shards are the masters (`mpx.parallel`)
+        return ShardedMasters(self.learn) if is_sharded(self.model) else MasterCopies(self.learn, self.amp_mode.dtype, self.flat_master)
     def _scale_loss(self, loss): return self.scaler.scale_loss(loss)
     def after_backward(self): self.masters.take_grads()
     def _step_grads(self) -> list: return self.masters.grad_bufs
