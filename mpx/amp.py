@@ -9,6 +9,7 @@ from torch.amp import GradScaler
 from .core import *
 from .scaler import *
 from .callback import *
+from .parallel import compress_grads
 
 # %% auto #0
 __all__ = ['MixedPrecision']
@@ -27,11 +28,13 @@ class MixedPrecision(PrecisionCallback):
         check_finite:bool=True, # Skip a step whose gradients hold inf/nan; fp16 always checks
         fused:bool|str=True, # Step over flat buffers; 'compile': one compiled kernel a run; False: fastai's per-parameter loop
         schedule_skips:bool=True, # False: a skipped step does not advance fastai's schedules
+        comm:str|None=None, # Under DDP: all-reduce the gradients in 'bf16', or 'fp16' (needs the loss scale), averaged in fp32
     ):
         super().__init__(amp_mode, check_finite, fused, schedule_skips)
         given = passed(init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor, growth_interval=growth_interval,
                        hysteresis=hysteresis)
-        check_mode_args('amp', self.amp_mode, **given, enabled=enabled)
+        check_mode_args('amp', self.amp_mode, **given, enabled=enabled, **({} if comm is None else dict(comm=comm)))
+        self.comm,self._comm = comm,None  # the 16-bit all-reduce asked for, and the one this fit's DDP model runs
         self.init_scale,self.growth_factor,self.backoff_factor = float(init_scale),float(growth_factor),float(backoff_factor)
         self.growth_interval,self.hysteresis = int(growth_interval),int(hysteresis)
         self.enabled,self.scaler,self._left = enabled,None,None
@@ -63,6 +66,15 @@ class MixedPrecision(PrecisionCallback):
         if self.scaler._scale is None: self.scaler._lazy_init_scale_growth_tracker(training_device(self.dls, self.model))  # its tensors
         left = self._left.item() if self._left is not None else (self._scaler_state_to_load or {}).get('hysteresis_left', self.hysteresis)
         self._left = torch.full((1,), int(left), dtype=torch.int32, device=self.scaler._scale.device)
+
+    def _repr_extra(self): return f"comm='{self.comm}', " if self.comm else ''
+    def before_train(self):
+        "With `comm`, under DDP (fastai wraps the model after `before_fit`): the 16-bit gradient all-reduce of `mpx.parallel`"
+        super().before_train()
+        if self.comm: self._comm = compress_grads(self.model, AMPMode(self.comm).dtype)
+    def _finish(self):
+        super()._finish()
+        if self._comm is not None: self._comm.dtype,self._comm = None,None  # a DDP model that outlives the fit all-reduces in fp32
 
     def _scaler_on(self, device_type:str) -> GradScaler:
         "This callback's `GradScaler` on `device_type`: built on first use, moved with its state when the device changes"

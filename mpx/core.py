@@ -92,9 +92,9 @@ def _found_in(ts:list, dev, dtype, inv_scale) -> torch.Tensor:
     "Unscale `ts` (one device and dtype) in place; a one-element fp32 tensor, non-zero iff one holds an inf or nan"
     inv = _fp32_scalar(1. if inv_scale is None else inv_scale, dev)
     if _amp_kernel_takes(dev, dtype):
-        f = torch.zeros(1, device=dev)
-        torch._amp_foreach_non_finite_check_and_unscale_(ts, f, inv)
-        return f
+        f = torch.zeros((), device=dev)  # 0-dim, as GradScaler's: sharded (DTensor) gradients take it with no implicit replication
+        torch._amp_foreach_non_finite_check_and_unscale_(ts, f, inv.reshape(()))  # (their flag is then the max over every rank)
+        return f.reshape(1)
     # CUDA's fused kernel has no bf16 version (pure bf16's gradients): a fused multiply, then the inf-norms' finiteness
     if inv_scale is not None: torch._foreach_mul_(ts, inv.reshape(()))
     return torch.stack(torch._foreach_norm(ts, math.inf)).float().isfinite().logical_not().any().float().reshape(1)
@@ -136,6 +136,7 @@ _arg_rules = dict(
     hysteresis      = (numbers.Integral, lambda v: v >= 1,  'an integer >= 1'),
     schedule_skips  = (bool, lambda v: True,                'True or False'),
     update          = (str, lambda v: v in ('kahan', 'stochastic'), "'kahan' or 'stochastic'"),
+    comm            = (str, lambda v: v in ('fp16', 'bf16'), "'fp16' or 'bf16'"),
 )
 
 # %% ../nbs/00_core.ipynb #d19bb1e4
@@ -181,6 +182,7 @@ MODE_ARGS = dict(  # argument: {callback that takes it: what it needs there to h
     check_finite    = _both,
     fused           = _both,
     schedule_skips  = _both,
+    comm            = dict(amp='scaled comm'),  # comm='fp16' needs the fp16 loss scale; 'bf16' has fp32's range (`mpx.parallel`)
 )
 
 def mode_args(mode:str) -> list:
@@ -196,4 +198,9 @@ def check_mode_args(mode:str, amp_mode, is_dynamic:bool=False, **given) -> None:
                              f"Drop {k}, or use amp_mode='fp16'")
         if need == 'dynamic' and not is_dynamic:
             raise ValueError(f"{k}={v!r} has no effect with a static loss scale: pass dynamic=True to use it, or drop {k}")
+        if need == 'scaled comm' and v == 'fp16' and (AMPMode(amp_mode) is AMPMode.BF16 or given.get('enabled') is False):
+            unscaled = 'bf16' if AMPMode(amp_mode) is AMPMode.BF16 else 'enabled=False'
+            raise ValueError(f"{k}='fp16' needs the fp16 loss scale, which {unscaled} does not have: unscaled gradients lose their "
+                             "small values in an fp16 all-reduce, and an overflow there has no scale to back off. "
+                             f"Use {k}='bf16' (fp32's range), or learn.to_fp16()")
     check_args(**given)

@@ -45,9 +45,9 @@ class FusedChunk:
         "State `k` of each item, made zeros like its gradient where missing, as fastai makes it on a parameter's first step"
         return [_state_zeros(s, k, g) for s,g in zip(self.states, self.grads)]
 
-    def scratch(self, i:int=0) -> list:
-        "The `i`-th list of tensors shaped like `data` to compute into: the engine's reused ones, else new"
-        return self._scratch(i) if self._scratch else [torch.empty_like(x) for x in self.data]
+    def scratch(self, i:int=0) -> list|None:
+        "The `i`-th list of reused tensors shaped like `data` to compute into; None where the engine keeps none (a new result then)"
+        return self._scratch(i) if self._scratch else None
 
 def _state_zeros(s, k:str, g:Tensor) -> Tensor:
     "State `k` of a parameter's dict `s` (zeros like `g` where missing), or of a run (`s.zeros`)"
@@ -65,9 +65,16 @@ def _scal(vals:list):
 
 _ops = torch.ops.aten  # the multi-tensor ops' `out=` overloads write into reused tensors: no new memory a step
 
-def _div_into(out:list, xs:list, d):
+def _into(out:list|None, op:str, xs:list, *args) -> list:
+    "The multi-tensor op `op` of `xs` (and `args`) into `out`, or a new result where `out` is None (a `DTensor` has no `out=` overloads)"
+    if out is None: return getattr(torch, op)(xs, *args)
+    ov = 'out' if not args else 'ScalarList_out' if isinstance(args[0], list) else 'Scalar_out'  # e.g. `_foreach_div.Scalar_out`
+    getattr(getattr(_ops, op), ov)(xs, *args, out=out)
+    return out
+
+def _div_into(out:list|None, xs:list, d):
     "`out[i] = xs[i] / d[i]` (`d` one scalar or one a tensor), as `_foreach_div` computes it"
-    (_ops._foreach_div.ScalarList_out if isinstance(d, list) else _ops._foreach_div.Scalar_out)(xs, d, out=out)
+    return _into(out, '_foreach_div', xs, d)
     return out
 
 def _axpy(xs:list, ys:list, alphas):
@@ -121,8 +128,7 @@ def _momentum_step(c:FusedChunk, kw:dict): torch._foreach_add_(c.data, c.arg('gr
 
 def _rms_prop_step(c:FusedChunk, kw:dict):
     "`rms_prop_step`: `p -= lr * (grad_avg or grad) / (sqrt(sqr_avg) + eps)`"
-    denom = c.scratch()
-    _ops._foreach_sqrt.out(c.arg('sqr_avg', kw), out=denom)
+    denom = _into(c.scratch(), '_foreach_sqrt', c.arg('sqr_avg', kw))
     torch._foreach_add_(denom, c.hp('eps', kw))
     num = [g if a is None else a for a,g in zip(c.arg('grad_avg', kw), c.grads)]
     torch._foreach_addcdiv_(c.data, num, denom, value=-c.hp('lr', kw))
@@ -154,7 +160,8 @@ def _radam_step(c:FusedChunk, kw:dict):
     on,off = [i for i,s in enumerate(steps) if v[s] is not None],[i for i,s in enumerate(steps) if v[s] is None]
     if off: _axpy(_pick(c.data, off), _pick(ga, off), [-lr / db1[i] for i in off])
     if not on: return
-    denom = _div_into(_pick(c.scratch(), on), _pick(sq, on), _scal([db2[i] for i in on]))
+    sc = c.scratch()
+    denom = _div_into(None if sc is None else _pick(sc, on), _pick(sq, on), _scal([db2[i] for i in on]))
     torch._foreach_sqrt_(denom)
     if eps: torch._foreach_add_(denom, eps)
     if beta: denom = [F.softplus(d, beta) for d in denom]  # SAdam: no multi-tensor softplus, one op a parameter
@@ -166,14 +173,13 @@ def _qhadam_step(c:FusedChunk, kw:dict):
     lr,mom,sqr_mom,nu_1,nu_2,eps = [c.hp(k, kw) for k in ('lr','mom','sqr_mom','nu_1','nu_2','eps')]
     steps = c.arg('step', kw)
     db1,db2 = _debiased(mom, steps),_debiased(sqr_mom, steps)
-    num,t,den = c.scratch(0),c.scratch(1),c.scratch(2)
-    _ops._foreach_mul.Scalar_out(c.grads, 1-nu_1, out=num)
-    _div_into(t, c.arg('grad_avg', kw), _scal(db1))
+    num = _into(c.scratch(0), '_foreach_mul', c.grads, 1-nu_1)
+    t = _div_into(c.scratch(1), c.arg('grad_avg', kw), _scal(db1))
     torch._foreach_mul_(t, nu_1)
     torch._foreach_add_(num, t)
-    _ops._foreach_pow.Scalar_out(c.grads, 2, out=den)
+    den = _into(c.scratch(2), '_foreach_pow', c.grads, 2)
     torch._foreach_mul_(den, 1 - nu_2)
-    _div_into(t, c.arg('sqr_avg', kw), _scal(db2))
+    t = _div_into(c.scratch(1), c.arg('sqr_avg', kw), _scal(db2))
     torch._foreach_mul_(t, nu_2)
     torch._foreach_add_(den, t)
     torch._foreach_sqrt_(den)

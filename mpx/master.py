@@ -9,6 +9,7 @@ from .core import *
 from .scaler import *
 from .plumbing import *
 from .fused import Kind, FusedSteps, set_data
+from .parallel import ShardedMasters, is_sharded
 from .callback import *
 
 # %% auto #0
@@ -162,7 +163,8 @@ class MasterPrecision(PrecisionCallback):
             f"GANTrainer(clip={gt.clip}) clamps the critic's weights in place before each batch, and under fp32 master weights "
             "the clamp reaches only their half copies: the next step would undo it. Train a clipped GAN (GANLearner.wgan) "
             "with AMP (learn.to_fp16() or learn.to_bf16()) or pure bf16 (learn.to_bf16(pure=True)), or pass clip=None")
-    def _new_fit_state(self): return MasterCopies(self.learn, self.amp_mode.dtype, self.flat_master)
+    def _new_fit_state(self):  # under FSDP2 its fp32 shards are the masters (`mpx.parallel`)
+        return ShardedMasters(self.learn) if is_sharded(self.model) else MasterCopies(self.learn, self.amp_mode.dtype, self.flat_master)
     def _begin_fit(self):
         super()._begin_fit()
         if self.fused_steps is not None: self.ledger.set(self.learn, 'parameters', self.fused_steps.stepped)  # what `GradientClip` clips

@@ -10,6 +10,7 @@ import fastai
 from fastai.basics import *
 from fastai.learner import save_model, load_model
 import fastai.callback.fp16 as fastai_fp16
+from .parallel import is_sharded, save_sharded, load_sharded
 
 # %% auto #0
 __all__ = ['check_fastai_version', 'is_mpx_precision', 'check_one_precision']
@@ -169,13 +170,15 @@ _fastai_save,_fastai_load = getattr(Learner.save, '_fastai', Learner.save),getat
 @delegates(save_model)
 def save(self:Learner, file, **kwargs):
     "fastai's `Learner.save`, also storing the loss scale, writing fp32 masters (never half-rounded weights) during a `MasterPrecision` fit"
-    with _suspended(self), _state_into_opt(self): return _fastai_save(self, file, **kwargs)
+    with _suspended(self), _state_into_opt(self):  # a model sharded with FSDP2: one full state dict (`mpx.parallel`)
+        return (save_sharded if is_sharded(self.model) else _fastai_save)(self, file, **kwargs)
 
 @patch
 @delegates(load_model)
 def load(self:Learner, file, device=None, **kwargs):
     "fastai's `Learner.load`, also restoring the loss scale, and loading into the fp32 masters during a `MasterPrecision` fit"
     if self.opt is None: self.create_opt()
-    with _suspended(self), _state_from_opt(self): return _fastai_load(self, file, device=device, **kwargs)
+    with _suspended(self), _state_from_opt(self):
+        return (load_sharded if is_sharded(self.model) else _fastai_load)(self, file, device=device, **kwargs)
 
 Learner.save._fastai,Learner.load._fastai = _fastai_save,_fastai_load

@@ -11,7 +11,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from fastai.optimizer import OptimWrapper, _BaseOptimizer
 
 # %% auto #0
-__all__ = ['FitState', 'halvable', 'exact_fp32', 'HalvedRest', 'opt_params', 'unwrap', 'Ledger']
+__all__ = ['FitState', 'halvable', 'exact_fp32', 'HalvedRest', 'opt_params', 'unwrap', 'state_owners', 'Ledger']
 
 # %% ../nbs/01b_plumbing.ipynb #d6694c65
 class FitState:
@@ -58,6 +58,11 @@ def unwrap(opt) -> tuple:
     wrappers = []
     while opt is not None and _wraps(opt): wrappers.append(opt); opt = opt.opt
     return wrappers,opt
+
+def state_owners(opt) -> list:
+    "The objects of `opt` keeping state keyed by parameter: fastai's optimizer (under any `Lookahead`), an `OptimWrapper`'s torch optimizer"
+    inner = unwrap(opt)[1]
+    return [inner] + ([inner.opt] if isinstance(inner, OptimWrapper) else [])
 
 # %% ../nbs/01b_plumbing.ipynb #lg000002
 class Ledger:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import struct
 from typing import NamedTuple
 import torch
+import torch.distributed as dist
 from fastcore.basics import *
 from .core import *
 
@@ -98,10 +99,14 @@ def first_nonfinite(named) -> tuple|None:
     "The `(name, 'inf' or 'nan')` of the first of the `(name, tensor)` pairs `named` holding a non-finite value, or None"
     named = [(n, t) for n,t in named if t is not None]
     if not named: return None
-    bad = torch.stack([(~torch.isfinite(stored_values(t))).any().to(named[0][1].device) for _,t in named]).nonzero()
+    sharded = [hasattr(t, 'device_mesh') for _,t in named]  # a `DTensor`: a shard of a gradient of FSDP2
+    ts = [stored_values(t.to_local() if s else t) for (_,t),s in zip(named, sharded)]
+    flags = torch.stack([torch.stack([(~torch.isfinite(t)).any(), t.isnan().any()]).to(ts[0].device) for t in ts]).float()
+    if any(sharded): dist.all_reduce(flags, dist.ReduceOp.MAX)  # non-finite where any rank's shard is: every rank names the same
+    bad = flags[:, 0].nonzero()
     if not len(bad): return None
-    n,t = named[int(bad[0])]
-    return n, 'nan' if stored_values(t).isnan().any() else 'inf'
+    i = int(bad[0])
+    return named[i][0], 'nan' if flags[i, 1] else 'inf'
 
 # %% ../nbs/01_scaler.ipynb #e0aaca87
 class Overflow(NamedTuple):

@@ -1,31 +1,18 @@
 "mpx under fastai's `distrib_ctx`: 2 processes on CPU with gloo over loopback, launched by torchrun, both modes."
-import json, math, os, subprocess, sys
-import psutil
-from pathlib import Path
+import json, math
 import pytest, torch
 from mpx.all import *
 from mpx.test_utils import tiny_learner, fit_quiet
 import dist_worker
+from torchrun import launch
 
 MODES = list(dist_worker.MODES)
-TESTS = Path(__file__).parent
-
-def launch(out, timeout=180):
-    "Run dist_worker on 2 ranks with torchrun; on a timeout kill torchrun and every process under it, so no rank outlives the test"
-    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', str(TESTS/'dist_worker.py'), str(out), *MODES]
-    p = subprocess.Popen(cmd, cwd=TESTS, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, 'OMP_NUM_THREADS': '1'})
-    try: log,_ = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        for q in [*psutil.Process(p.pid).children(recursive=True), psutil.Process(p.pid)]: q.kill()  # the ranks are not in torchrun's process group
-        p.communicate()
-        pytest.fail(f'the 2-process run did not finish in {timeout} s')
-    assert p.returncode == 0, log.decode()[-3000:]
 
 @pytest.fixture(scope='module')
 def runs(tmp_path_factory):
     "Per mode: the two ranks' results, and a 1-process run on the same global batch"
     out = tmp_path_factory.mktemp('dist')
-    launch(out/'two')
+    launch('dist_worker.py', out/'two', *MODES)
     dist_worker.main(str(out/'one'), *MODES)
     read = lambda d,r: json.loads((d/f'rank{r}.json').read_text())
     return {m: (read(out/'two'/m, 0), read(out/'two'/m, 1), read(out/'one'/m, 0)) for m in MODES}
