@@ -62,10 +62,10 @@ class MixedPrecision(PrecisionCallback):
     def _new_fit_state(self):
         "The scaler, built or kept from the fits before; nothing in the model or optimizer changes"
         if not self.scaling: return
+        left = self._left.item() if self._left is not None else (self._scaler_state_to_load or {}).get('hysteresis_left', self.hysteresis)
         self.scaler = self._scaler_on(self.device_type)
         if self.scaler._scale is None: self.scaler._lazy_init_scale_growth_tracker(training_device(self.dls, self.model))  # its tensors
-        left = self._left.item() if self._left is not None else (self._scaler_state_to_load or {}).get('hysteresis_left', self.hysteresis)
-        self._left = torch.full((1,), int(left), dtype=torch.int32, device=self.scaler._scale.device)
+        self._left = torch.full_like(self.scaler._growth_tracker, int(left))  # shaped like GradScaler's tracker
 
     def _repr_extra(self): return f"comm='{self.comm}', " if self.comm else ''
     def before_train(self):

@@ -219,8 +219,8 @@ class PrecisionCallback(Callback, ScaleTelemetry):
     def after_epoch(self):
         if self.step_log.pending: self._settle_overflows(self.loss_scale, self._at_floor)
     def before_train(self):
-        "fastai sets `pct_train` from the epoch at each epoch's start: take off the steps skipped so far (`schedule_skips=False`)"
-        if self._sched_skipped: self.learn.pct_train -= self._sched_skipped / (self.n_iter * self.n_epoch)
+        "fastai sets `pct_train` from the epoch at each epoch's start: the steps skipped so far come off at its first batch"
+        self._offset_due = bool(self._sched_skipped)
 
     def _begin_fit(self):
         "What a fit changes in the model and the optimizer: the mode's fit state, then the step engine, both through one ledger"
@@ -272,6 +272,8 @@ class PrecisionCallback(Callback, ScaleTelemetry):
 
     # ---- one batch
     def before_batch(self):
+        if self.training and getattr(self, '_offset_due', False):  # `n_iter` is the epoch's now (fastai's `ParamScheduler` reads it after us)
+            self.learn.pct_train -= self._sched_skipped / (self.n_iter * self.n_epoch); self._offset_due = False
         if self.training and self._norms_due and self._norms is not None: self._norms.save(); self._norms_due = False
         if self.input_dtype is not None: self.learn.xb = _cast_floats(self.xb, self.input_dtype)
         self._enter(self._autocast)

@@ -196,6 +196,8 @@ def check_mode_args(mode:str, amp_mode, is_dynamic:bool=False, **given) -> None:
         if need in ('fp16', 'dynamic') and AMPMode(amp_mode) is AMPMode.BF16:
             raise ValueError(f"{k}={v!r} has no effect with amp_mode='bf16': bf16 has fp32's range and needs no loss scaling. "
                              f"Drop {k}, or use amp_mode='fp16'")
+        if need == 'fp16' and mode == 'amp' and given.get('enabled') is False:
+            raise ValueError(f"{k}={v!r} has no effect with enabled=False: nothing is scaled. Drop {k}, or enable the callback")
         if need == 'dynamic' and not is_dynamic:
             raise ValueError(f"{k}={v!r} has no effect with a static loss scale: pass dynamic=True to use it, or drop {k}")
         if need == 'scaled comm' and v == 'fp16' and (AMPMode(amp_mode) is AMPMode.BF16 or given.get('enabled') is False):

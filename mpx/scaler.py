@@ -207,7 +207,7 @@ def update(self:LossScaler, found_inf) -> float|None:
 
 # %% ../nbs/01_scaler.ipynb #ds000002
 @torch.no_grad()
-def update_scale_(scale:Tensor, tracker:Tensor, left:Tensor|None, found:Tensor, growth_factor:float, backoff_factor:float,
+def update_scale_(scale:torch.Tensor, tracker:torch.Tensor, left:torch.Tensor|None, found:torch.Tensor, growth_factor:float, backoff_factor:float,
                   growth_interval:int, hysteresis:int=1, min_scale:float|None=None, max_scale:float|None=None):
     "`GradScaler`'s update of `scale` and the run of clean steps `tracker` after `found`, with hysteresis (`left`) and bounds: in place, no host sync"
     if hysteresis == 1 and min_scale is None and max_scale is None:
@@ -246,7 +246,7 @@ def pull(self:LossScaler, keep:bool=True):
     return self
 
 @patch
-def _update_on_device(self:LossScaler, found:Tensor):
+def _update_on_device(self:LossScaler, found:torch.Tensor):
     "`update` on the device: the counters and the scale change there; None (the new scale is not read)"
     d = self.dev
     self.total_updates += 1; d['skipped'] += (found.reshape(1) != 0).long()

@@ -70,6 +70,17 @@ PATCH_BAD = [
     ('to_fp16', dict(pure=True, check_finite=False), ValueError, 'to_fp16(pure=True): pure training'),
     ('to_fp16', dict(update='kahan'), ValueError, "to_fp16(update='kahan'): pure training keeps bf16 weights"),
     ('to_fp16', dict(pure=1), TypeError, 'pure=1 is a int'),
+    # the step engine's `fused`, hysteresis and schedule_skips (one pass per step, the first five minutes)
+    ('to_fp16', dict(fused='yes'), ValueError, "fused='yes' is not allowed: fused must be True, False or 'compile'"),
+    ('to_bf16', dict(fused=1), TypeError, "fused=1 is a int: fused must be True, False or 'compile'"),
+    ('to_bf16', dict(pure=True, fused='Compile'), ValueError, "fused='Compile' is not allowed"),
+    ('to_fp16', dict(hysteresis=0), ValueError, 'hysteresis=0 is out of range: hysteresis must be an integer >= 1'),
+    ('to_fp16', dict(hysteresis=2.), TypeError, 'hysteresis=2.0 is a float: hysteresis must be an integer >= 1'),
+    ('to_bf16', dict(hysteresis=2), ValueError, "hysteresis=2 has no effect with amp_mode='bf16'"),
+    ('to_fp16', dict(loss_scale=512, hysteresis=2), ValueError, 'hysteresis=2 has no effect with a static loss scale: pass dynamic=True'),
+    ('to_fp16', dict(enabled=False, hysteresis=2), ValueError, 'hysteresis=2 has no effect with enabled=False'),
+    ('to_bf16', dict(schedule_skips='no'), TypeError, "schedule_skips='no' is a str"),
+    ('to_bf16', dict(check_finite=False, schedule_skips=False), ValueError, 'schedule_skips=False has no effect with check_finite=False'),
 ]
 
 @pytest.mark.parametrize('patch,kwargs,exc,msg', PATCH_BAD, ids=[f'{p}:{k}' for p,k,*_ in PATCH_BAD])

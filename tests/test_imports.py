@@ -5,7 +5,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 # DESIGN.md's arrows: `learner -> (amp, master, pure, fp8, advisor) -> callback -> (fused, plumbing, scaler, hardware, patches) -> core`
-TIERS = dict(core=0, hardware=1, scaler=1, fused=1, plumbing=1, patches=1, progress=1, callback=2, amp=3, master=3, pure=3, fp8=3, advisor=3,
+TIERS = dict(core=0, hardware=1, scaler=1, fused=1, plumbing=1, patches=1, progress=1, parallel=1, callback=2, distributed=4, amp=3, master=3, pure=3, fp8=3, advisor=3,
              learner=4, test_utils=5, all=5)
 MODES = {'amp', 'master', 'pure', 'fp8'}  # no mode imports another mode
 EXTRA = dict(advisor={'fp8'})  # the advisor is no mode: its report says what `to_fp8()` would convert (`fp8_table`, `real_fp8`)
@@ -41,6 +41,22 @@ def not_loaded(name): assert name not in sys.modules, f"{name} was imported"
 '''
 
 USES = dict(
+    parallel='''
+from mpx.parallel import *
+import torch.distributed as dist
+assert not is_sharded(nn.Linear(2, 2))
+assert compress_grads(nn.Linear(2, 2), torch.bfloat16) is None  # no DDP model: nothing to compress
+learn = learner(); learn.save('p'); learn.load('p')  # a plain model's checkpoint: fastai's own
+''',
+    distributed='''
+from mpx.distributed import *
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from mpx.amp import MixedPrecision
+p = fsdp_policy(MixedPrecision('bf16'))
+assert p.param_dtype is torch.bfloat16 and p.reduce_dtype is torch.float32, p
+assert fsdp_policy(None).param_dtype is None
+learn = learner(); assert hasattr(learn, 'to_fsdp')
+''',
     progress='''
 from mpx.progress import *
 learn = learner(); learn.quiet_progress(True)

@@ -1,0 +1,220 @@
+"""`fused='compile'` (issue 27): one compiled kernel a run in every mode, within a stated tolerance of the eager step, skipping a
+bad step on the device with no host sync, falling back to the eager step with a reason where it cannot compile, and the
+stochastic rounding's stream and the step counts carried across checkpoints. Compiling costs seconds a kernel; each
+(storage kind, chain) compiles once a process, so the cases share a few."""
+import functools, warnings
+from functools import partial
+import pytest, torch
+from torch import nn
+from fastai.basics import Callback, Optimizer, Adam, SGD, RAdam, QHAdam, RMSProp, Lamb, Larc, ranger, sgd_step, load_learner
+import fastai.callback.schedule  # noqa: F401 (fit_one_cycle, lr_find)
+from mpx.all import *
+from mpx.fused import FusedSteps, Kind, _kernels
+from mpx.test_utils import (tiny_learner, tiny_split, ALL_MODES, fit_quiet, state_of, state_diffs, precision_cb, Snapshot, InjectGrad,
+                            check_skips_change_nothing, CountOps, weights, tabular_app_learner, collab_app_learner, text_app_learner)
+
+pytestmark = pytest.mark.filterwarnings('ignore::UserWarning')
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads(); torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+COMPILED = [m for m in ALL_MODES if m != 'master_fp16_dynamic']  # its kernels are master_fp16's: the dynamic scale is the callback's
+
+# ---- numerics: a step against the eager step, from the same state
+
+class StepOnce(Callback):
+    "Before the `at`-th step: keep the state; after it, the stepped tensors (what a mode steps: masters, `w + c`, the parameters)"
+    order = 100
+    def __init__(self, at): self.at,self.n,self.before,self.after = at,0,None,None
+    def before_step(self):
+        if self.n == self.at: self.before = self._wide()
+    def after_step(self):
+        if self.n == self.at: self.after = self._wide()
+        self.n += 1
+    def _wide(self):
+        cb = precision_cb(self.learn)
+        with cb.suspended(): return weights(self.learn)  # the fp32 model the fit would leave
+
+def stepped(mode, fused, opt='adam', at=3, **kw):
+    learn = tiny_learner(bn=True, splitter=tiny_split, opt_func=dict(adam=Adam, sgd=partial(SGD, mom=.9), radam=RAdam, qhadam=QHAdam,
+                                                                      rmsprop=partial(RMSProp, mom=.9))[opt], lr=1e-2, wd=1e-2, n_trn=4)
+    ALL_MODES[mode](learn, fused=fused, **kw)
+    probe = StepOnce(at)
+    fit_quiet(learn, 1, cbs=probe)
+    return probe.before,probe.after,learn
+
+@pytest.mark.parametrize('opt', ['adam', 'sgd', 'radam', 'qhadam', 'rmsprop'])
+@pytest.mark.parametrize('mode', COMPILED)
+def test_compiled_within_tolerance(mode, opt):
+    """The compiled kernels step within 1e-4 of the eager step's update, and a run of steps within 2% of its change: inductor
+    rounds `a + b*c` as two operations and square roots correctly, where the eager CPU kernels fuse and may not."""
+    (b0,a0,l0),(b1,a1,l1) = stepped(mode, True, opt),stepped(mode, 'compile', opt)
+    upd = sum(float((a - b).norm()**2) for a,b in zip(a0, b0))**.5
+    one = sum(float(((x1 - y1) - (x0 - y0)).norm()**2) for x0,y0,x1,y1 in zip(a0, b0, a1, b1))**.5  # the two updates, from where each was
+    if 'stochastic' not in mode: assert one <= 1e-4 * upd + 1e-7, (one, upd)  # stochastic rounding: other random bits, other weights
+    start = weights(tiny_learner(bn=True, splitter=tiny_split, n_trn=4))
+    drift = lambda a,b: sum(float((x - y).norm()**2) for x,y in zip(a, b))**.5 / sum(float((x - s).norm()**2) for x,s in zip(a, start))**.5
+    if 'stochastic' in mode:  # compiled, the random bits are others: as far apart as two seeds' eager runs, not further
+        assert drift(weights(l0), weights(l1)) < 3 * drift(weights(l0), weights(stepped(mode, True, opt, seed=1)[2]))
+    else: assert drift(weights(l0), weights(l1)) < .02
+    assert precision_cb(l1).total_steps == precision_cb(l0).total_steps
+    assert [s.get('step') for s in l0.opt.state_dict()['state']] == [s.get('step') for s in l1.opt.state_dict()['state']]
+
+def test_stochastic_compiled_unbiased():
+    "Compiled stochastic rounding keeps updates far below bf16's spacing on average: 200 steps of 1e-4 from 1.0 reach about 0.98."
+    xs = torch.ones(200, 1)
+    from fastai.basics import DataLoaders, TfmdDL, Learner
+    dls = DataLoaders(TfmdDL(list(zip(xs, xs)), bs=1), TfmdDL(list(zip(xs[:1], xs[:1])), bs=1))
+    model = nn.Linear(1, 1, bias=False); nn.init.ones_(model.weight)
+    learn = Learner(dls, model, loss_func=lambda p,y: p.mean(), opt_func=partial(SGD, mom=0.), lr=1e-4, wd=0.)
+    learn.to_bf16(pure=True, update='stochastic', fused='compile')
+    fit_quiet(learn, 1)
+    assert abs(learn.model.weight.item() - .98) < .02  # a seeded random walk in steps of 2**-8 (plain bf16 would stay at 1.0)
+
+def test_kahan_compensation_lives():
+    "The Kahan compensation is non-zero in a compiled step: inductor would otherwise fold `bf16(x).float()` back into `x`."
+    seen = []
+    class Comp(Callback):
+        order = 100
+        def after_step(self): seen.append(max(float(c.float().abs().max()) for c in self.learn.pure_bf16.bf16_weights.comp.values()))
+    learn = tiny_learner(opt_func=Adam, lr=1e-3, n_trn=4, cbs=Comp()).to_bf16(pure=True, fused='compile')
+    fit_quiet(learn, 1)
+    assert seen and all(c > 0 for c in seen[1:])
+
+# ---- skipped on the device, with no host sync
+
+class Syncs(Callback):
+    "Host syncs (`aten::_local_scalar_dense`, which every `.item()` and `bool(t)` makes) from `after_backward` to the end of `after_step`"
+    order = -100
+    def __init__(self): self.n,self.p = [],None
+    def after_backward(self): self.p = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]); self.p.__enter__()
+    def after_step(self): self._stop()
+    def after_batch(self): self._stop()
+    def _stop(self):
+        if self.p is None: return
+        self.p.__exit__(None, None, None)
+        self.n.append(sum(e.count for e in self.p.key_averages() if e.key == 'aten::_local_scalar_dense')); self.p = None
+
+class SyncsLast(Callback):
+    order = 100
+    def __init__(self, s): self.s = s
+    def after_step(self): self.s._stop()
+
+@pytest.mark.parametrize('mode', ALL_MODES)
+def test_no_host_sync_and_skips_on_device(mode):
+    "Every checking mode compiled: a step with an inf skipped (state bit-identical after it), and no host sync a step after the first."
+    learn = tiny_learner(bn=True, splitter=tiny_split, opt_func=Adam, lr=1e-2, n_trn=6)
+    ALL_MODES[mode](learn, fused='compile')
+    syncs,snap = Syncs(),Snapshot()
+    inject = InjectGrad(at=[2], micro=mode.startswith('master'))  # the master modes take the gradients after the backward
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('always')
+        fit_quiet(learn, 1, cbs=[syncs, SyncsLast(syncs), inject, snap])
+    assert not [x for x in w if 'steps eagerly' in str(x.message)]
+    cb = precision_cb(learn)
+    assert syncs.n[1:] == [0]*(len(syncs.n) - 1), syncs.n  # the first step compiles (and may read values doing so)
+    check_skips_change_nothing(cb, snap, skipped=[2])
+    assert cb.last_overflow.step == 2 and cb.last_overflow.param is None  # read lazily: the gradients are gone, the step is known
+
+def test_dynamic_scale_on_device():
+    "fp16 compiled: the dynamic scale backs off at the overflow and grows after `growth_interval` clean steps, on the device, as eagerly."
+    res = {}
+    for fused in (True, 'compile'):
+        for mode,f in (('amp', lambda l: l.to_fp16(init_scale=256., growth_interval=3, fused=fused)),
+                       ('master', lambda l: l.to_fp16(loss_scale=256., dynamic=True, growth_interval=3, fused=fused))):
+            learn = f(tiny_learner(opt_func=Adam, lr=1e-2, n_trn=8))
+            fit_quiet(learn, 1, cbs=InjectGrad(at=[2], micro=mode == 'master'))
+            res[(mode, fused)] = precision_cb(learn).scales
+    assert res[('amp', True)] == res[('amp', 'compile')] == [256., 256., 256., 128., 128., 128., 256., 256.]
+    assert res[('master', True)] == res[('master', 'compile')] == res[('amp', True)]
+
+# ---- falls back where it cannot compile, with a reason
+
+FALLBACK = dict(lamb=(Lamb, 'lamb_step reduces over each parameter'), larc=(Larc, 'reduce over each parameter'),
+                ranger=(ranger, 'Lookahead syncs its slow weights'),
+                mine=(lambda ps, **kw: Optimizer(ps, [sgd_step, lambda p, **k: None], **kw), "a step function is not fastai's own"))
+
+@pytest.mark.parametrize('opt', list(FALLBACK))
+def test_falls_back_with_a_reason(opt):
+    "Lamb, LARC, Lookahead and a step function of the user's step eagerly under `fused='compile'`, said once, with the eager results."
+    f,why = FALLBACK[opt]
+    res = []
+    for fused in (True, 'compile'):
+        learn = tiny_learner(opt_func=f, lr=1e-2, n_trn=4).to_bf16(pure=True, fused=fused)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter('always')
+            fit_quiet(learn, 2)
+        res.append(state_of(learn))
+    said = [str(x.message) for x in w if 'steps eagerly' in str(x.message)]
+    assert len(said) == 1 and why in said[0], said
+    assert not state_diffs(*res)
+
+def test_falls_back_under_a_dispatch_mode():
+    "Under a `TorchDispatchMode` (an op counter) `torch.compile` refuses to run: the step is eager and says so."
+    learn = tiny_learner(opt_func=Adam, lr=1e-2, n_trn=2).to_bf16(fused='compile')
+    with warnings.catch_warnings(record=True) as w, CountOps():
+        warnings.simplefilter('always')
+        fit_quiet(learn, 1)
+    assert any('dispatch mode' in str(x.message) for x in w)
+
+# ---- checkpoints: stochastic rounding's stream and the step counts
+
+class SaveAt(Callback):
+    order = 100
+    def __init__(self, at): self.at,self.n = at,0
+    def after_step(self):
+        self.n += 1
+        if self.n == self.at: self.learn.save('mid', with_opt=True)
+
+def test_stochastic_stream_survives_a_checkpoint(tmp_path):
+    "Pure stochastic compiled: fit 2 epochs; or save after the first, load it in a new learner and fit one more: bit-identical."
+    def learner(): return tiny_learner(opt_func=Adam, lr=1e-2, n_trn=4, path=tmp_path).to_bf16(pure=True, update='stochastic', fused='compile')
+    a = learner(); fit_quiet(a, 1); order = a.dls.train.rng.getstate(); fit_quiet(a, 1)
+    b = learner(); fit_quiet(b, 1); b.save('ck', with_opt=True)
+    c = learner(); c.load('ck', with_opt=True); c.dls.train.rng.setstate(order); fit_quiet(c, 1)  # the second epoch's batches
+    assert not state_diffs(state_of(a), state_of(c))
+    assert torch.load(tmp_path/'models/ck.pth', weights_only=False)['opt']['mpx']['pure_bf16']['scaler']['count'] == 4
+
+def test_step_counts_written_back(tmp_path):
+    "Step counts live on the device during a compiled fit; a save mid-fit and the end of the fit write fastai's `step` back."
+    learn = tiny_learner(opt_func=Adam, lr=1e-2, n_trn=4, path=tmp_path).to_bf16(fused='compile')
+    fit_quiet(learn, 1, cbs=SaveAt(2))
+    assert {s['step'] for s in learn.opt.state_dict()['state']} == {4}
+    sd = torch.load(tmp_path/'models/mid.pth', weights_only=False)['opt']
+    assert {s['step'] for s in sd['state']} == {2}
+
+# ---- the workflow matrix of fastai's applications, compiled
+
+def _workflow(make, mode, tmp_path):
+    "lr_find -> fit_one_cycle -> save/load -> unfreeze -> fit -> export/load_learner, in `mode` compiled; the final validation loss"
+    learn = make(); learn.path = tmp_path
+    ALL_MODES[mode](learn, fused='compile')
+    with learn.no_bar(), learn.no_logging():
+        learn.lr_find(num_it=8, show_plot=False, suggest_funcs=None)
+        learn.freeze(); learn.fit_one_cycle(1, 1e-2)
+        learn.save('ck', with_opt=True); learn.load('ck', with_opt=True)
+        learn.unfreeze(); learn.fit(1, 1e-3)
+        learn.export('ex.pkl')
+        new = load_learner(tmp_path/'ex.pkl', cpu=False)
+        loss = learn.validate()[0]
+    assert {p.dtype for p in learn.model.parameters()} == {torch.float32} and all(torch.isfinite(p).all() for p in learn.model.parameters())
+    assert 'step' not in vars(learn.opt) and new.model is not None
+    return loss
+
+APPS = [('tabular', tabular_app_learner, 'amp_bf16'), ('collab', partial(collab_app_learner, use_nn=True), 'master_fp16_flat'),
+        ('text', text_app_learner, 'pure_kahan')]
+
+@pytest.mark.parametrize('name,make,mode', APPS, ids=[a[0] for a in APPS])
+def test_application_workflow(name, make, mode, tmp_path):
+    "fastai's applications go through lr_find, fit_one_cycle, save/load, unfreeze, fit and export compiled, and train as eagerly."
+    compiled = _workflow(make, mode, tmp_path/'c')
+    learn = make(); learn.path = tmp_path/'e'
+    ALL_MODES[mode](learn)
+    with learn.no_bar(), learn.no_logging():
+        learn.lr_find(num_it=8, show_plot=False, suggest_funcs=None)
+        learn.freeze(); learn.fit_one_cycle(1, 1e-2); learn.unfreeze(); learn.fit(1, 1e-3)
+        eager = learn.validate()[0]
+    assert abs(compiled - eager) <= .1 * abs(eager) + 1e-3, (compiled, eager)
