@@ -54,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _common import *
 import torch.nn.functional as F
 from mpx.fused import FusedSteps
+from mpx.core import check_args
 from mpx.patches import is_mpx_precision
 from mpx.test_utils import CountSyncs, CountOps
 
@@ -119,8 +120,8 @@ class Fuse(Callback):
     "fp32's fused steps (fp32 has no precision callback to take `fused`), installed for each fit as a mode installs them"
     order = 50
     def __init__(self, fused=True):
-        self.kw = {} if fused is True else dict(fused=fused)
-        if self.kw: FusedSteps(Adam([nn.Parameter(torch.zeros(1))], lr=LR), **self.kw)  # fails now where FusedSteps takes no such `fused`
+        if fused is not True: check_args(fused=fused)  # mpx's own rule for `fused` (FusedSteps takes any truthy value as True)
+        self.kw = dict(fused=fused)
     def before_fit(self): self.fs = FusedSteps(self.learn.opt, **self.kw)
     def after_fit(self): self.fs.undo()
 
