@@ -267,8 +267,9 @@ def _profiled(arm):
 
 def count_syncs_profiled(arm) -> tuple:
     "Host syncs (`aten::_local_scalar_dense`) per step window and per batch from torch's profiler: compiled code runs as itself there"
-    n,i,marks = 0,0,arm.marks.seq
-    for e in _profiled(arm):
+    evs = _profiled(arm)
+    n,i,marks = 0,0,arm.marks.seq  # after the run: each run starts a new `seq`
+    for e in evs:
         if e.name == 'aten::_local_scalar_dense': n += 1
         elif e.name.startswith('mark '): marks[i][N] = n; i += 1
     rows = arm.marks.rows[1:]
@@ -290,6 +291,9 @@ def counts(arms) -> dict:
     for k,a in arms.items():
         if is_compiled(k): res[k] = dict(syncs=count_syncs_profiled(a), ops=None, how='profiler')
         else: res[k] = dict(syncs=count_dispatch(a, CountSyncs()), ops=count_dispatch(a, CountOps()), how='CountSyncs')
+    ref = count_syncs_profiled(arms['AMP bf16'])[0]  # the profiler's count checked against CountSyncs where both can count
+    print(f"# syncs/step of AMP bf16: {num(ref)} by the profiler, {num(res['AMP bf16']['syncs'][0])} by CountSyncs"
+          f"{'' if ref == res['AMP bf16']['syncs'][0] else ': THEY DIFFER, the profiler counts of compiled arms are suspect'}")
     progress('counts done')
     return res
 
@@ -373,10 +377,11 @@ def main(args):
     if left: print(f'# not in --modes: {left}')
     print(f'\n## Per batch ({args.rounds} rounds, load average now {os.getloadavg()[0]:.2f})\n')
     main_table(res, what, arms, skips)
-    cnt = counts(arms)
     print('## Host syncs and aten ops (untimed passes, means over an epoch less its first batch), first fits\n')
     print('# compiled arms: no aten op counts (a TorchDispatchMode makes torch.compile\'d code run its eager ops, so they would '
-          'count eager code); their syncs are counted with torch\'s profiler. A first fit holds any compilation.\n')
+          'count eager code); their syncs are counted with torch\'s profiler. A first fit holds any compilation.')
+    cnt = counts(arms)
+    print()
     count_table(cnt, res, warm)
     print("## The issue's targets, from this run\n")
     target_table(res, cnt)
