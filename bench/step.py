@@ -3,7 +3,7 @@ same model in 16 bits.
 
 Side by side in one interleaved run, on an MLP 512-2048-2048-10 (5.27M parameters) at batch 256 with Adam:
 - every mpx mode (AMP bf16 and fp16, master bf16 and fp16, pure bf16 kahan and stochastic, fp32), each with `fused=True`
-  (eager multi-tensor steps, the default) and, where the installed mpx takes it, `fused='compile'`;
+  (eager steps over flat buffers, the default) and, where the installed mpx takes it, `fused='compile'`;
 - a fastai `Learner` on a bf16 model with optimi's `AdamW(kahan_sum=True)` through `OptimWrapper`;
 - raw AMP loops (bf16 autocast, no fastai) with torch's `AdamW(fused=True)` and `AdamW(foreach=True)`, and the foreach
   one with its `step` under `torch.compile` (what compiling a step gives on this CPU, as a reference for `fused='compile'`).
