@@ -4,6 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.mpx-installed
+BENCH_STAMP := $(VENV)/.bench-installed
 
 .PHONY: demo test check-export check-clean nbtest pytest bench docs clean
 
@@ -40,7 +41,12 @@ nbtest: $(STAMP)
 pytest: $(STAMP)
 	$(BIN)/python -m pytest -ra tests
 
-bench: $(STAMP)
+# bench/step.py's optimi arm: torch-optimi's only dependency is torch, which --no-deps keeps at the pinned CPU wheel.
+$(BENCH_STAMP): $(STAMP) constraints.txt
+	$(BIN)/python -m pip install -q --no-deps -c constraints.txt torch-optimi
+	touch $@
+
+bench: $(BENCH_STAMP)
 	@for f in bench/[!_]*.py; do echo "== $$f"; $(BIN)/python $$f || exit 1; done
 
 # The docs site from the notebooks into _docs/ (nbdev's processing, then Sphinx + MyST-NB), and README.md from
