@@ -24,8 +24,10 @@ demo:
 test: $(STAMP) check-export check-clean nbtest pytest
 
 # Fails when the notebooks export something other than what is in mpx/ (export, then commit both).
+# nbdev-export rewrites pyproject.toml; an unchanged one gets its time back, so .venv is not set up again after it.
 check-export: $(STAMP)
-	@tmp=$$(mktemp -d) && cp -r mpx $$tmp/ && $(BIN)/nbdev-export && \
+	@tmp=$$(mktemp -d) && cp -r mpx $$tmp/ && cp -p pyproject.toml $$tmp/ && $(BIN)/nbdev-export && \
+	{ cmp -s pyproject.toml $$tmp/pyproject.toml && touch -r $$tmp/pyproject.toml pyproject.toml; true; } && \
 	if diff -r -x __pycache__ $$tmp/mpx mpx; then rm -rf $$tmp; \
 	else rm -rf $$tmp; echo "mpx/ was stale: nbdev-export changed it; commit the exported modules"; exit 1; fi
 

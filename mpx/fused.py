@@ -839,66 +839,93 @@ def _sync_extra(self:FusedSteps, la:Lookahead, gi:int, n:int, p:Tensor):
     b.kind.fold(b, i, i+1, x, -1)
 
 # %% ../nbs/01a_fused.ipynb #fc000002
-def _cx_weight_decay(e, s, kw): e['x'] = e['x'] * (1 - s['lr'] * s['wd'])  # `wd` is 0 where `do_wd` is off: `x * 1`
-def _cx_l2_reg(e, s, kw): e['g'] = e['g'] + s['wd'] * e['x']
-def _cx_average_grad(e, s, kw):
-    m = e['grad_avg'] * s['mom']
-    e['grad_avg'] = m + (1 - s['mom']) * e['g'] if kw.get('dampening', False) else m + e['g']
-def _cx_average_sqr_grad(e, s, kw):
-    v = e['sqr_avg'] * s['sqr_mom']
-    e['sqr_avg'] = v + (1 - s['sqr_mom']) * e['g'] * e['g'] if kw.get('dampening', True) else v + e['g'] * e['g']
-def _cx_step_stat(e, s, kw): e['step'] = e['step'] + 1
-def _cx_sgd_step(e, s, kw): e['x'] = e['x'] - s['lr'] * e['g']
-def _cx_momentum_step(e, s, kw): e['x'] = e['x'] - s['lr'] * e['grad_avg']
-def _cx_rms_prop_step(e, s, kw): e['x'] = e['x'] - s['lr'] * e.get('grad_avg', e['g']) / (e['sqr_avg'].sqrt() + s['eps'])
 def _cx_debias(mom, step): return (1 - mom) * (1 - mom**step) / (1 - mom)  # fastai's `debias(mom, 1-mom, step)`
 
-def _cx_adam_step(e, s, kw):
-    db1,db2 = _cx_debias(s['mom'], e['step']),_cx_debias(s['sqr_mom'], e['step'])
-    e['x'] = e['x'] - (s['lr'] / db1) * e['grad_avg'] / ((e['sqr_avg'] / db2).sqrt() + s['eps'])
+# Each recognised step function in two parts: its scalars (`q`, from the hyper-parameters `s` and the run's new step count),
+# computed once a run by a small kernel of their own, and its elementwise arithmetic on the run (`e`), which reads them:
+# computed inside the elementwise kernel, a scalar such as `mom**step` would be recomputed for every element.
+def _cq_weight_decay(q, s, kw): q['wdf'] = 1 - s['lr'] * s['wd']  # `wd` is 0 where `do_wd` is off: `x * 1`
+def _ce_weight_decay(e, q, kw): e['x'] = e['x'] * q['wdf']
+def _cq_l2_reg(q, s, kw): q['wd'] = s['wd']
+def _ce_l2_reg(e, q, kw): e['g'] = e['g'] + q['wd'] * e['x']
+def _cq_average_grad(q, s, kw): q['mom'],q['damp1'] = s['mom'],(1 - s['mom'] if kw.get('dampening', False) else torch.ones_like(s['mom']))
+def _ce_average_grad(e, q, kw): e['grad_avg'] = e['grad_avg'] * q['mom'] + q['damp1'] * e['g']
+def _cq_average_sqr_grad(q, s, kw):
+    q['sqr_mom'],q['damp2'] = s['sqr_mom'],(1 - s['sqr_mom'] if kw.get('dampening', True) else torch.ones_like(s['sqr_mom']))
+def _ce_average_sqr_grad(e, q, kw): e['sqr_avg'] = e['sqr_avg'] * q['sqr_mom'] + q['damp2'] * e['g'] * e['g']
+def _cq_step_stat(q, s, kw): q['step'] = q['step'] + 1
+def _ce_step_stat(e, q, kw): pass
+def _cq_sgd_step(q, s, kw): q['lr'] = s['lr']
+def _ce_sgd_step(e, q, kw): e['x'] = e['x'] - q['lr'] * e['g']
+def _cq_momentum_step(q, s, kw): q['lr'] = s['lr']
+def _ce_momentum_step(e, q, kw): e['x'] = e['x'] - q['lr'] * e['grad_avg']
+def _cq_rms_prop_step(q, s, kw): q['lr'],q['eps'] = s['lr'],s['eps']
+def _ce_rms_prop_step(e, q, kw): e['x'] = e['x'] - q['lr'] * e.get('grad_avg', e['g']) / (e['sqr_avg'].sqrt() + q['eps'])
 
-def _cx_radam_step(e, s, kw):
-    "RAdam: the rectified step where the SMA is long enough (`r > 5`), else SGD with momentum: both computed, one chosen"
-    db1,db2,st,sq = _cx_debias(s['mom'], e['step']),_cx_debias(s['sqr_mom'], e['step']),e['step'],s['sqr_mom']
+def _cq_adam_step(q, s, kw):
+    q['a'],q['db2'],q['eps'] = s['lr'] / _cx_debias(s['mom'], q['step']),_cx_debias(s['sqr_mom'], q['step']),s['eps']
+def _ce_adam_step(e, q, kw): e['x'] = e['x'] - q['a'] * e['grad_avg'] / ((e['sqr_avg'] / q['db2']).sqrt() + q['eps'])
+
+def _cq_radam_step(q, s, kw):
+    "RAdam's scalars: the rectification `v` where the SMA is long enough (`r > 5`), and the two steps' rates"
+    st,sq = q['step'],s['sqr_mom']
+    db1 = _cx_debias(s['mom'], st)
     r_inf = 2/(1-sq) - 1
     r = r_inf - 2*st*sq**st/(1-sq**st)
     v = (((r-4) * (r-2) * r_inf)/((r_inf-4)*(r_inf-2)*r)).clamp_min(0).sqrt()
-    denom = (e['sqr_avg'] / db2).sqrt() + s['eps']
+    q['on'],q['a_on'],q['a_off'],q['db2'],q['eps'] = (r > 5).float(),s['lr']*v/db1,s['lr']/db1,_cx_debias(sq, st),s['eps']
+def _ce_radam_step(e, q, kw):
+    "RAdam: the rectified step, or SGD with momentum, as the run's step count says"
+    denom = (e['sqr_avg'] / q['db2']).sqrt() + q['eps']
     if kw.get('beta'): denom = F.softplus(denom, kw['beta'])  # SAdam: `beta` is a number in the kernel
-    e['x'] = torch.where(r > 5, e['x'] - (s['lr']*v/db1) * e['grad_avg'] / denom, e['x'] - (s['lr']/db1) * e['grad_avg'])
+    e['x'] = torch.where(q['on'] != 0, e['x'] - q['a_on'] * e['grad_avg'] / denom, e['x'] - q['a_off'] * e['grad_avg'])
 
-def _cx_qhadam_step(e, s, kw):
-    db1,db2,g = _cx_debias(s['mom'], e['step']),_cx_debias(s['sqr_mom'], e['step']),e['g']
-    num = (1 - s['nu_1']) * g + s['nu_1'] * (e['grad_avg'] / db1)
-    den = ((1 - s['nu_2']) * g**2 + s['nu_2'] * (e['sqr_avg'] / db2)).sqrt() + s['eps']
-    e['x'] = e['x'] - s['lr'] * num / den
+def _cq_qhadam_step(q, s, kw):
+    q['db1'],q['db2'] = _cx_debias(s['mom'], q['step']),_cx_debias(s['sqr_mom'], q['step'])
+    for k in ('lr', 'nu_1', 'nu_2', 'eps'): q[k] = s[k]
+def _ce_qhadam_step(e, q, kw):
+    g = e['g']
+    num = (1 - q['nu_1']) * g + q['nu_1'] * (e['grad_avg'] / q['db1'])
+    den = ((1 - q['nu_2']) * g**2 + q['nu_2'] * (e['sqr_avg'] / q['db2'])).sqrt() + q['eps']
+    e['x'] = e['x'] - q['lr'] * num / den
 
-_COMPILED = {weight_decay: _cx_weight_decay, l2_reg: _cx_l2_reg, average_grad: _cx_average_grad, average_sqr_grad: _cx_average_sqr_grad,
-             step_stat: _cx_step_stat, sgd_step: _cx_sgd_step, momentum_step: _cx_momentum_step, rms_prop_step: _cx_rms_prop_step,
-             adam_step: _cx_adam_step, radam_step: _cx_radam_step, qhadam_step: _cx_qhadam_step}
+_COMPILED = {f: (globals()[f'_cq_{f.__name__}'], globals()[f'_ce_{f.__name__}'])
+             for f in (weight_decay, l2_reg, average_grad, average_sqr_grad, step_stat, sgd_step, momentum_step, rms_prop_step,
+                       adam_step, radam_step, qhadam_step)}
 _STATE = ('grad_avg', 'sqr_avg')  # the state tensors the recognised chains keep
 
 # %% ../nbs/01a_fused.ipynb #fc000004
-def _kernel_body(kind, chain:tuple, t:dict, s:dict):
+def _scalar_body(chain:tuple, s:dict, steps:Tensor|None) -> dict:
+    "The scalars of `chain` for a run from the hyper-parameters `s` and the run's step count (its new one, after `step_stat`)"
+    q = dict(step=steps[0] if steps is not None else None)
+    for f,kw in chain: _COMPILED[f][0](q, s, dict(kw))
+    return {k: v for k,v in q.items() if v is not None}
+
+def _kernel_body(kind, chain:tuple, t:dict, s:dict, q:dict):
     "One step of `chain` on a run: `kind`'s widen, the step functions, `kind`'s fold; outputs kept as they were where `s['found']`"
     x,g = kind.cwiden(t, s)
-    e = dict(x=x, g=g, step=t['steps'][0] if 'steps' in t else None, **{k: t[k] for k in _STATE if k in t})
-    for f,kw in chain: _COMPILED[f](e, s, dict(kw))
+    e = dict(x=x, g=g, **{k: t[k] for k in _STATE if k in t})
+    for f,kw in chain: _COMPILED[f][1](e, q, dict(kw))
     out = {**kind.cfold(t, s, e['x']), **{k: e[k] for k in _STATE if k in t}}
     keep = s['found'] != 0
     for k,v in out.items(): t[k].copy_(torch.where(keep, t[k], v.to(t[k].dtype)))
-    if 'steps' in t and e['step'] is not None: t['steps'].copy_(torch.where(keep, t['steps'], t['steps'] + 1))
+    if 'steps' in t: t['steps'].copy_(torch.where(keep, t['steps'], t['steps'] + 1))
 
 _kernels,_failed = {},{}
+
+def _own(f, name:str) -> Callable:
+    "`f` with a code object of its own, named `name`: `torch.compile` caches (and counts recompiles of) each apart"
+    return types.FunctionType(f.__code__.replace(co_name=name), f.__globals__, name, None, f.__closure__)
 
 def _kernel(kind, chain:tuple) -> Callable:
     "The compiled step of `chain` (fastai functions and their static keywords) for `kind`'s class, made once a process"
     key = (type(kind), tuple((f, tuple(sorted(kw.items()))) for f,kw in chain))
     if key not in _kernels:
-        def step(t, s): return _kernel_body(kind, chain, t, s)
         name = f"mpx_{type(kind).__name__}_{'_'.join(f.__name__ for f,_ in chain)}"
-        step = types.FunctionType(step.__code__.replace(co_name=name), step.__globals__, name, None, step.__closure__)
-        _kernels[key] = torch.compile(step, dynamic=True, fullgraph=True, options={'emulate_precision_casts': True})
+        def scalars(s, steps): return _scalar_body(chain, s, steps)
+        def step(t, s, q): return _kernel_body(kind, chain, t, s, q)
+        opts = dict(dynamic=True, fullgraph=True)
+        _kernels[key] = (torch.compile(_own(scalars, name + '_scalars'), **opts),torch.compile(_own(step, name), **opts))
     return _kernels[key]
 
 # %% ../nbs/01a_fused.ipynb #fc000006
@@ -1013,7 +1040,9 @@ def _run_kernel(self:FusedSteps, b:Bucket, a:int, c:int, chain:tuple, hs:dict, p
     if any(g is step_stat for g,_ in chain): t['steps'] = self._steps_on_device(b)[a:c]
     s = self._scalars(b.device, {**hs, 'wd': hs.get('wd', 0.) if b.dicts[a].get('do_wd', True) else 0., **extra})
     s['found'] = self.found if self.found is not None else self._scalars(b.device, {'nothing_found': 0.})['nothing_found']
-    try: _kernel(b.kind, chain)(t, s)
+    try:
+        scalars,step = _kernel(b.kind, chain)
+        step(t, s, scalars(s, t.get('steps')))
     except Exception as e:
         if torch._C._len_torch_dispatch_stack(): raise
         _failed[type(b.kind)] = f"torch.compile failed on this machine ({type(e).__name__}: {str(e).strip().splitlines()[0][:200]})"

@@ -12,8 +12,8 @@ from .plumbing import *
 from .fused import Kind, set_data
 
 # %% auto #0
-__all__ = ['round_stochastic', 'split_kahan', 'fold_kahan', 'widen_kahan', 'fold_stochastic', 'stream_key', 'random_bits16',
-           'BF16Kind', 'KahanKind', 'StochasticKind', 'KeptKind', 'BF16Weights', 'PureBF16']
+__all__ = ['round_stochastic', 'split_kahan', 'fold_kahan', 'widen_kahan', 'fold_stochastic', 'bf16_nearest', 'stream_key',
+           'random_bits16', 'BF16Kind', 'KahanKind', 'StochasticKind', 'KeptKind', 'BF16Weights', 'PureBF16']
 
 # %% ../nbs/05_pure.ipynb #pb000007
 _hi = -65536  # 0xFFFF0000 as an int32: the bits of an fp32 that a bf16 keeps
@@ -33,10 +33,11 @@ def split_kahan(x:Tensor) -> tuple:
 
 # %% ../nbs/05_pure.ipynb #pb000013
 @torch.no_grad()
-def fold_kahan(xs:list, ws:list, cs:list):
+def fold_kahan(xs:list, ws:list, cs:list, r:list|None=None):
     "Write fp32 `xs` into bf16 weights `ws` and compensations `cs` exactly as `split_kahan` splits them, in eight multi-tensor ops"
     torch._foreach_copy_(ws, xs)  # w = bf16(x), to nearest
-    r = torch._foreach_sub(xs, ws)  # x - w in fp32
+    if r is None: r = torch._foreach_sub(xs, ws)  # x - w in fp32 (into `r`, fp32 tensors like `xs`, where given: no new memory)
+    else: torch.ops.aten._foreach_sub.List_out(xs, ws, out=r)
     torch._foreach_copy_(cs, r)
     torch._foreach_copy_(r, ws)  # then the canonical split of w + c
     torch._foreach_add_(r, cs)
@@ -57,6 +58,12 @@ def fold_stochastic(x:Tensor, w:Tensor, gen:torch.Generator|None=None):
     bits = x.view(torch.int32)
     bits.add_(torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=bits.device, generator=gen)).bitwise_and_(_hi)
     w.copy_(x)  # exact: every value is a bf16 now
+
+# %% ../nbs/05_pure.ipynb #pb000017f
+def bf16_nearest(x:Tensor) -> Tensor:
+    "fp32 `x` rounded to the nearest bf16 value (ties to even), still fp32: integer ops on its bits, as `x.bfloat16().float()`"
+    b = x.view(torch.int32)
+    return ((b + 0x7FFF + ((b >> 16) & 1)) & _hi).view(torch.float32)
 
 # %% ../nbs/05_pure.ipynb #pb000017c
 def _mix32(x:int) -> int:
@@ -139,17 +146,19 @@ class KahanKind(BF16Kind):
         if b.flat: b.cv = b.views(b.c)
         else: b.cv = b.cs
     def widen(self, b, i, j, xs, ws): widen_kahan(xs, ws, [b.part(b.c, i, j)] if b.flat else b.cv[i:j])
-    def fold_to(self, b, i, j, xs, ws): fold_kahan(xs, ws, [b.part(b.c, i, j)] if b.flat else b.cv[i:j])
+    def fold_to(self, b, i, j, xs, ws):
+        r = [b.engine.workspace(b.device, xs[0].numel(), 2)] if b.flat else None  # the remainder in a reused buffer
+        fold_kahan(xs, ws, [b.part(b.c, i, j)] if b.flat else b.cv[i:j], r)
     def values(self, b): return [p.data.float().add_(c.float()) for p,c in zip(b.params, b.cv)]
     def cio(self, b, a, c, phase=0): return dict(w=b.part(b.w, a, c), c=b.part(b.c, a, c), g=b.part(b.g, a, c)),{}
     @staticmethod
     def cwiden(t, s): return t['w'].float() + t['c'].float(),t['g'].float()
     @staticmethod
     def cfold(t, s, x):
-        "`split_kahan` in the kernel: the weight and the remainder to nearest, then the canonical split of their sum"
-        w = x.to(torch.bfloat16); c = (x - w.float()).to(torch.bfloat16)
-        v = w.float() + c.float(); w = v.to(torch.bfloat16)
-        return dict(w=w, c=(v - w.float()).to(torch.bfloat16))
+        "`split_kahan` in the kernel, on fp32 bits: the weight and the remainder to nearest, then the canonical split of their sum"
+        w = bf16_nearest(x); c = bf16_nearest(x - w)
+        v = w + c; w = bf16_nearest(v)
+        return dict(w=w, c=bf16_nearest(v - w))  # each an fp32 holding a bf16 value: stored exactly
 
 class StochasticKind(BF16Kind):
     "bf16 weights rounded stochastically after each step: random bits from the mode's generator, or (compiled) a counter-based hash"
