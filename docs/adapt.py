@@ -57,9 +57,10 @@ def front_matter(nb:dict) -> dict|None:
     return yaml.safe_load(src.strip('-')) if src.startswith('---') else None
 
 def load_proc(proc_dir:Path=PROC) -> dict:
-    "Every processed notebook, `{path relative to nbs/: notebook dict}`"
-    return {p.relative_to(proc_dir).as_posix(): json.loads(p.read_text())
-            for p in sorted(proc_dir.rglob('*.ipynb')) if not any(s.startswith('.') for s in p.relative_to(proc_dir).parts)}
+    "Every processed notebook whose source is still in nbs/, `{path relative to nbs/: notebook dict}`"
+    rels = (p.relative_to(proc_dir) for p in sorted(proc_dir.rglob('*.ipynb')))
+    return {r.as_posix(): json.loads((proc_dir/r).read_text())
+            for r in rels if not any(s.startswith('.') for s in r.parts) and (NBS/r).exists()}
 
 # ---- links --------------------------------------------------------------------------------------------------------
 
@@ -208,6 +209,11 @@ def page_table(nbs:dict) -> dict:
     res = {(NBS/rel).resolve(): (page_of(nb, rel), '.ipynb') for rel,nb in nbs.items()}
     res.update({p.resolve(): (name, '.md') for p,name in PAGES_MD.items() if p.exists()})
     res[(ROOT/'README.md').resolve()] = ('index', '.ipynb')
+    seen = {}
+    for src,(page,_) in res.items():
+        if page in seen and src.name != 'README.md' and seen[page].name != 'README.md':
+            raise ValueError(f"{seen[page].name} and {src.name} would both be the page {page}.html: rename one, or give it an output-file")
+        seen[page] = src
     return res
 
 # ---- the site -----------------------------------------------------------------------------------------------------
