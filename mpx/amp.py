@@ -89,13 +89,13 @@ class MixedPrecision(PrecisionCallback):
     # ---- the step: the `GradScaler` holds the scale; unscaling and updating are mpx's, on its tensors
     def _scale_loss(self, loss): return self.scaler.scale(loss)
     def _unscale_and_find_overflow(self, lazy:bool=False) -> tuple:
-        "fp16: unscale by the scaler's scale and check the gradients in one fused pass, as `GradScaler.unscale_` does; one host sync (`lazy`: none)"
+        "fp16: unscale and check the gradients in one fused pass, as `GradScaler.unscale_`; one host sync (`lazy`: none)"
         if not self.scaling: return super()._unscale_and_find_overflow(lazy)
         scale = self.scaler._get_scale_async()
         found = unscale_and_find_inf_(self._step_grads(), scale.double().reciprocal().float())
         return scale,(found if lazy else bool(found.item()))
     def _update_scale(self, found):
-        "fp16: back the scale off after an overflow (after `hysteresis` of them), grow it after `growth_interval` clean steps: on the device"
+        "fp16: back the scale off after `hysteresis` overflows, grow it after `growth_interval` clean steps: on the device"
         if not self.scaling: return
         f = found if isinstance(found, Tensor) else torch.full((1,), float(found), device=self.scaler._scale.device)
         update_scale_(self.scaler._scale, self.scaler._growth_tracker, self._left, f, self.growth_factor, self.backoff_factor,

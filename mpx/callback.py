@@ -186,7 +186,7 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         if self.fused_steps is not None: return self.fused_steps.named_grads(get_model(self.model))
         return [(n, p.grad) for n,p in get_model(self.model).named_parameters()]
     def _unscale_and_find_overflow(self, lazy:bool=False) -> tuple:
-        "The scale this step's loss was multiplied by, and whether its gradients hold an inf or nan: one fused pass, one host sync (`lazy`: none, a tensor)"
+        "This step's loss scale, and whether its gradients hold an inf or nan: one fused pass, one host sync (`lazy`: none)"
         found = unscale_and_find_inf_(self._step_grads())
         return 1.0,(found if lazy else bool(found.item()))
     def _update_scale(self, found:bool):
@@ -272,7 +272,8 @@ class PrecisionCallback(Callback, ScaleTelemetry):
 
     # ---- one batch
     def before_batch(self):
-        if self.training and getattr(self, '_offset_due', False):  # `n_iter` is the epoch's now (fastai's `ParamScheduler` reads it after us)
+        # `n_iter` is the epoch's now (fastai's `ParamScheduler` reads it after us)
+        if self.training and getattr(self, '_offset_due', False):
             self.learn.pct_train -= self._sched_skipped / (self.n_iter * self.n_epoch); self._offset_due = False
         if self.training and self._norms_due and self._norms is not None: self._norms.save(); self._norms_due = False
         if self.input_dtype is not None: self.learn.xb = _cast_floats(self.xb, self.input_dtype)

@@ -17,7 +17,7 @@ __all__ = ['MasterKind', 'MasterCopies', 'MasterPrecision']
 
 # %% ../nbs/04_master.ipynb #971f8fad
 class MasterKind(Kind):
-    "fp32 masters stepped for a half model's parameters: the model's gradients taken after each backward, masters written back after the step"
+    "fp32 masters for a half model's parameters: its gradients taken after each backward, masters written back after the step"
     taken,in_place = True,False
     def __init__(self, dtype:torch.dtype, flat:bool=False): self.half,self.flat = dtype,flat
     def sdtype(self, b): return torch.float32
@@ -73,7 +73,8 @@ def take(self:MasterKind, b, fresh:bool):
 def finish(self:MasterKind, b):
     "The masters become the fp32 parameters, never rounded through half; a parameter with a gradient keeps it, in fp32 (as fastai's do)"
     for p,m in zip(b.params, b.xv):
-        set_data(p, m.clone(memory_format=torch.preserve_format) if b.flat else m)  # its half gradient, zero after `take`: fastai's after a step
+        # its half gradient, zero after `take`: fastai's after a step
+        set_data(p, m.clone(memory_format=torch.preserve_format) if b.flat else m)
 
 @patch
 def carried(self:MasterKind, b) -> dict:

@@ -54,7 +54,7 @@ def widen_kahan(xs:list, ws:list, cs:list|None=None):
 # %% ../nbs/05_pure.ipynb #pb000016
 @torch.no_grad()
 def fold_stochastic(x:Tensor, w:Tensor, gen:torch.Generator|None=None):
-    "Write fp32 `x` (contiguous; its bits are overwritten) into bf16 `w` of the same shape, rounded stochastically with random bits from `gen`"
+    "Write fp32 `x` (contiguous; its bits overwritten) into bf16 `w`, rounded stochastically with random bits from `gen`"
     bits = x.view(torch.int32)
     bits.add_(torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=bits.device, generator=gen)).bitwise_and_(_hi)
     w.copy_(x)  # exact: every value is a bf16 now
@@ -112,7 +112,8 @@ class BF16Kind(Kind):
         x,g = b.engine.workspace(b.device, n, 0),b.engine.workspace(b.device, n, 1)
         self.widen(b, i, j, [x], [b.part(b.w, i, j)])
         g.copy_(b.part(b.g, i, j))
-        for k in sorted(k for k in b.loose if i <= k < j): b.slot(g, k, b.lo(i)).copy_(b.params[k].grad.float().to_dense())  # summed in fp32
+        for k in sorted(k for k in b.loose if i <= k < j):  # summed in fp32
+            b.slot(g, k, b.lo(i)).copy_(b.params[k].grad.float().to_dense())
         return x,g
     def widen(self, b, i, j, xs:list, ws:list): torch._foreach_copy_(xs, ws)
     def fold(self, b, i, j, x, phase=0):

@@ -207,9 +207,9 @@ def update(self:LossScaler, found_inf) -> float|None:
 
 # %% ../nbs/01_scaler.ipynb #ds000002
 @torch.no_grad()
-def update_scale_(scale:torch.Tensor, tracker:torch.Tensor, left:torch.Tensor|None, found:torch.Tensor, growth_factor:float, backoff_factor:float,
-                  growth_interval:int, hysteresis:int=1, min_scale:float|None=None, max_scale:float|None=None):
-    "`GradScaler`'s update of `scale` and the run of clean steps `tracker` after `found`, with hysteresis (`left`) and bounds: in place, no host sync"
+def update_scale_(scale:torch.Tensor, tracker:torch.Tensor, left:torch.Tensor|None, found:torch.Tensor, growth_factor:float,
+                  backoff_factor:float, growth_interval:int, hysteresis:int=1, min_scale:float|None=None, max_scale:float|None=None):
+    "`GradScaler`'s update of `scale` and clean-step run `tracker` after `found`, with hysteresis `left` and bounds: no host sync"
     if hysteresis == 1 and min_scale is None and max_scale is None:
         return torch._amp_update_scale_(scale, tracker, found.reshape(1).float(), growth_factor, backoff_factor, growth_interval)
     f = found.reshape(scale.shape) != 0
@@ -229,8 +229,9 @@ def to_device(self:LossScaler, device):
     if self.dev is not None and self.dev['scale'].device == torch.device(device): return self
     self.pull()
     dev = torch.device(device)
-    self.dev = dict(scale=torch.full((1,), self.scale, device=dev), tracker=torch.full((1,), self.growth_tracker, device=dev, dtype=torch.int32),
-                    left=torch.full((1,), self.hysteresis_left, device=dev, dtype=torch.int32), skipped=torch.zeros(1, device=dev, dtype=torch.int64))
+    def i32(v): return torch.full((1,), v, device=dev, dtype=torch.int32)
+    self.dev = dict(scale=torch.full((1,), self.scale, device=dev), tracker=i32(self.growth_tracker), left=i32(self.hysteresis_left),
+                    skipped=torch.zeros(1, device=dev, dtype=torch.int64))
     self._skipped0 = self.skipped_updates
     return self
 

@@ -302,7 +302,8 @@ def weights(learn:Learner) -> list:
 def state_of(learn:Learner) -> dict:
     "Copies of the model's weights, buffers and trainable flags, of the tensors `learn.parameters()` steps and of the optimizer's state"
     ps,opt = list(learn.parameters()),learn.opt
-    keys = list({id(p): p for pg in opt.param_lists for p in pg}.values()) if opt is not None else []  # the state is the optimizer's parameters'
+    # the state is the optimizer's parameters'
+    keys = list({id(p): p for pg in opt.param_lists for p in pg}.values()) if opt is not None else []
     def per_param(state): return [{k: _clone(v) for k,v in state.get(p, {}).items()} for p in keys]
     res = dict(weights=weights(learn), buffers=[_clone(b) for b in learn.model.buffers()],
                requires_grad=[p.requires_grad for p in learn.model.parameters()],
