@@ -33,23 +33,32 @@ def split_kahan(x:Tensor) -> tuple:
 
 # %% ../nbs/05_pure.ipynb #pb000013
 @torch.no_grad()
-def fold_kahan(xs:list, ws:list, cs:list, r:list|None=None):
-    "Write fp32 `xs` into bf16 weights `ws` and compensations `cs` exactly as `split_kahan` splits them, in eight multi-tensor ops"
+def fold_kahan(xs:list, ws:list, cs:list, r:list|None=None, t:list|None=None):
+    "Write fp32 `xs` into bf16 weights `ws` and compensations `cs` exactly as `split_kahan` splits them, in ten multi-tensor ops"
+    r,t = _fp32_like(xs, r),_fp32_like(xs, t)
     torch._foreach_copy_(ws, xs)  # w = bf16(x), to nearest
-    if r is None: r = torch._foreach_sub(xs, ws)  # x - w in fp32 (into `r`, fp32 tensors like `xs`, where given: no new memory)
-    else: torch.ops.aten._foreach_sub.List_out(xs, ws, out=r)
+    torch._foreach_copy_(t, ws)
+    torch.ops.aten._foreach_sub.List_out(xs, t, out=r)  # x - w, exact in fp32
     torch._foreach_copy_(cs, r)
-    torch._foreach_copy_(r, ws)  # then the canonical split of w + c
-    torch._foreach_add_(r, cs)
-    torch._foreach_copy_(ws, r)
-    torch._foreach_sub_(r, ws)
-    torch._foreach_copy_(cs, r)
+    torch._foreach_copy_(r, cs)
+    torch._foreach_add_(t, r)  # w + c, exact: then its canonical split
+    torch._foreach_copy_(ws, t)
+    torch._foreach_copy_(r, ws)
+    torch._foreach_sub_(t, r)
+    torch._foreach_copy_(cs, t)
+
+def _fp32_like(xs:list, given:list|None) -> list:
+    "`given` (reused fp32 tensors shaped like `xs`), else new ones"
+    return given if given is not None else [torch.empty_like(x, dtype=torch.float32) for x in xs]
 
 @torch.no_grad()
-def widen_kahan(xs:list, ws:list, cs:list|None=None):
-    "Write the fp32 values `w + c` of bf16 `ws` (and compensations `cs`) into fp32 `xs`"
+def widen_kahan(xs:list, ws:list, cs:list|None=None, t:list|None=None):
+    "Write the fp32 values `w + c` of bf16 `ws` (and compensations `cs`, widened in `t`) into fp32 `xs`"
     torch._foreach_copy_(xs, ws)
-    if cs: torch._foreach_add_(xs, cs)
+    if not cs: return
+    t = _fp32_like(xs, t)
+    torch._foreach_copy_(t, cs)
+    torch._foreach_add_(xs, t)
 
 # %% ../nbs/05_pure.ipynb #pb000016
 @torch.no_grad()
@@ -146,10 +155,12 @@ class KahanKind(BF16Kind):
         fold_kahan(xs, ws, b.cs)
         if b.flat: b.cv = b.views(b.c)
         else: b.cv = b.cs
-    def widen(self, b, i, j, xs, ws): widen_kahan(xs, ws, [b.part(b.c, i, j)] if b.flat else b.cv[i:j])
+    def widen(self, b, i, j, xs, ws): widen_kahan(xs, ws, [b.part(b.c, i, j)] if b.flat else b.cv[i:j], self._fp32(b, xs, 3))
     def fold_to(self, b, i, j, xs, ws):
-        r = [b.engine.workspace(b.device, xs[0].numel(), 2)] if b.flat else None  # the remainder in a reused buffer
-        fold_kahan(xs, ws, [b.part(b.c, i, j)] if b.flat else b.cv[i:j], r)
+        fold_kahan(xs, ws, [b.part(b.c, i, j)] if b.flat else b.cv[i:j], self._fp32(b, xs, 2), self._fp32(b, xs, 3))
+    def _fp32(self, b, xs, k:int) -> list|None:
+        "fp32 reused buffer `k` for a flat window: the bf16 operands widened there, so no op makes an fp32 copy of its own"
+        return [b.engine.workspace(b.device, xs[0].numel(), k)] if b.flat else None
     def values(self, b): return [p.data.float().add_(c.float()) for p,c in zip(b.params, b.cv)]
     def cio(self, b, a, c, phase=0): return dict(w=b.part(b.w, a, c), c=b.part(b.c, a, c), g=b.part(b.g, a, c)),{}
     @staticmethod
