@@ -65,6 +65,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                          'mpx.amp.MixedPrecision.__init__': ('amp.html#mixedprecision.__init__', 'mpx/amp.py'),
                          'mpx.amp.MixedPrecision._check_model': ('amp.html#mixedprecision._check_model', 'mpx/amp.py'),
                          'mpx.amp.MixedPrecision._finish': ('amp.html#mixedprecision._finish', 'mpx/amp.py'),
+                         'mpx.amp.MixedPrecision._hysteresis_left': ('amp.html#mixedprecision._hysteresis_left', 'mpx/amp.py'),
                          'mpx.amp.MixedPrecision._load_scaler_state': ('amp.html#mixedprecision._load_scaler_state', 'mpx/amp.py'),
                          'mpx.amp.MixedPrecision._new_fit_state': ('amp.html#mixedprecision._new_fit_state', 'mpx/amp.py'),
                          'mpx.amp.MixedPrecision._repr_extra': ('amp.html#mixedprecision._repr_extra', 'mpx/amp.py'),

@@ -62,12 +62,17 @@ class MixedPrecision(PrecisionCallback):
     def _new_fit_state(self):
         "The scaler, built or kept from the fits before; nothing in the model or optimizer changes"
         if not self.scaling: return
-        left = self._left.item() if self._left is not None else (self._scaler_state_to_load or {}).get('hysteresis_left', self.hysteresis)
+        left = self._hysteresis_left()
         self.scaler = self._scaler_on(self.device_type)
         if self.scaler._scale is None: self.scaler._lazy_init_scale_growth_tracker(training_device(self.dls, self.model))  # its tensors
         self._left = torch.full_like(self.scaler._growth_tracker, int(left))  # shaped like GradScaler's tracker
 
-    def _repr_extra(self): return f"comm='{self.comm}', " if self.comm else ''
+    def _hysteresis_left(self) -> int:
+        "The overflows the scale absorbs before it backs off (one host sync while a fit's scaler holds it)"
+        return int(self._left.item()) if self._left is not None else (self._scaler_state_to_load or {}).get('hysteresis_left', self.hysteresis)
+    def _repr_extra(self):
+        hy = f"hysteresis={self._hysteresis_left()}/{self.hysteresis}, " if self.scaling and self.hysteresis > 1 else ''
+        return (f"comm='{self.comm}', " if self.comm else '') + hy
     def before_train(self):
         "With `comm`, under DDP (fastai wraps the model after `before_fit`): the 16-bit gradient all-reduce of `mpx.parallel`"
         super().before_train()

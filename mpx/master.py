@@ -155,7 +155,9 @@ class MasterPrecision(PrecisionCallback):
         return self.fit_state
     @property
     def _at_floor(self) -> bool: return self.scaler is None or self.scaler.at_floor
-    def _repr_extra(self): return f'flat_master={self.flat_master}, '
+    def _repr_extra(self):
+        s = self.scaler.pull() if self.scaler is not None and self.scaler.dynamic and self.scaler.hysteresis > 1 else None
+        return f'flat_master={self.flat_master}, ' + (f'hysteresis={s.hysteresis_left}/{s.hysteresis}, ' if s else '')
 
     def _check_cbs(self, cbs):
         "Refuse fastai's `GANTrainer` with `clip`: it clamps the model's weights in place, where the masters never see it"

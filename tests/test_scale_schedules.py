@@ -131,3 +131,15 @@ def test_schedule_skips_across_a_checkpoint(tmp_path):
     probe = LrAtUpdates()
     fit_quiet(new, 2, 'fit_one_cycle', lr_max=1e-2, start_epoch=1, cbs=probe)
     assert probe.lrs == full[-len(probe.lrs):] and len(probe.lrs) == 12
+
+def test_hysteresis_budget_in_the_callbacks_repr():
+    "The callback says the budget left, in AMP and the dynamic master mode; nothing where there is no hysteresis."
+    amp = tiny_learner(opt_func=Adam, n_trn=4).to_fp16(init_scale=2.**8, hysteresis=3)
+    assert 'hysteresis=3/3' in repr(amp.mixed_precision)
+    fit_quiet(amp, 1, cbs=InjectGrad(at=[0]))
+    assert 'hysteresis=2/3' in repr(amp.mixed_precision)
+    master = tiny_learner(opt_func=Adam, n_trn=4).to_fp16(master=True, dynamic=True, loss_scale=2.**8, hysteresis=2)
+    fit_quiet(master, 1, cbs=InjectGrad(at=[0]))
+    assert 'hysteresis=1/2' in repr(master.master_precision)
+    for l in (tiny_learner().to_fp16(), tiny_learner().to_fp16(master=True), tiny_learner().to_bf16()):
+        assert 'hysteresis' not in repr(precision_cb(l))
