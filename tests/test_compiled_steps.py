@@ -218,3 +218,23 @@ def test_application_workflow(name, make, mode, tmp_path):
         learn.freeze(); learn.fit_one_cycle(1, 1e-2); learn.unfreeze(); learn.fit(1, 1e-3)
         eager = learn.validate()[0]
     assert abs(compiled - eager) <= .1 * abs(eager) + 1e-3, (compiled, eager)
+
+# ---- per-step work does not grow with the number of parameter tensors
+
+def kernels_a_step(mode, n_layers, monkeypatch) -> float:
+    "Compiled kernels run a step, on a chain of `n_layers` Linear(4, 4) with Adam (a dispatch mode cannot count them: it stops compiling)"
+    calls = []
+    real = FusedSteps._run_kernel
+    def counted(self, *args, **kw): calls.append(1); return real(self, *args, **kw)
+    monkeypatch.setattr(FusedSteps, '_run_kernel', counted)
+    model = lambda: nn.Sequential(nn.Linear(1, 4), *[nn.Linear(4, 4) for _ in range(n_layers)], nn.Linear(4, 1))
+    learn = tiny_learner(model=model, opt_func=Adam, n_trn=4)
+    ALL_MODES[mode](learn, fused='compile')
+    fit_quiet(learn, 1)
+    return len(calls) / precision_cb(learn).total_steps
+
+@pytest.mark.parametrize('mode', ['amp_bf16', 'master_fp16', 'pure_kahan', 'pure_stochastic'])
+def test_compiled_kernels_do_not_grow(mode, monkeypatch):
+    "A compiled step runs as many kernels at 100 parameter tensors as at 10: one a run of a flat buffer, not one a tensor."
+    few,many = kernels_a_step(mode, 4, monkeypatch),kernels_a_step(mode, 49, monkeypatch)
+    assert few == many and 0 < few <= 2, (few, many)
