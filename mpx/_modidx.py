@@ -414,6 +414,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                            'mpx.fused._scalar_body': ('fused.html#_scalar_body', 'mpx/fused.py'),
                            'mpx.fused._scalar_key': ('fused.html#_scalar_key', 'mpx/fused.py'),
                            'mpx.fused._sgd_step': ('fused.html#_sgd_step', 'mpx/fused.py'),
+                           'mpx.fused._signature': ('fused.html#_signature', 'mpx/fused.py'),
                            'mpx.fused._slottable': ('fused.html#_slottable', 'mpx/fused.py'),
                            'mpx.fused._state_zeros': ('fused.html#_state_zeros', 'mpx/fused.py'),
                            'mpx.fused._static_chain': ('fused.html#_static_chain', 'mpx/fused.py'),

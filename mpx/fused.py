@@ -920,9 +920,13 @@ def _own(f, name:str) -> Callable:
     "`f` with a code object of its own, named `name`: `torch.compile` caches (and counts recompiles of) each apart"
     return types.FunctionType(f.__code__.replace(co_name=name), f.__globals__, name, None, f.__closure__)
 
-def _kernel(kind, chain:tuple) -> Callable:
-    "The compiled step of `chain` (fastai functions and their static keywords) for `kind`'s class, made once a process"
-    key = (type(kind), tuple((f, tuple(sorted(kw.items()))) for f,kw in chain))
+def _signature(t:dict, s:dict) -> tuple:
+    "What a compiled kernel specialises on: each tensor's name, dtype and whether it holds one element (torch.compile's 0/1 rule)"
+    return tuple((k, v.dtype, v.numel() == 1) for k,v in sorted(t.items())) + tuple((k, v.dtype) for k,v in sorted(s.items()))
+
+def _kernel(kind, chain:tuple, sig:tuple=()) -> Callable:
+    "The compiled step of `chain` (fastai functions, static keywords) for `kind`'s class and the tensors' `sig`, made once a process"
+    key = (type(kind), tuple((f, tuple(sorted(kw.items()))) for f,kw in chain), sig)
     if key not in _kernels:
         name = f"mpx_{type(kind).__name__}_{'_'.join(f.__name__ for f,_ in chain)}"
         def scalars(s, steps): return _scalar_body(chain, s, steps)
@@ -1043,9 +1047,10 @@ def _run_kernel(self:FusedSteps, b:Bucket, a:int, c:int, chain:tuple, hs:dict, p
         if any(g is f for g,_ in chain): t[k] = run.zeros(k, like)
     if any(g is step_stat for g,_ in chain): t['steps'] = self._steps_on_device(b)[a:c]
     s = self._scalars(b.device, {**hs, 'wd': hs.get('wd', 0.) if b.dicts[a].get('do_wd', True) else 0., **extra})
-    s['found'] = self.found if self.found is not None else self._scalars(b.device, {'nothing_found': 0.})['nothing_found']
+    found = self.found if self.found is not None else self._scalars(b.device, {'nothing_found': 0.})['nothing_found']
+    s['found'] = found.reshape(())  # a view: the finite check's flag may come as one element of rank 1
     try:
-        scalars,step = _kernel(b.kind, chain)
+        scalars,step = _kernel(b.kind, chain, _signature(t, s))
         step(t, s, scalars(s, t.get('steps')))
     except Exception as e:
         if torch._C._len_torch_dispatch_stack(): raise
