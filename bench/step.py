@@ -53,6 +53,7 @@ if __name__ == '__main__':
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import *
 import torch.nn.functional as F
+import mpx.fused
 from mpx.fused import FusedSteps
 from mpx.core import check_args
 from mpx.patches import is_mpx_precision
@@ -213,6 +214,11 @@ def make_arms(names, compile_too, model_fn, batches) -> tuple:
 
 def is_compiled(label) -> bool: return label.endswith(' compile') or label == 'raw compiled'
 
+def eager_fallback(label) -> str|None:
+    "Why a compiled mpx arm steps eagerly (a kernel failed to compile, once a process a storage kind), or None"
+    if not label.endswith(' compile'): return None
+    return '; '.join(getattr(mpx.fused, '_failed', {}).values()) or None
+
 # ---- timing
 
 def timed(arm) -> dict:
@@ -237,6 +243,8 @@ def run_rounds(arms, rounds) -> tuple:
         except Exception as e:
             if not is_compiled(k): raise
             dropped.append(f'{k}: its first fit failed ({type(e).__name__}: {str(e)[:200]})'); del arms[k]; continue
+        why = eager_fallback(k)
+        if why: dropped.append(f'{k}: its kernels step eagerly ({why})'); del arms[k]; continue
         warm[k] = time.perf_counter() - t0
     progress(f'warm-up done ({sum(warm.values()):.0f} s)')
     res = {k: [] for k in arms}

@@ -221,13 +221,13 @@ def test_application_workflow(name, make, mode, tmp_path):
 
 # ---- per-step work does not grow with the number of parameter tensors
 
-def kernels_a_step(mode, n_layers, monkeypatch) -> float:
-    "Compiled kernels run a step, on a chain of `n_layers` Linear(4, 4) with Adam (a dispatch mode cannot count them: it stops compiling)"
+def kernels_a_step(mode, n_layers, monkeypatch, model=None) -> float:
+    "Compiled kernels run a step, on `model` or a chain of `n_layers` Linear(4, 4) with Adam (a dispatch mode cannot count them)"
     calls = []
     real = FusedSteps._run_kernel
     def counted(self, *args, **kw): calls.append(1); return real(self, *args, **kw)
     monkeypatch.setattr(FusedSteps, '_run_kernel', counted)
-    model = lambda: nn.Sequential(nn.Linear(1, 4), *[nn.Linear(4, 4) for _ in range(n_layers)], nn.Linear(4, 1))
+    model = model or (lambda: nn.Sequential(nn.Linear(1, 4), *[nn.Linear(4, 4) for _ in range(n_layers)], nn.Linear(4, 1)))
     learn = tiny_learner(model=model, opt_func=Adam, n_trn=4)
     ALL_MODES[mode](learn, fused='compile')
     fit_quiet(learn, 1)
@@ -238,3 +238,12 @@ def test_compiled_kernels_do_not_grow(mode, monkeypatch):
     "A compiled step runs as many kernels at 100 parameter tensors as at 10: one a run of a flat buffer, not one a tensor."
     few,many = kernels_a_step(mode, 4, monkeypatch),kernels_a_step(mode, 49, monkeypatch)
     assert few == many and 0 < few <= 2, (few, many)
+
+def test_kernels_never_recompile(monkeypatch):
+    "With dynamo allowed no recompile, fp16 and bf16 masters, AMP, runs of one element and of many, all step compiled in one process"
+    monkeypatch.setattr(torch._dynamo.config, 'recompile_limit', 1)
+    single = lambda: nn.Linear(1, 1, bias=False)  # one run of one element: torch.compile specialises sizes 0 and 1
+    for mode in ('master_fp16', 'master_bf16', 'amp_fp16', 'amp_bf16'):
+        for model in (single, None):
+            assert kernels_a_step(mode, 2, monkeypatch, model) > 0, (mode, model)
+    # tests/conftest.py fails this case if any kernel fell back to eager steps
