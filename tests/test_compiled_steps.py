@@ -241,9 +241,11 @@ def test_compiled_kernels_do_not_grow(mode, monkeypatch):
 
 def test_kernels_never_recompile(monkeypatch):
     "With dynamo allowed no recompile, fp16 and bf16 masters, AMP, runs of one element and of many, all step compiled in one process"
-    monkeypatch.setattr(torch._dynamo.config, 'recompile_limit', 1)
     single = lambda: nn.Linear(1, 1, bias=False)  # one run of one element: torch.compile specialises sizes 0 and 1
-    for mode in ('master_fp16', 'master_bf16', 'amp_fp16', 'amp_bf16'):
-        for model in (single, None):
-            assert kernels_a_step(mode, 2, monkeypatch, model) > 0, (mode, model)
+    limit = torch._dynamo.config.recompile_limit
+    with torch._dynamo.config.patch(recompile_limit=1):  # its own undo: monkeypatch's leaves the config module broken
+        for mode in ('master_fp16', 'master_bf16', 'amp_fp16', 'amp_bf16'):
+            for model in (single, None):
+                assert kernels_a_step(mode, 2, monkeypatch, model) > 0, (mode, model)
+    assert torch._dynamo.config.recompile_limit == limit
     # tests/conftest.py fails this case if any kernel fell back to eager steps
