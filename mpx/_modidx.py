@@ -177,6 +177,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                               'mpx.callback.ScaleTelemetry._on_overflow': ('callback.html#scaletelemetry._on_overflow', 'mpx/callback.py'),
                               'mpx.callback.ScaleTelemetry._settle_overflows': ( 'callback.html#scaletelemetry._settle_overflows',
                                                                                  'mpx/callback.py'),
+                              'mpx.callback.ScaleTelemetry._warn_if_stuck': ( 'callback.html#scaletelemetry._warn_if_stuck',
+                                                                              'mpx/callback.py'),
                               'mpx.callback.ScaleTelemetry.epoch_skipped_steps': ( 'callback.html#scaletelemetry.epoch_skipped_steps',
                                                                                    'mpx/callback.py'),
                               'mpx.callback.ScaleTelemetry.overflow_rate': ( 'callback.html#scaletelemetry.overflow_rate',

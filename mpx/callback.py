@@ -49,12 +49,16 @@ def _on_overflow(self:ScaleTelemetry, named_grads, scale:float, at_floor:bool=Tr
     "On a skipped step: record where the gradients first went non-finite; warn once when `warn_after` steps in a row are skipped"
     param,kind = first_nonfinite(named_grads) or (None, 'inf')
     self.last_overflow = Overflow(self.step_log.total - 1, param, kind, scale)
-    run = _trailing(self.step_log.skips)
-    if run >= self.warn_after and at_floor and not getattr(self, '_warned', False):
-        self._warned = True
-        warnings.warn(f"{run} optimizer steps in a row had inf/nan gradients at loss scale {scale:g}; "
-                      f"the first {kind} gradient was in {param!r}. "
-                      f"The model itself may be producing inf/nan: {_hints[AMPMode(getattr(self, 'amp_mode', 'fp16'))]}.")
+    self._warn_if_stuck(self.step_log.skips, scale, at_floor, f"; the first {kind} gradient was in {param!r}")
+
+@patch
+def _warn_if_stuck(self:ScaleTelemetry, skips:list, scale:float, at_floor:bool, where:str):
+    "Warn once when the last `warn_after` or more of `skips` were skipped in a row at the scale's floor; `where` names the culprit"
+    run = _trailing(skips)
+    if run < self.warn_after or not at_floor or getattr(self, '_warned', False): return
+    self._warned = True
+    warnings.warn(f"{run} optimizer steps in a row had inf/nan gradients at loss scale {scale:g}{where}. "
+                  f"The model itself may be producing inf/nan: {_hints[AMPMode(getattr(self, 'amp_mode', 'fp16'))]}.")
 
 # %% ../nbs/02_callback.ipynb #cb000008b
 @patch
@@ -65,12 +69,7 @@ def _settle_overflows(self:ScaleTelemetry, scale:float, at_floor:bool=True):
     last = next((i for i in range(len(skips)-1, -1, -1) if skips[i]), None)
     if last is None or (self.last_overflow is not None and self.last_overflow.step >= last): return
     self.last_overflow = Overflow(last, None, 'inf or nan', scale)  # the gradients are gone: which parameter is not known
-    run = _trailing(skips)
-    if run >= self.warn_after and at_floor and not getattr(self, '_warned', False):
-        self._warned = True
-        warnings.warn(f"{run} optimizer steps in a row had inf/nan gradients at loss scale {scale:g}. The model itself may be "
-                      f"producing inf/nan: {_hints[AMPMode(getattr(self, 'amp_mode', 'fp16'))]}. "
-                      "(With fused=True the warning names the first parameter whose gradient went non-finite.)")
+    self._warn_if_stuck(skips, scale, at_floor, " (with fused=True the warning names the first parameter whose gradient went non-finite)")
 
 # %% ../nbs/02_callback.ipynb #cb000014
 def check_single_autocast(cbs) -> None:

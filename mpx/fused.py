@@ -75,7 +75,6 @@ def _into(out:list|None, op:str, xs:list, *args) -> list:
 def _div_into(out:list|None, xs:list, d):
     "`out[i] = xs[i] / d[i]` (`d` one scalar or one a tensor), as `_foreach_div` computes it"
     return _into(out, '_foreach_div', xs, d)
-    return out
 
 def _axpy(xs:list, ys:list, alphas):
     "`xs[i].add_(ys[i], alpha=alphas[i])`, rounded as `add_` rounds (one fused multiply-add) where the alphas differ"
