@@ -121,11 +121,11 @@ class PrecisionCallback(Callback, ScaleTelemetry):
     def __init__(self,
         amp_mode:str|AMPMode=AMPMode.FP16, # The 16-bit dtype: 'fp16' or 'bf16'
         check_finite:bool=True, # Skip a step whose gradients hold inf/nan (one host sync a step); a scaled loss is always checked
-        fused:bool|str=True, # The step engine (`mpx.fused`): flat buffers; 'compile': one compiled kernel a run; False: fastai's loop
+        fused:bool|str=True, # How the step engine steps (`Fused`): True, False or 'compile'
         schedule_skips:bool=True, # False: a skipped step does not advance fastai's schedules (`pct_train`), as it makes no update
     ):
-        check_args(check_finite=check_finite, fused=fused, schedule_skips=schedule_skips)
-        self.amp_mode,self.check_finite,self.fused,self.step_log = AMPMode(amp_mode),check_finite,fused,StepLog()
+        check_args(check_finite=check_finite, schedule_skips=schedule_skips)
+        self.amp_mode,self.check_finite,self.fused,self.step_log = AMPMode(amp_mode),check_finite,Fused.of(fused),StepLog()
         self.schedule_skips,self._sched_skipped,self._batch_skipped = schedule_skips,0,False
         self.device_type,self.fit_state,self.fused_steps,self.ledger = None,None,None,None
         self._autocast,self._loss_autocast,self._entered = None,None,None  # the autocast contexts, and the one entered
@@ -174,7 +174,7 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         "The step engine of one fit on the learner's optimizer (none without one), holding each parameter as the fit state says"
         if self.learn.opt is None: return None
         kind_of = None if self.fit_state is None else self.fit_state.kind_of
-        return FusedSteps(self.learn.opt, kind_of, fused=self.fused, ledger=self.ledger)
+        return FusedSteps(self.learn.opt, kind_of, fused=self.fused, ledger=self.ledger)  # its undo goes into the ledger
     def _scale_loss(self, loss): return loss
     def _step_grads(self) -> list:
         "The gradients the optimizer is about to apply, each tensor once: one a flat bucket of the step engine"
@@ -222,16 +222,16 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         self._offset_due = bool(self._sched_skipped)
 
     def _begin_fit(self):
-        "What a fit changes in the model and the optimizer: the mode's fit state, then the step engine, both through one ledger"
+        "What a fit changes in the model and the optimizer: the mode's fit state, then the step engine, in one ledger"
         self.ledger = Ledger()
         self.fit_state = self._new_fit_state()
+        if self.fit_state is not None: self.ledger.defer(self.fit_state.undo)
         self.fused_steps = self._new_fused_steps()
         if self.fit_state is not None: self.fit_state.engine = self.fused_steps
     def _end_fit(self):
-        "Undo `_begin_fit` exactly, last change first; a no-op when there is nothing to undo"
-        if self.fused_steps is not None: self.fused_steps.undo(); self.fused_steps = None
-        if self.fit_state is not None: self.fit_state.undo(); self.fit_state = None
-        if self.ledger is not None: self.ledger.undo(); self.ledger = None
+        "Undo `_begin_fit` exactly, in one close of the fit's ledger; a no-op when there is nothing to undo"
+        led,self.ledger,self.fit_state,self.fused_steps = self.ledger,None,None,None
+        if led is not None: led.close()
     def _restart_if_stale(self) -> bool:
         "Lay the fit out again, its gradients carried across, when the learner's optimizer changed under it (`create_opt()` mid-fit)"
         fs = self.fused_steps
@@ -244,7 +244,8 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         else: self._finish()
     def _finish(self):
         "Leave autocast, settle a checked step's scale update, end the mode's fit: what `after_fit` does, safe to repeat"
-        self._end_forward(); self._close_step(); self._end_fit()
+        try: self._end_forward(); self._close_step()
+        finally: self._end_fit()  # whatever failed before, the fit is undone
         if self.step_log.pending: self._settle_overflows(self.loss_scale, self._at_floor)
         self._autocast,self._loss_autocast,self._norms,self._outer = None,None,None,None
     def _nest(self):
@@ -319,7 +320,7 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         if self._found: self._skip(scale)
     def _on_device(self) -> bool:
         "Whether this step is skipped on the device: `fused='compile'` and the engine's kernels step every bucket"
-        return self.fused == 'compile' and self.fused_steps is not None and self.fused_steps.will_compile()
+        return self.fused is Fused.COMPILE and self.fused_steps is not None and self.fused_steps.will_compile()
     def _skip_on_device(self, found:Tensor):
         "The compiled step keeps every output where `found`; the norm statistics too: no host sync (but `schedule_skips=False`'s one)"
         self.fused_steps.found = found
@@ -333,9 +334,9 @@ class PrecisionCallback(Callback, ScaleTelemetry):
     def after_step(self): self._close_step()
     def _close_step(self):
         "Update the scale once for a checked step, wherever it ended: `after_step`, `after_batch`, or a fit cut short"
-        if self._checked: self._update_scale(self._found)
-        self._checked = self._found = False
+        checked,found,self._checked,self._found = self._checked,self._found,False,False  # never retried, even if it fails
         if self.fused_steps is not None: self.fused_steps.found = None
+        if checked: self._update_scale(found)
 
     # ---- state
     def state_dict(self) -> dict:

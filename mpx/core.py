@@ -13,8 +13,8 @@ from fastai.torch_core import apply
 
 # %% auto #0
 __all__ = ['MODE_ARGS', 'AMPMode', 'model_device', 'training_device', 'autocast_device_type', 'check_amp_support', 'to_float32',
-           'stored_values', 'unscale_and_find_inf_', 'has_inf_or_nan', 'check_args', 'default', 'passed', 'mode_args',
-           'check_mode_args']
+           'stored_values', 'unscale_and_find_inf_', 'has_inf_or_nan', 'check_args', 'Fused', 'default', 'passed',
+           'mode_args', 'check_mode_args']
 
 # %% ../nbs/00_core.ipynb #9dc79e19
 _dtype2mode = {torch.float16: 'fp16', torch.bfloat16: 'bf16'}
@@ -124,7 +124,7 @@ _arg_rules = dict(
     max_scale       = (numbers.Real, _scale,                 _in_fp32),
     growth_factor   = (numbers.Real, lambda v: 1 < v <= _f32.max, f'a finite number > 1 that fp32 holds (at most {_f32.max:.4g})'),
     backoff_factor  = (numbers.Real, lambda v: _f32.tiny <= v < 1, f'a number in (0, 1) that fp32 holds (at least {_f32.tiny:.4g})'),
-    growth_interval = (numbers.Integral, lambda v: v > 0,   'an integer > 0'),
+    growth_interval = (numbers.Integral, lambda v: 0 < v < 2**31, 'an integer from 1 to 2**31-1 (the growth tracker is int32)'),
     enabled         = (bool, lambda v: True,                'True or False'),
     dynamic         = (bool, lambda v: True,                'True or False'),
     flat_master     = (bool, lambda v: True,                'True or False'),
@@ -132,8 +132,8 @@ _arg_rules = dict(
     pure            = (bool, lambda v: True,                'True or False'),
     check_finite    = (bool, lambda v: True,                'True or False'),
     fused           = ((bool, str), lambda v: v in (True, False, 'compile'), "True, False or 'compile'"),
-    seed            = (numbers.Integral, lambda v: v >= 0,  'an integer >= 0'),
-    hysteresis      = (numbers.Integral, lambda v: v >= 1,  'an integer >= 1'),
+    seed            = (numbers.Integral, lambda v: 0 <= v < 2**64, 'an integer from 0 to 2**64-1'),
+    hysteresis      = (numbers.Integral, lambda v: 0 < v < 2**31, 'an integer from 1 to 2**31-1 (the budget is int32)'),
     schedule_skips  = (bool, lambda v: True,                'True or False'),
     update          = (str, lambda v: v in ('kahan', 'stochastic'), "'kahan' or 'stochastic'"),
     comm            = (str, lambda v: v in ('fp16', 'bf16'), "'fp16' or 'bf16'"),
@@ -150,6 +150,18 @@ def check_args(**kwargs) -> None:
         if not ok(v): raise ValueError(f"{k}={v!r} is {'not allowed' if isinstance(v, str) else 'out of range'}: {k} must be {allowed}")
     if kwargs.get('min_scale', 0) > kwargs.get('max_scale', math.inf):
         raise ValueError(f"min_scale={kwargs['min_scale']!r} > max_scale={kwargs['max_scale']!r}: min_scale must be <= max_scale")
+
+# %% ../nbs/00_core.ipynb #fu000002
+class Fused(str, Enum):
+    "How the step engine steps: fastai's loop (`fused=False`), flat buffers (`True`), one kernel a run (`'compile'`)"
+    LOOP,FLAT,COMPILE = 'loop','flat','compile'
+    def __str__(self): return self.value
+    @classmethod
+    def of(cls, fused) -> Fused:
+        "`fused` (True, False or 'compile', or a `Fused`) as a `Fused`; a `TypeError`/`ValueError` naming it otherwise"
+        if isinstance(fused, cls): return fused
+        check_args(fused=fused)
+        return cls.COMPILE if fused == 'compile' else cls.FLAT if fused else cls.LOOP
 
 # %% ../nbs/00_core.ipynb #cr000002
 class _DefaultFloat(float): "A float left at its default"

@@ -8,7 +8,9 @@ from fastai.basics import *
 from .core import *
 from .scaler import *
 from .plumbing import *
-from .fused import Kind, FusedSteps, set_data
+from .flat import Kind, set_data, merge_writes
+from .fused import FusedSteps
+import warnings
 from .parallel import ShardedMasters, is_sharded
 from .callback import *
 
@@ -17,89 +19,98 @@ __all__ = ['MasterKind', 'MasterCopies', 'MasterPrecision']
 
 # %% ../nbs/04_master.ipynb #971f8fad
 class MasterKind(Kind):
-    "fp32 masters for a half model's parameters: its gradients taken after each backward, masters written back after the step"
-    taken,in_place = True,False
-    def __init__(self, dtype:torch.dtype, flat:bool=False): self.half,self.flat = dtype,flat
+    "fp32 masters of a half model's parameters, stepped in their place; the model's weights and gradients stay the truth"
+    takes,in_place = True,False
+    def __init__(self, dtype:torch.dtype): self.half = dtype
     def sdtype(self, b): return torch.float32
-
     def build(self, b):
-        "fp32 masters from the parameters, which become half: flat buffers of masters, half weights and both gradients, or tensors"
-        ps = b.params
-        if b.flat:
-            b.x,b.w = b.flat_copy([p.data for p in ps], torch.float32),b.flat_copy([p.data for p in ps], self.half)
-            b.point(b.w)
-            b.gx,b.g = b.zeros(torch.float32),b.zeros(self.half)
-            b.xv,b.gxv = b.views(b.x),b.views(b.gx)
-        else:
-            b.xv = [p.detach().clone(memory_format=torch.preserve_format) for p in ps]
-            b.gxv = [torch.zeros_like(m) for m in b.xv]
-            for p in ps: set_data(p, p.data.to(self.half))
+        "Flat buffers of fp32 masters, half weights (the parameters' data) and both gradients"
+        b.x = b.flat_copy([p.data for p in b.params], torch.float32)
+        b.w = b.zeros(self.half); b.w.copy_(b.x); b.point(b.w)
+        b.gx,b.g = b.zeros(torch.float32),b.zeros(self.half)
+        b.xv,b.gxv = b.views(b.x),b.views(b.gx)
         b.ms = [nn.Parameter(m, requires_grad=False) for m in b.xv]
-
-    def wide(self, b, i, j, phase=0):
-        return (b.part(b.x, i, j), b.part(b.gx, i, j)) if b.flat else (b.ms[i:j], b.gxv[i:j])
-    def fold(self, b, i, j, x, phase=0):
-        "The stepped masters into the half weights, one copy"
-        if b.flat: b.part(b.w, i, j).copy_(x)
-        else: torch._foreach_copy_([p.data for p in b.params[i:j]], b.xv[i:j])
-    def checked(self, b): return [b.gx] if b.flat else [g for g,l in zip(b.gxv, b.live) if l]
-    def cio(self, b, a, c, phase=0): return dict(x=b.part(b.x, a, c), gx=b.part(b.gx, a, c), w=b.part(b.w, a, c)),{}
-    @staticmethod
-    def cwiden(t, s): return t['x'],t['gx']
-    @staticmethod
-    def cfold(t, s, x): return dict(x=x, w=x)  # the half weights are the stepped masters, cast
+        b.handed,b.seen = [(m._version, g._version) for m,g in zip(b.ms, b.gxv)],None
+    def wide(self, b, i, j): return b.part(b.x, i, j),b.part(b.gx, i, j)
+    def written(self, b, idx):
+        for i in idx: merge_writes(b.xv[i], b.slot(b.w, i))  # the master takes what the write changed
+    def fold(self, b, i, j, x, phase=0): b.part(b.w, i, j).copy_(x)
+    def checked(self, b): return [b.gx]
     def grad_of(self, b, i): return b.gxv[i] if b.live[i] else None
     def stepped(self, b, i):
         m = b.ms[i]; m.grad = b.gxv[i] if b.live[i] else None
         return m
+    def kio(self, b, a, c, phase=0): return dict(x=b.part(b.x, a, c), gx=b.part(b.gx, a, c), w=b.part(b.w, a, c)),{}
+    @staticmethod
+    def kwiden(t, s): return t['x'],t['gx']
+    @staticmethod
+    def kfold(t, s, x): return dict(x=x, w=x)  # the half weights are the stepped masters, cast
 
 # %% ../nbs/04_master.ipynb #4d1a7c02
 @patch
 def take(self:MasterKind, b, fresh:bool):
-    "Add the model's half gradients into the master gradients (copy them on a step's first backward), then zero them"
-    if b.flat:
-        (b.gx.copy_ if fresh else b.gx.add_)(b.g)
-        b.g.zero_()
-        extra = sorted(b.loose)
-    else: extra = [i for i,l in enumerate(b.live) if l]
-    if fresh and not b.flat: torch._foreach_zero_(b.gxv)
-    for i in extra:
-        g = b.params[i].grad
-        if b.flat and fresh: b.gxv[i].zero_()
-        b.gxv[i].add_(g)
-        g.zero_()
+    "After a backward: the half gradients into the fp32 ones (copied on a step's first), their sum shown in the model"
+    (b.gx.copy_ if fresh else b.gx.add_)(b.g)
+    for i in sorted(b.loose):  # a sparse gradient, added densely
+        if fresh: b.gxv[i].zero_()
+        b.gxv[i].add_(b.params[i].grad); b.params[i].grad.zero_()
+    if b.loose or not fresh: b.g.copy_(b.gx)
+    b.seen = [g._version for g in b.gv]  # autograd's own writes (it adds into `p.grad`) are not a callback's
+
+@patch
+def merge(self:MasterKind, b, exposed:bool=False):
+    "Model gradients a callback wrote since they were shown (their versions moved): taken into the fp32 ones"
+    if exposed: self._show_handed(b)
+    now = [g._version for g in b.gv]
+    if b.seen is not None and now != b.seen:
+        for i,(v,u) in enumerate(zip(now, b.seen)):
+            if v != u: merge_writes(b.gxv[i], b.gv[i])
+    b.seen = now
+
+@patch
+def _show_handed(self:MasterKind, b):
+    "Masters, or their gradients, written through `learn.parameters()` (versions moved): shown in the model first"
+    now = [(m._version, g._version) for m,g in zip(b.ms, b.gxv)]
+    for i,((m,g),(m0,g0)) in enumerate(zip(now, b.handed)):
+        if m != m0: b.slot(b.w, i).copy_(b.xv[i])
+        if g != g0: b.slot(b.g, i).copy_(b.gxv[i])
+    b.handed = now
+
+@patch
+def clear(self:MasterKind, b): b.g.zero_(); b.seen = None  # before a step's second backward: autograd adds the new ones
+@patch
+def publish(self:MasterKind, b): b.g.copy_(b.gx)  # the checked (unscaled) gradients, shown in the model
 
 @patch
 def finish(self:MasterKind, b):
-    "The masters become the fp32 parameters, never rounded through half; a parameter with a gradient keeps it, in fp32 (as fastai's do)"
-    for p,m in zip(b.params, b.xv):
-        # its half gradient, zero after `take`: fastai's after a step
-        set_data(p, m.clone(memory_format=torch.preserve_format) if b.flat else m)
+    "The masters become the fp32 parameters, never rounded through half; a gradient stays, in fp32"
+    for p,m in zip(b.params, b.xv): set_data(p, m.clone(memory_format=torch.preserve_format))
 
 @patch
 def carried(self:MasterKind, b) -> dict:
-    "The master gradients accumulated since the last step (still scaled), by `id` of parameter"
-    return {id(p): ('master', g.clone()) for p,g,l in zip(b.params, b.gxv, b.live) if l} if not b.engine.fresh else {}
+    "The fp32 and half gradients of a step under way (accumulated, or a backward not yet taken), by `id` of parameter"
+    if b.engine.fresh and not b.engine.pending: return {}
+    return {id(p): ('master', gx.clone(), g.clone()) for p,gx,g,l in zip(b.params, b.gxv, b.gv, b.live) if l}
 
 @patch
 def restore(self:MasterKind, b, grads:dict):
-    "Master gradients from an earlier layout into this one's; their parameters get a zero half gradient (they have one)"
+    "The gradients `carried` took from an earlier layout of the same fit, both sides, into this one's"
     for i,p in enumerate(b.params):
         if id(p) not in grads: continue
-        b.gxv[i].copy_(grads[id(p)][1])
-        p.grad = b.gv[i] if b.flat else torch.zeros_like(p)
-        b.live[i] = True
+        _,gx,g = grads[id(p)]
+        b.gxv[i].copy_(gx); b.gv[i].copy_(g)
+        p.grad = b.gv[i]; b.live[i] = True
+    b._grads,b.seen = None,[g._version for g in b.gv]
 
 # %% ../nbs/04_master.ipynb #8802bdff
 class MasterCopies(FitState):
-    "A master fit's half model: the optimizer's halvable parameters stepped through fp32 masters (`MasterKind`), the rest halved exactly"
+    "A master fit's half model: the optimizer's halvable parameters stepped through fp32 masters, the rest halved exactly"
     def __init__(self,
         learn:Learner, # The learner whose model is halved
         dtype:torch.dtype, # The model's dtype during the fit: torch.float16 or torch.bfloat16
-        flat:bool=False, # Flat masters also without fused steps
     ):
         halved,ours = halvable(learn.model),{id(p) for p in opt_params(learn.opt)}
-        self.halves,self.kind,self.plain = {id(t) for t in halved},MasterKind(dtype, flat),Kind()
+        self.halves,self.kind,self.plain = {id(t) for t in halved},MasterKind(dtype),Kind()
         self.rest = HalvedRest([t for t in halved if id(t) not in ours], dtype)
     def kind_of(self, p) -> Kind: return self.kind if id(p) in self.halves else self.plain
     def undo(self): self.rest.undo()
@@ -112,6 +123,10 @@ class MasterCopies(FitState):
     def masters(self) -> list:
         "Their fp32 masters"
         return [m for b in self._buckets() for m in b.ms]
+    @property
+    def buffers(self) -> list:
+        "The flat fp32 buffers holding the masters: one a parameter group (split by `do_wd`)"
+        return [b.x for b in self._buckets()]
     def _buckets(self): return [b for b in getattr(self.engine, 'buckets', []) if b.kind is self.kind]
 
 # %% ../nbs/04_master.ipynb #24f87157
@@ -120,7 +135,7 @@ class MasterPrecision(PrecisionCallback):
     def __init__(self,
         amp_mode:str|AMPMode=AMPMode.FP16, # Model dtype: 'fp16' (with loss scaling) or 'bf16' (without)
         loss_scale:float=default(512.), # fp16: the loss scale, the first one when `dynamic`
-        flat_master:bool=False, # Keep each parameter group's masters in one flat fp32 buffer
+        flat_master:bool|None=None, # fastai v1's flag, for its code: masters are always flat (a `FutureWarning` says so)
         dynamic:bool=False, # fp16: adapt the scale to overflows
         growth_interval:int=default(2000), # Dynamic: clean steps in a row before the scale grows
         growth_factor:float=default(2.), # Dynamic: multiply the scale by this after `growth_interval` clean steps
@@ -133,12 +148,13 @@ class MasterPrecision(PrecisionCallback):
         schedule_skips:bool=True, # False: a skipped step does not advance fastai's schedules
     ):
         super().__init__(amp_mode, check_finite, fused, schedule_skips)
-        check_args(flat_master=flat_master, dynamic=dynamic)
+        check_args(dynamic=dynamic, **({} if flat_master is None else dict(flat_master=flat_master)))
+        if flat_master is not None: warnings.warn("flat_master has no effect: the fp32 masters are always flat, one buffer a parameter "
+                                              "group (split by weight decay), whatever `fused` says. Drop it", FutureWarning, stacklevel=4)
         args = dict(loss_scale=loss_scale, growth_interval=growth_interval, growth_factor=growth_factor, backoff_factor=backoff_factor,
                     min_scale=min_scale, max_scale=max_scale, hysteresis=hysteresis)
         check_mode_args('master', self.amp_mode, dynamic, **passed(**args), **({'dynamic': dynamic} if dynamic else {}))
         self.scaler = None if self.amp_mode is AMPMode.BF16 else _scaler(dynamic, **args)
-        self.flat_master = flat_master
         self._check_schedule_skips()
 
     @property
@@ -157,21 +173,24 @@ class MasterPrecision(PrecisionCallback):
     def _at_floor(self) -> bool: return self.scaler is None or self.scaler.at_floor
     def _repr_extra(self):
         s = self.scaler.pull() if self.scaler is not None and self.scaler.dynamic and self.scaler.hysteresis > 1 else None
-        return f'flat_master={self.flat_master}, ' + (f'hysteresis={s.hysteresis_left}/{s.hysteresis}, ' if s else '')
+        return f'hysteresis={s.hysteresis_left}/{s.hysteresis}, ' if s else ''
 
     def _check_cbs(self, cbs):
-        "Refuse fastai's `GANTrainer` with `clip`: it clamps the model's weights in place, where the masters never see it"
+        "Refuse fastai's `GANTrainer` with `clip`: it clamps through `p.data`, which the masters cannot see"
         gt = first(c for c in cbs if type(c).__name__ == 'GANTrainer' and getattr(c, 'clip', None) is not None)
         if gt is not None: raise ValueError(
-            f"GANTrainer(clip={gt.clip}) clamps the critic's weights in place before each batch, and under fp32 master weights "
-            "the clamp reaches only their half copies: the next step would undo it. Train a clipped GAN (GANLearner.wgan) "
+            f"GANTrainer(clip={gt.clip}) clamps the critic's weights through `p.data` before each batch, a write no version "
+            "counter sees, so under fp32 master weights the next step would undo it. Train a clipped GAN (GANLearner.wgan) "
             "with AMP (learn.to_fp16() or learn.to_bf16()) or pure bf16 (learn.to_bf16(pure=True)), or pass clip=None")
     def _new_fit_state(self):  # under FSDP2 its fp32 shards are the masters (`mpx.parallel`)
-        return ShardedMasters(self.learn) if is_sharded(self.model) else MasterCopies(self.learn, self.amp_mode.dtype, self.flat_master)
+        return ShardedMasters(self.learn) if is_sharded(self.model) else MasterCopies(self.learn, self.amp_mode.dtype)
     def _begin_fit(self):
         super()._begin_fit()
         if self.fused_steps is not None: self.ledger.set(self.learn, 'parameters', self.fused_steps.stepped)  # what `GradientClip` clips
     def _scale_loss(self, loss): return self.scaler.scale_loss(loss)
+    def before_backward(self):
+        super().before_backward()
+        if self.fused_steps is not None: self.fused_steps.before_backward()
     def after_backward(self):
         self._restart_if_stale()
         if self.fused_steps is not None: self.fused_steps.take()
@@ -180,6 +199,7 @@ class MasterPrecision(PrecisionCallback):
         if self.scaler is None: return super()._unscale_and_find_overflow(lazy)
         if lazy: self.scaler.to_device(training_device(self.dls, self.model))
         scale,found = (self.scaler.dev['scale'] if lazy else self.scaler.scale),self.scaler.unscale_(self._step_grads())
+        if self.fused_steps is not None: self.fused_steps.publish()  # the unscaled gradients, shown in the model
         return scale,(found if lazy else bool(found.item()))
     def _finish(self):
         super()._finish()

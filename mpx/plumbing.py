@@ -15,11 +15,11 @@ __all__ = ['FitState', 'halvable', 'exact_fp32', 'HalvedRest', 'opt_params', 'un
 
 # %% ../nbs/01b_plumbing.ipynb #d6694c65
 class FitState:
-    "What a mode changes for one fit besides the step engine: `undo()` puts it back; `engine` is the fit's `FusedSteps`, once made"
+    "What a mode changes for one fit besides the step engine: `undo()` puts it back; `engine`: the fit's `FusedSteps`"
     engine = None
     def undo(self): raise NotImplementedError
     def kind_of(self, p):
-        "The storage kind (a `Kind` of `mpx.fused`) the step engine gives parameter `p`; None: in place"
+        "The storage kind (a `Kind` of `mpx.flat`) the step engine gives parameter `p`; None: in place"
 
 # %% ../nbs/01b_plumbing.ipynb #508cbdd9
 def halvable(model:nn.Module) -> list:
@@ -29,17 +29,17 @@ def halvable(model:nn.Module) -> list:
     return list({id(t): t for t in ts if t.dtype == torch.float32}.values())
 
 def exact_fp32(t:torch.Tensor, kept:torch.Tensor) -> torch.Tensor:
-    "`kept` (`t`'s exact fp32 value before halving) where `t` still rounds from it, else `t` in fp32: what training changed stays"
+    "`kept` (`t`'s fp32 value before halving) where `t` still rounds from it, else `t` in fp32"
     return kept if torch.equal(t, kept.to(t.dtype)) else t.float()
 
 # %% ../nbs/01b_plumbing.ipynb #hr000001
 class HalvedRest:
-    "Tensors a fit halves that no optimizer steps: halved in place, exact fp32 values kept aside, given back unless training changed them"
+    "Tensors a fit halves that no optimizer steps: halved in place, given back exactly unless training changed them"
     def __init__(self, ts:list, dtype:torch.dtype):
         self.kept = [(t, t.detach().clone()) for t in ts]
         for t in ts: t.grad = None; t.data = t.data.to(dtype)  # an fp32 gradient cannot stay on a half tensor
     def undo(self):
-        "Each tensor back in fp32: its exact value, or (changed by the fit) its half value widened; a no-op the second time"
+        "Each tensor back in fp32: its exact value, or its half value widened; a no-op the second time"
         for t,c in self.kept: t.grad = None; t.data = exact_fp32(t, c)
         self.kept = []
 
@@ -50,7 +50,7 @@ def opt_params(opt) -> list:
     return list({id(p): p for pg in opt.param_lists for p in pg if p.is_floating_point()}.values())
 
 def _wraps(o) -> bool:
-    "Whether `o` wraps another fastai optimizer and steps it (`Lookahead`): not `OptimWrapper`, not an optimizer with step functions"
+    "Whether `o` wraps another fastai optimizer and steps it (`Lookahead`)"
     return not isinstance(o, OptimWrapper) and 'cbs' not in vars(o) and isinstance(getattr(o, 'opt', None), _BaseOptimizer)
 
 def unwrap(opt) -> tuple:
@@ -60,13 +60,13 @@ def unwrap(opt) -> tuple:
     return wrappers,opt
 
 def state_owners(opt) -> list:
-    "The objects of `opt` keeping state keyed by parameter: fastai's optimizer (under any `Lookahead`), an `OptimWrapper`'s torch optimizer"
+    "The objects of `opt` keeping state by parameter: fastai's optimizer, an `OptimWrapper`'s torch optimizer"
     inner = unwrap(opt)[1]
     return [inner] + ([inner.opt] if isinstance(inner, OptimWrapper) else [])
 
 # %% ../nbs/01b_plumbing.ipynb #lg000002
 class Ledger:
-    "Instance attributes set on objects (optimizers, the learner) for a while: `undo` puts each back as it was, last set first"
+    "What a fit (or a call) installs: `close` undoes it all, last first, however the fit ends"
     def __init__(self): self.log = []
     def set(self, o, name:str, value):
         "Set `o.name = value`, remembering what `o`'s own `__dict__` held"
@@ -74,10 +74,23 @@ class Ledger:
         self.log.append((o, name, name in d, d.get(name)))
         setattr(o, name, value)
         return value
-    def undo(self):
-        "Put back every attribute set, last first; a no-op the second time"
+    def defer(self, f:Callable) -> Callable:
+        "Call `f()` at `close`, in its turn"
+        self.log.append((f,))
+        return f
+    def close(self):
+        "Undo everything, last first; every undo runs, the first error raised after; a no-op the second time"
+        err = None
         while self.log:
-            o,name,had,old = self.log.pop()
-            if had: vars(o)[name] = old
-            else: vars(o).pop(name, None)
+            try: self._undo(self.log.pop())
+            except BaseException as e: err = err or e
+        if err is not None: raise err
+    def _undo(self, e:tuple):
+        if len(e) == 1: return e[0]()
+        o,name,had,old = e
+        if had: vars(o)[name] = old
+        else: vars(o).pop(name, None)
+    undo = close
+    def __enter__(self): return self
+    def __exit__(self, *exc): self.close()
     def __len__(self): return len(self.log)

@@ -9,32 +9,41 @@ from fastai.basics import *
 from .core import *
 from .callback import *
 from .plumbing import *
-from .fused import Kind, set_data
+from .flat import Kind, set_data, merge_writes
 
 # %% auto #0
-__all__ = ['round_stochastic', 'split_kahan', 'fold_kahan', 'widen_kahan', 'fold_stochastic', 'bf16_nearest', 'stream_key',
-           'random_bits16', 'BF16Kind', 'KahanKind', 'StochasticKind', 'KeptKind', 'BF16Weights', 'PureBF16']
+__all__ = ['stream_key', 'random_bits16', 'round_stochastic', 'fold_kahan', 'split_kahan', 'widen_kahan', 'bf16_nearest',
+           'BF16Kind', 'KahanKind', 'StochasticKind', 'KeptKind', 'BF16Weights', 'PureBF16']
 
 # %% ../nbs/05_pure.ipynb #pb000007
 _hi = -65536  # 0xFFFF0000 as an int32: the bits of an fp32 that a bf16 keeps
 
-def round_stochastic(x:Tensor, gen:torch.Generator|None=None) -> Tensor:
-    "fp32 `x` rounded to bf16 away from zero with probability (dropped bits)/2**16, else toward zero: unbiased; random bits from `gen`"
-    r = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=gen)
-    return ((x.view(torch.int32) + r) & _hi).view(torch.float32).bfloat16()
+def _mix32(x:int) -> int:
+    "Mueller's 32-bit integer hash of a Python int"
+    x &= 0xFFFFFFFF
+    for _ in range(2): x = ((x ^ (x >> 16)) * 0x45d9f3b) & 0xFFFFFFFF
+    return x ^ (x >> 16)
 
-# %% ../nbs/05_pure.ipynb #pb000010
-def _split(x:Tensor) -> tuple: w = x.bfloat16(); return w,(x - w.float()).bfloat16()
+def stream_key(seed:int, count:int, phase:int=0) -> int:
+    "The int32 key of step `count` (and `phase`: a second place, a `Lookahead` sync) of stream `seed`"
+    k = _mix32(_mix32(_mix32(seed) + count) + phase)
+    return k - 2**32 if k >= 2**31 else k
 
-def split_kahan(x:Tensor) -> tuple:
-    "fp32 `x` as bf16 weight and compensation, both to nearest, made canonical: `w + c` is exact in fp32 and splits into the same pair"
-    w,c = _split(x)
-    return _split(w.float() + c.float())
+def random_bits16(idx:Tensor, key) -> Tensor:
+    "16 random bits (int32 in [0, 2**16)) for each element index in int32 `idx`, from stream `key`"
+    x = idx + key
+    for _ in range(2): x = (x ^ ((x >> 16) & 0xFFFF)) * 0x45d9f3b
+    return (x ^ ((x >> 16) & 0xFFFF)) & 0xFFFF
+
+def round_stochastic(x:Tensor, key, base=0) -> Tensor:
+    "fp32 `x` (flat) rounded to a bf16 neighbour, up with probability (dropped bits)/2**16, still fp32"
+    idx = torch.arange(x.numel(), device=x.device, dtype=torch.int32) + base
+    return ((x.view(torch.int32) + random_bits16(idx, key)) & _hi).view(torch.float32)
 
 # %% ../nbs/05_pure.ipynb #pb000013
 @torch.no_grad()
 def fold_kahan(xs:list, ws:list, cs:list, r:list|None=None, t:list|None=None):
-    "Write fp32 `xs` into bf16 weights `ws` and compensations `cs` exactly as `split_kahan` splits them, in ten multi-tensor ops"
+    "Write fp32 `xs` into bf16 weights `ws` and compensations `cs`, canonically, in ten multi-tensor ops"
     r,t = _fp32_like(xs, r),_fp32_like(xs, t)
     torch._foreach_copy_(ws, xs)  # w = bf16(x), to nearest
     torch._foreach_copy_(t, ws)
@@ -51,6 +60,12 @@ def _fp32_like(xs:list, given:list|None) -> list:
     "`given` (reused fp32 tensors shaped like `xs`), else new ones"
     return given if given is not None else [torch.empty_like(x, dtype=torch.float32) for x in xs]
 
+def split_kahan(x:Tensor) -> tuple:
+    "fp32 `x` as a canonical pair of bf16 weight and compensation: `w + c` is exact and splits into the same pair"
+    w,c = torch.empty_like(x, dtype=torch.bfloat16),torch.empty_like(x, dtype=torch.bfloat16)
+    fold_kahan([x], [w], [c])
+    return w,c
+
 @torch.no_grad()
 def widen_kahan(xs:list, ws:list, cs:list|None=None, t:list|None=None):
     "Write the fp32 values `w + c` of bf16 `ws` (and compensations `cs`, widened in `t`) into fp32 `xs`"
@@ -60,169 +75,113 @@ def widen_kahan(xs:list, ws:list, cs:list|None=None, t:list|None=None):
     torch._foreach_copy_(t, cs)
     torch._foreach_add_(xs, t)
 
-# %% ../nbs/05_pure.ipynb #pb000016
-@torch.no_grad()
-def fold_stochastic(x:Tensor, w:Tensor, gen:torch.Generator|None=None):
-    "Write fp32 `x` (contiguous; its bits overwritten) into bf16 `w`, rounded stochastically with random bits from `gen`"
-    bits = x.view(torch.int32)
-    bits.add_(torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=bits.device, generator=gen)).bitwise_and_(_hi)
-    w.copy_(x)  # exact: every value is a bf16 now
-
 # %% ../nbs/05_pure.ipynb #pb000017f
 def bf16_nearest(x:Tensor) -> Tensor:
     "fp32 `x` rounded to the nearest bf16 value (ties to even), still fp32: integer ops on its bits, as `x.bfloat16().float()`"
     b = x.view(torch.int32)
     return ((b + 0x7FFF + ((b >> 16) & 1)) & _hi).view(torch.float32)
 
-# %% ../nbs/05_pure.ipynb #pb000017c
-def _mix32(x:int) -> int:
-    "Mueller's 32-bit integer hash of a Python int"
-    x &= 0xFFFFFFFF
-    for _ in range(2): x = ((x ^ (x >> 16)) * 0x45d9f3b) & 0xFFFFFFFF
-    return x ^ (x >> 16)
-
-def stream_key(seed:int, count:int, phase:int=0) -> int:
-    "The key of the random bits of step `count` (and `phase`: a parameter stepped twice, a `Lookahead` sync) of stream `seed`, an int32"
-    k = _mix32(_mix32(_mix32(seed) + count) + phase)
-    return k - 2**32 if k >= 2**31 else k
-
-def random_bits16(idx:Tensor, key) -> Tensor:
-    "16 random bits (int32 in [0, 2**16)) for each element index in int32 `idx`, from the stream `key` (a number or a 0-dim tensor)"
-    x = idx + key
-    for _ in range(2): x = (x ^ ((x >> 16) & 0xFFFF)) * 0x45d9f3b
-    return (x ^ ((x >> 16) & 0xFFFF)) & 0xFFFF
-
 # %% ../nbs/05_pure.ipynb #pb000019
 class BF16Kind(Kind):
-    "bf16 weights stepped in fp32: widened into the engine's reused workspace a window at a time, folded back by `fold_to`"
-    workspace,in_place = True,False
+    "bf16 weights stepped in fp32: widened into the engine's reused workspace a window at a time, folded back"
+    widens,in_place = True,False
     def sdtype(self, b): return torch.float32
     def build(self, b):
-        "Each parameter's fp32 value split into its bf16 storage (`split`): one flat buffer a role, or tensors of its own"
-        xs = [p.detach() for p in b.params]
-        if b.flat:
-            b.w,b.g = b.zeros(torch.bfloat16),b.zeros(torch.bfloat16)
-            self.split(b, [b.flat_copy(xs, torch.float32)], [b.w])
-            b.point(b.w)
-        else:
-            ws = [torch.empty_like(x, dtype=torch.bfloat16) for x in xs]
-            self.split(b, [x.clone(memory_format=torch.preserve_format) for x in xs], ws)
-            for p,w in zip(b.params, ws): set_data(p, w)
-    def split(self, b, xs:list, ws:list): torch._foreach_copy_(ws, xs)  # to nearest
-
-    def wide(self, b, i, j, phase=0):
-        "The fp32 values and gradients of parameters `i` to `j`: in the workspace (flat), or as new tensors"
-        if not b.flat:
-            ps = b.params[i:j]
-            xs = [torch.empty_like(p, dtype=torch.float32) for p in ps]
-            self.widen(b, i, j, xs, [p.data for p in ps])
-            return xs,[None if p.grad is None else p.grad.float().to_dense() for p in ps]
+        "Each parameter's fp32 value split into its bf16 storage by the kind (`split`)"
+        b.w,b.g = b.zeros(torch.bfloat16),b.zeros(torch.bfloat16)
+        self.split(b, b.flat_copy([p.detach() for p in b.params], torch.float32))
+        b.point(b.w)
+    def split(self, b, x:Tensor): b.w.copy_(x)  # to nearest
+    def wide(self, b, i, j):
+        "The fp32 values and gradients of parameters `i` to `j`, in the engine's workspace"
         n = b.end(j) - b.lo(i)
         x,g = b.engine.workspace(b.device, n, 0),b.engine.workspace(b.device, n, 1)
-        self.widen(b, i, j, [x], [b.part(b.w, i, j)])
+        self.widen(b, i, j, x)
         g.copy_(b.part(b.g, i, j))
         for k in sorted(k for k in b.loose if i <= k < j):  # summed in fp32
             b.slot(g, k, b.lo(i)).copy_(b.params[k].grad.float().to_dense())
         return x,g
-    def widen(self, b, i, j, xs:list, ws:list): torch._foreach_copy_(xs, ws)
-    def fold(self, b, i, j, x, phase=0):
-        self.fold_to(b, i, j, x if isinstance(x, list) else [x], [p.data for p in b.params[i:j]] if not b.flat else [b.part(b.w, i, j)])
-    def cio(self, b, a, c, phase=0): return dict(w=b.part(b.w, a, c), g=b.part(b.g, a, c)),{}
+    def widen(self, b, i, j, x): x.copy_(b.part(b.w, i, j))
+    def kio(self, b, a, c, phase=0): return dict(w=b.part(b.w, a, c), g=b.part(b.g, a, c)),{}
     @staticmethod
-    def cwiden(t, s): return t['w'].float(),t['g'].float()
-    @staticmethod
-    def cfold(t, s, x): return dict(w=x)  # to nearest
-
+    def kwiden(t, s): return t['w'].float(),t['g'].float()
     def finish(self, b):
         "Each weight back in fp32 storage of its own, holding what training made of it"
-        vals = self.values(b)
-        for p,v in zip(b.params, vals): set_data(p, v)  # a parameter with a gradient keeps it, in fp32
+        for p,v in zip(b.params, self.values(b)): set_data(p, v)  # a parameter with a gradient keeps it, in fp32
     def values(self, b) -> list: return [p.data.float() for p in b.params]
     def carried(self, b) -> dict: return {id(p): ('bf16', p.grad.clone()) for p in b.params if p.grad is not None}
     def restore(self, b, grads:dict):
         for i,p in enumerate(b.params):
             if id(p) not in grads: continue
-            if b.flat: b.gv[i].copy_(grads[id(p)][1]); p.grad = b.gv[i]
-            else: p.grad = grads[id(p)][1]
-            b.live[i] = True
+            b.gv[i].copy_(grads[id(p)][1]); p.grad = b.gv[i]; b.live[i] = True
 
 # %% ../nbs/05_pure.ipynb #pb000020
 class KahanKind(BF16Kind):
     "bf16 weights with a bf16 Kahan compensation each: stepped as `w + c`, split back canonically"
-    def split(self, b, xs, ws):
-        b.c = b.zeros(torch.bfloat16) if b.flat else None
-        b.cs = [b.c] if b.flat else [torch.empty_like(w) for w in ws]
-        fold_kahan(xs, ws, b.cs)
-        if b.flat: b.cv = b.views(b.c)
-        else: b.cv = b.cs
-    def widen(self, b, i, j, xs, ws): widen_kahan(xs, ws, [b.part(b.c, i, j)] if b.flat else b.cv[i:j], self._fp32(b, xs, 3))
-    def fold_to(self, b, i, j, xs, ws):
-        fold_kahan(xs, ws, [b.part(b.c, i, j)] if b.flat else b.cv[i:j], self._fp32(b, xs, 2), self._fp32(b, xs, 3))
-    def _fp32(self, b, xs, k:int) -> list|None:
-        "fp32 reused buffer `k` for a flat window: the bf16 operands widened there, so no op makes an fp32 copy of its own"
-        return [b.engine.workspace(b.device, xs[0].numel(), k)] if b.flat else None
+    def split(self, b, x):
+        b.c = b.zeros(torch.bfloat16); b.cv = b.views(b.c)
+        fold_kahan([x], [b.w], [b.c])
+    def written(self, b, idx:list): torch._foreach_zero_([b.cv[i] for i in idx])  # what was written, exactly
+    def widen(self, b, i, j, x): widen_kahan([x], [b.part(b.w, i, j)], [b.part(b.c, i, j)], self._ws(b, x, 3))
+    def fold(self, b, i, j, x, phase=0):
+        fold_kahan([x], [b.part(b.w, i, j)], [b.part(b.c, i, j)], self._ws(b, x, 2), self._ws(b, x, 3))
+    def _ws(self, b, x, k:int) -> list:
+        "fp32 reused buffer `k` for a window: the bf16 operands widened there, so no op makes an fp32 copy of its own"
+        return [b.engine.workspace(b.device, x.numel(), k)]
     def values(self, b): return [p.data.float().add_(c.float()) for p,c in zip(b.params, b.cv)]
-    def cio(self, b, a, c, phase=0): return dict(w=b.part(b.w, a, c), c=b.part(b.c, a, c), g=b.part(b.g, a, c)),{}
+    def kio(self, b, a, c, phase=0): return dict(w=b.part(b.w, a, c), c=b.part(b.c, a, c), g=b.part(b.g, a, c)),{}
     @staticmethod
-    def cwiden(t, s): return t['w'].float() + t['c'].float(),t['g'].float()
+    def kwiden(t, s): return t['w'].float() + t['c'].float(),t['g'].float()
     @staticmethod
-    def cfold(t, s, x):
-        "`split_kahan` in the kernel, on fp32 bits: the weight and the remainder to nearest, then the canonical split of their sum"
+    def kfold(t, s, x):
+        "`fold_kahan` on fp32 bits: the weight and the remainder to nearest, then the canonical split of their sum"
         w = bf16_nearest(x); c = bf16_nearest(x - w)
         v = w + c; w = bf16_nearest(v)
         return dict(w=w, c=bf16_nearest(v - w))  # each an fp32 holding a bf16 value: stored exactly
 
 class StochasticKind(BF16Kind):
-    "bf16 weights rounded stochastically after each step: random bits from the mode's generator, or (compiled) a counter-based hash"
-    def __init__(self, gen:torch.Generator|None=None, stream:dict|None=None): self.gen,self.stream = gen,stream or dict(seed=0, count=0)
+    "bf16 weights rounded stochastically after each step, the bits from (seed, step, element)"
+    def __init__(self, stream:dict|None=None): self.stream = stream or dict(seed=0, count=0)
     def tick(self): self.stream['count'] += 1
-    def cio(self, b, a, c, phase=0):
-        t,_ = super().cio(b, a, c)
-        return t,dict(key=stream_key(self.stream['seed'], self.stream['count'], phase), base=(b.base + b.lo(a)) % 2**31)
+    def _key(self, b, i:int, phase:int) -> tuple:
+        "The stream's key for this step, and the index of parameter `i`'s first element in the engine"
+        return stream_key(self.stream['seed'], self.stream['count'], phase),(b.base + b.lo(i)) % 2**31
+    def fold(self, b, i, j, x, phase=0):
+        key,base = self._key(b, i, phase)
+        b.part(b.w, i, j).copy_(round_stochastic(x, key, base))  # exact: every value is a bf16 now
+    def kio(self, b, a, c, phase=0):
+        t,_ = super().kio(b, a, c)
+        key,base = self._key(b, a, phase)
+        return t,dict(key=key, base=base)
     @staticmethod
-    def cfold(t, s, x):
-        "Stochastic rounding in the kernel: the random bits hashed from each element's index in the stream"
-        idx = torch.arange(x.numel(), device=x.device, dtype=torch.int32) + s['base']
-        return dict(w=((x.view(torch.int32) + random_bits16(idx, s['key'])) & _hi).view(torch.float32))
-    def fold_to(self, b, i, j, xs, ws):
-        if b.flat: return fold_stochastic(xs[0], ws[0], self.gen)
-        lo = b.lo(i)  # one draw for the window laid out as a flat bucket lays it out, so both draw the same bits
-        flat = torch.zeros(b.end(j) - lo, device=b.device)
-        vs = [b.slot(flat, k, lo) for k in range(i, j)]
-        torch._foreach_copy_(vs, xs)
-        fold_stochastic(flat, torch.empty_like(flat, dtype=torch.bfloat16), self.gen)
-        torch._foreach_copy_(ws, vs)
+    def kfold(t, s, x): return dict(w=round_stochastic(x, s['key'], s['base']))
 
 class KeptKind(BF16Kind):
     "bf16 weights with their exact fp32 value kept aside (frozen when the fit began): stepped in it, written to nearest"
-    def split(self, b, xs, ws):
-        b.x = xs[0] if b.flat else None
-        b.xv = b.views(b.x) if b.flat else xs
-        torch._foreach_copy_(ws, xs)
-    def wide(self, b, i, j, phase=0):
-        if not b.flat: return b.xv[i:j],[None if p.grad is None else p.grad.float().to_dense() for p in b.params[i:j]]
-        _,g = super().wide(b, i, j, phase)
-        return b.part(b.x, i, j),g
-    def fold_to(self, b, i, j, xs, ws): torch._foreach_copy_(ws, xs)
+    def split(self, b, x): b.x = x; b.xv = b.views(x); b.w.copy_(x)
+    def wide(self, b, i, j): return b.part(b.x, i, j),super().wide(b, i, j)[1]
+    def widen(self, b, i, j, x): pass
+    def written(self, b, idx):
+        for i in idx: merge_writes(b.xv[i], b.slot(b.w, i))
+    def fold(self, b, i, j, x, phase=0): b.part(b.w, i, j).copy_(x)
     def values(self, b): return [exact_fp32(p.data, x) for p,x in zip(b.params, b.xv)]
-    def cio(self, b, a, c, phase=0): return dict(x=b.part(b.x, a, c), w=b.part(b.w, a, c), g=b.part(b.g, a, c)),{}
+    def kio(self, b, a, c, phase=0): return dict(x=b.part(b.x, a, c), w=b.part(b.w, a, c), g=b.part(b.g, a, c)),{}
     @staticmethod
-    def cwiden(t, s): return t['x'],t['g'].float()
+    def kwiden(t, s): return t['x'],t['g'].float()
     @staticmethod
-    def cfold(t, s, x): return dict(x=x, w=x)
+    def kfold(t, s, x): return dict(x=x, w=x)
 
 # %% ../nbs/05_pure.ipynb #pb000021c
 class BF16Weights(FitState):
-    "A pure-bf16 fit's half model: the optimizer's weights stepped in fp32 and folded back by their kind, the rest halved exactly"
+    "A pure-bf16 fit's half model: the optimizer's weights stepped in fp32 and folded back by their kind, the rest halved"
     def __init__(self,
         learn:Learner, # The learner whose model is halved
         update:str='kahan', # 'kahan' (a bf16 compensation per weight) or 'stochastic'
-        gen:torch.Generator|None=None, # The random bits of `stochastic` rounding
-        stream:dict|None=None, # The compiled step's random stream (`seed`, `count`), carried across fits
+        stream:dict|None=None, # Stochastic rounding's stream (`seed`, `count`), carried across fits
     ):
         halved,ps = halvable(learn.model),opt_params(learn.opt)
         self.halves,self.trained = {id(t) for t in halved},{id(p) for p in ps if p.requires_grad}
-        self.gen,self.train = gen,(KahanKind() if update == 'kahan' else StochasticKind(gen, stream))
+        self.train = KahanKind() if update == 'kahan' else StochasticKind(stream)
         self.frozen,self.plain = KeptKind(),Kind()
         ours = {id(p) for p in ps}
         self.rest = HalvedRest([t for t in halved if id(t) not in ours], torch.bfloat16)
@@ -261,30 +220,20 @@ class PureBF16(PrecisionCallback):
         super().__init__(AMPMode.BF16, check_finite, fused, schedule_skips)
         self._check_schedule_skips()
         check_mode_args('pure', AMPMode.BF16, update=update, seed=seed)
-        self.update,self.seed,self.rng,self.stream = update,seed,None,dict(seed=seed, count=0)
+        self.update,self.seed,self.stream = update,seed,dict(seed=seed, count=0)
     @property
     def bf16_weights(self) -> BF16Weights|None:
         "During a fit, its `BF16Weights`"
         return self.fit_state
     def _repr_extra(self): return f"update='{self.update}', "
 
-    def _new_fit_state(self): return BF16Weights(self.learn, self.update, self._generator(), self.stream)
-    def _generator(self):
-        "The stochastic rounding's generator on the model's device, seeded with `seed` the first time"
-        if self.update != 'stochastic': return None
-        dev = model_device(self.model)
-        if self.rng is None or self.rng.device.type != dev.type: self.rng = torch.Generator(dev).manual_seed(self.seed)
-        return self.rng
+    def _new_fit_state(self): return BF16Weights(self.learn, self.update, self.stream)
 
-    # ---- the generator's state rides in checkpoints where a loss scale would
-    def _scaler_state(self) -> dict:
-        if self.rng is None and not self.stream['count']: return {}
-        return dict(count=self.stream['count'], **({} if self.rng is None else dict(rng=self.rng.get_state(), device=str(self.rng.device))))
+    # ---- the stream's step count rides in checkpoints where a loss scale would
+    def _scaler_state(self) -> dict: return dict(count=self.stream['count']) if self.stream['count'] else {}
     def _load_scaler_state(self, sd:dict):
-        if 'rng' not in sd and 'count' not in sd: return self.reset_scaler()
-        self.stream['count'] = sd.get('count', 0)
-        if 'rng' in sd: self.rng = torch.Generator(sd['device']); self.rng.set_state(sd['rng'])
-        else: self.rng = None
+        if 'count' not in sd: return self.reset_scaler()
+        self.stream['count'] = sd['count']
     def reset_scaler(self):
-        "Start the stochastic rounding's random streams afresh from `seed` at the next fit"
-        self.rng = None; self.stream['count'] = 0
+        "Start stochastic rounding's random stream afresh from `seed`"
+        self.stream['count'] = 0

@@ -1,7 +1,7 @@
 """Shared by every test file: a `fused='compile'` case whose kernel quietly fell back to the eager step fails."""
 import functools
 import pytest, torch
-from mpx.fused import _failed
+from mpx.compiled import _failed
 
 @functools.cache
 def compiles() -> bool:

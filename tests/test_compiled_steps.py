@@ -9,7 +9,8 @@ from torch import nn
 from fastai.basics import Callback, Optimizer, Adam, SGD, RAdam, QHAdam, RMSProp, Lamb, Larc, ranger, sgd_step, load_learner
 import fastai.callback.schedule  # noqa: F401 (fit_one_cycle, lr_find)
 from mpx.all import *
-from mpx.fused import FusedSteps, Kind, _kernels
+from mpx.fused import FusedSteps
+from mpx.compiled import CompiledSteps, _kernels
 from mpx.test_utils import (tiny_learner, tiny_split, ALL_MODES, fit_quiet, state_of, state_diffs, precision_cb, Snapshot, InjectGrad,
                             check_skips_change_nothing, CountOps, weights, tabular_app_learner, collab_app_learner, text_app_learner)
 
@@ -224,9 +225,9 @@ def test_application_workflow(name, make, mode, tmp_path):
 def kernels_a_step(mode, n_layers, monkeypatch, model=None) -> float:
     "Compiled kernels run a step, on `model` or a chain of `n_layers` Linear(4, 4) with Adam (a dispatch mode cannot count them)"
     calls = []
-    real = FusedSteps._run_kernel
+    real = CompiledSteps._run
     def counted(self, *args, **kw): calls.append(1); return real(self, *args, **kw)
-    monkeypatch.setattr(FusedSteps, '_run_kernel', counted)
+    monkeypatch.setattr(CompiledSteps, '_run', counted)
     model = model or (lambda: nn.Sequential(nn.Linear(1, 4), *[nn.Linear(4, 4) for _ in range(n_layers)], nn.Linear(4, 1)))
     learn = tiny_learner(model=model, opt_func=Adam, n_trn=4)
     ALL_MODES[mode](learn, fused='compile')

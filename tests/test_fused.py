@@ -7,9 +7,9 @@ from fastai.callback.core import Callback
 import fastai.callback.schedule
 from fastai.optimizer import *
 from mpx.fused import *
+from mpx.flat import Kind
 from mpx.test_utils import CountOps, count_step_ops
-from mpx.fused import _radam_r
-from mpx.pure import split_kahan, fold_kahan, widen_kahan, fold_stochastic, KahanKind, StochasticKind, KeptKind
+from mpx.pure import split_kahan, fold_kahan, widen_kahan, round_stochastic, stream_key, KahanKind, StochasticKind, KeptKind
 from mpx.test_utils import tiny_learner, tiny_split
 
 @pytest.fixture(autouse=True)
@@ -54,7 +54,7 @@ def _stepped(opt_func, fused:bool, n:int=10, chunk:int=1<<22, **kw):
     for p in (m[0].bias, m[1].weight, m[1].bias, m[2].bias): opt.state[p]['do_wd'] = False
     m[4].weight.requires_grad_(False)  # never a gradient: never stepped
     fs = FusedSteps(opt, chunk=chunk) if fused else None
-    if fused: assert fs.path == 'fused', fs.reason
+    if fused: assert fs.native, fs.reason
     g = torch.Generator().manual_seed(1)
     for i in range(n):
         m(torch.randn(8, 4, generator=g)).pow(2).mean().backward()
@@ -91,7 +91,8 @@ def test_cases_covered():
     "The matrix reaches what it claims: both RAdam branches, a bias stepped fewer times than its layer, a weight never stepped"
     m,opt,_ = _stepped(RAdam, True, lr=1e-2)
     assert m[4].weight in opt.state  # an entry for every parameter, as fastai's all_params makes them
-    assert _radam_r(.99, 1) is None and _radam_r(.99, 10) is not None
+    r = lambda sq, st: 2/(1-sq) - 1 - 2*st*sq**st/(1-sq**st)  # RAdam's SMA length: rectified where above 5
+    assert r(.99, 1) <= 5 < r(.99, 10)
     assert opt.state[m[3].bias]['step'] < opt.state[m[3].weight]['step'] == 10
     assert 'step' not in opt.state[m[4].weight]
 
@@ -105,7 +106,7 @@ def test_detects_difference():
 class _Fuse(Callback):
     "What a precision mode does with fused steps: install at the start of a fit, undo at its end"
     order = 50
-    def before_fit(self): self.fs = FusedSteps(self.learn.opt); assert self.fs.path == 'fused', self.fs.reason
+    def before_fit(self): self.fs = FusedSteps(self.learn.opt); assert self.fs.native, self.fs.reason
     def after_fit(self): self.fs.undo()
 
 class _DropGrad(Callback):
@@ -139,7 +140,7 @@ def test_undo_and_refusals():
     assert 'step' not in vars(opt) and 'step' not in vars(opt.opt)
     ow = OptimWrapper(list(nn.Linear(2, 2).parameters()), opt=torch.optim.Adam, lr=1e-3)
     fs = FusedSteps(ow)
-    assert fs.path == 'wrapper' and 'OptimWrapper' in fs.reason and 'step' not in vars(ow)
+    assert not fs.native and 'OptimWrapper' in fs.reason and 'step' not in vars(ow)
     def mine(p, lr, **kwargs): p.data.add_(p.grad, alpha=-lr)
     assert why_not_fused(Optimizer(list(nn.Linear(2, 2).parameters()), [weight_decay, mine], lr=1e-3)) is None  # fastai's loop, in the engine
 
@@ -171,7 +172,7 @@ def test_op_counts(name, opt_func, steps):
     "Ops a step dispatches: fastai's loop grows linearly with the tensors, the fused step does not (10 vs 100 layers)"
     loop = [_chain_ops(opt_func, n, False, steps) for n in (10, 100)]
     fused = [_chain_ops(opt_func, n, True, steps) for n in (10, 100)]
-    assert fused[0] == fused[1] and fused[1] <= 14, fused
+    assert fused[0] == fused[1] and fused[1] <= 16, fused  # three are fastai's `p.grad.data` (a `detach`: metadata, no kernel)
     assert loop[1] >= 9*loop[0] and loop[0] >= 5*20, loop
 
 def test_widen_kahan():
@@ -197,13 +198,11 @@ def test_fold_kahan_bit_equal():
         sw,sc = split_kahan(x)
         assert torch.equal(w.view(torch.int16), sw.view(torch.int16)) and torch.equal(c.view(torch.int16), sc.view(torch.int16))
 
-def test_fold_stochastic():
-    "Stochastic fold: unbiased (the mean of many roundings is the value), only the two bf16 neighbours, reproducible from the generator"
+def test_round_stochastic():
+    "Stochastic rounding: unbiased (the mean of many roundings is the value), only the two bf16 neighbours, the same bits from the same key"
     vals = torch.tensor([1 + 2**-9, -3 + 5*2**-12, 1e-3 + 1e-6, 0.3, 1.])
     x = vals.repeat(1 << 15)
-    gen = torch.Generator().manual_seed(1234); state = gen.get_state()
-    w = torch.empty_like(x, dtype=torch.bfloat16)
-    fold_stochastic(x.clone(), w, gen)
+    w = round_stochastic(x, stream_key(1234, 0)).bfloat16()
     got = w.float().view(-1, len(vals))
     n = got.shape[0]
     # each column: value v between bf16 neighbours a <= |v| < b; the estimate of P(up) has standard error <= 0.5/sqrt(n)
@@ -212,20 +211,17 @@ def test_fold_stochastic():
         a = col.min().item(); b = col.max().item()
         assert len(set(col.tolist())) <= 2 and a <= abs(v) <= b
         if a != b: assert abs((col.double().mean().item() - abs(v)) / (b - a)) < 4 * .5 / n**.5, (v, col.mean().item())
-    gen.set_state(state); w2 = torch.empty_like(w)
-    fold_stochastic(x.clone(), w2, gen)
-    assert torch.equal(w.view(torch.int16), w2.view(torch.int16))
-    gen.manual_seed(99); w3 = torch.empty_like(w); fold_stochastic(x.clone(), w3, gen)
-    assert not torch.equal(w, w3)
+    assert torch.equal(round_stochastic(x, stream_key(1234, 0)), w.float())
+    assert not torch.equal(round_stochastic(x, stream_key(99, 0)), w.float())
 
-_KINDS = {'kahan': lambda gen: KahanKind(), 'stochastic': StochasticKind}
+_KINDS = {'kahan': KahanKind, 'stochastic': lambda: StochasticKind(dict(seed=7, count=0))}
 
 def _bf16_twin(update, opt_func, fused, chunk=1<<22, frozen=False, n=7):
     "bf16 weights stepped `n` times by the engine with a pure-bf16 kind (`frozen`: the first layer kept exact), fused or by fastai's loop"
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 5), nn.Linear(5, 2))
-    gen,plain,kept = torch.Generator().manual_seed(7),Kind(),KeptKind()
-    kind = _KINDS[update](gen)
+    plain,kept = Kind(),KeptKind()
+    kind = _KINDS[update]()
     opt = opt_func([list(m[:2].parameters()), list(m[2:].parameters())], lr=1e-2)
     halves = {id(p) for i in (0, 2, 3) for p in m[i].parameters()}
     fs = FusedSteps(opt, lambda p: (kept if frozen and p in set(m[0].parameters()) else kind) if id(p) in halves else plain,
@@ -244,11 +240,11 @@ def _bf16_twin(update, opt_func, fused, chunk=1<<22, frozen=False, n=7):
 @pytest.mark.parametrize('opt_func', [Adam, partial(ranger, k=3), Lamb], ids=['adam', 'ranger', 'lamb'])
 def test_bf16_kinds_fused_equal_loop(update, opt_func):
     """The pure-bf16 kinds: fused and fastai's loop give the same weights and state bit for bit, in one window or in windows of a
-    few elements; Kahan's results do not depend on the windows (stochastic rounding draws its bits window by window)"""
+    few elements, and the results do not depend on the windows (stochastic rounding's bits come from each element's index)"""
     (a,dt),(b,_),(c,_),(d,_) = [_bf16_twin(update, opt_func, f, chunk) for f,chunk in ((False, 1<<22), (True, 1<<22), (False, 40), (True, 40))]
     assert dt == {torch.bfloat16, torch.float32}  # the Linear layers in bf16 during the steps, BatchNorm fp32
     assert _diffs(a, b) == [] and _diffs(c, d) == []
-    if update == 'kahan': assert _diffs(a, d) == []
+    assert _diffs(a, d) == []
     assert {p.dtype for p in a[0].parameters()} == {torch.float32}
 
 def test_kept_kind_steps_exactly():
@@ -261,11 +257,11 @@ def test_bf16_kinds_ops(update):
     "Adam through a pure-bf16 kind: the ops of a step do not grow with the tensors"
     def ops(n):
         ps = [nn.Parameter(torch.randn(8)) for _ in range(n)]
-        kind = _KINDS[update](torch.Generator())
+        kind = _KINDS[update]()
         opt = Adam(ps, lr=1e-3)
         FusedSteps(opt, lambda p: kind)
         for p in ps: p.grad = torch.randn(8).bfloat16()
         opt.step()
         with CountOps() as c: opt.step()
         return c.n
-    assert ops(10) == ops(100) <= 30
+    assert ops(10) == ops(100) <= (30 if update == 'kahan' else 40)  # stochastic: the counter-based hash, a dozen integer ops
