@@ -752,4 +752,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                 'mpx.test_utils.tiny_learner': ('test_utils.html#tiny_learner', 'mpx/test_utils.py'),
                                 'mpx.test_utils.tiny_model': ('test_utils.html#tiny_model', 'mpx/test_utils.py'),
                                 'mpx.test_utils.tiny_split': ('test_utils.html#tiny_split', 'mpx/test_utils.py'),
-                                'mpx.test_utils.weights': ('test_utils.html#weights', 'mpx/test_utils.py')}}}
+                                'mpx.test_utils.weights': ('test_utils.html#weights', 'mpx/test_utils.py')},
+            'mpx.warn': { 'mpx.warn._bootstrap': ('warn.html#_bootstrap', 'mpx/warn.py'),
+                          'mpx.warn._internal': ('warn.html#_internal', 'mpx/warn.py'),
+                          'mpx.warn._user_stacklevel': ('warn.html#_user_stacklevel', 'mpx/warn.py'),
+                          'mpx.warn.warn_user': ('warn.html#warn_user', 'mpx/warn.py')}}}
