@@ -16,10 +16,11 @@ $(STAMP): settings.ini setup.py pyproject.toml constraints.txt
 
 # The first run sets up .venv, with pip's output in .venv/setup.log (shown if the set-up fails), so that the demo's
 # output, piped to a file or not, is the demo's: the advice, a line per epoch, the table.
+# The demo's own options go in ARGS: `make demo ARGS='--arch cnn --epochs 4'` (make takes no --options of its own here).
 demo:
 	@$(MAKE) -q $(STAMP) 2>/dev/null || { echo "setting up $(VENV) (a few minutes; pip's output: $(VENV)/setup.log)"; mkdir -p $(VENV) && \
 	  $(MAKE) --no-print-directory $(STAMP) > $(VENV)/setup.log 2>&1 || { cat $(VENV)/setup.log; exit 1; }; }
-	@$(BIN)/python demo/digits.py
+	@$(BIN)/python demo/digits.py $(ARGS)
 
 test: $(STAMP) check-export check-clean nbtest pytest
 
@@ -40,8 +41,15 @@ check-clean: $(STAMP)
 nbtest: $(STAMP)
 	$(BIN)/nbdev-test --timing
 
+# tests/test_docs.py checks the site in Chromium and skips those tests where it is missing: say so last, whatever pytest's
+# outcome, so that a run without it does not read as a full pass. .ci/run installs it.
+CHROMIUM ?= $(or $(MPX_CHROMIUM),/usr/bin/chromium)
 pytest: $(STAMP)
-	$(BIN)/python -m pytest -ra tests
+	@MPX_CHROMIUM=$(CHROMIUM) $(BIN)/python -m pytest -ra tests; rc=$$?; \
+	if [ ! -x "$(CHROMIUM)" ]; then echo; \
+	  echo "NOT TESTED: the docs site in a browser (tests/test_docs.py's browser tests were skipped): $(CHROMIUM) is missing."; \
+	  echo "  Install Chromium (Debian/Ubuntu: sudo apt-get install chromium, as .ci/run does) and run make test again."; fi; \
+	exit $$rc
 
 # bench/step.py's optimi arm: torch-optimi's only dependency is torch, which --no-deps keeps at the pinned CPU wheel.
 $(BENCH_STAMP): $(STAMP) constraints.txt

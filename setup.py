@@ -10,10 +10,12 @@ statuses = ['1 - Planning', '2 - Pre-Alpha', '3 - Alpha', '4 - Beta', '5 - Produ
 py_versions = '3.10 3.11 3.12 3.13'.split()
 min_python = cfg['min_python']
 readme = Path('README.md')
+urls = {'Source': cfg.get('git_url', ''), 'Documentation': cfg.get('doc_url', '')}  # settings.ini's; empty until published
 
 setuptools.setup(
     name=cfg['lib_name'], version=cfg['version'], description=cfg['description'],
-    license=licenses[cfg['license']], author=cfg['author'], author_email=cfg['author_email'], keywords=cfg['keywords'],
+    license=licenses[cfg['license']], author=cfg['author'], keywords=cfg['keywords'],
+    url=cfg.get('git_url') or None, project_urls={k: v for k,v in urls.items() if v} or None,
     classifiers=['Development Status :: ' + statuses[int(cfg['status'])],
                  'Intended Audience :: ' + cfg['audience'].title(),
                  'Natural Language :: ' + cfg['language'].title()] +

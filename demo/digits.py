@@ -90,7 +90,8 @@ def advise(bs=256, device='cpu', arch='mlp', width=WIDE):
 
 def format_advice(report):
     "The hardware line, the recommendation and its reasons"
-    return '\n'.join([f'hardware: {report.hardware}', f'advisor: {report.recommended} recommended'] + [f'  - {r}' for r in report.reasons])
+    head = [f'hardware: {report.hardware}', f'advisor: {report.recommended} recommended']
+    return '\n'.join(head + [f'  - {plain_text(r)}' for r in report.reasons])  # a terminal shows no markdown: `0` as '0'
 
 def outlook(hw:Hardware, arch='mlp', width=WIDE) -> str:
     "What the table below can show on hardware `hw`, said before the runs"
@@ -155,7 +156,7 @@ def verdict(report, rows) -> str:
     if measured is not None: said += f', {measured:.2f}x in the advisor\'s timed steps'
     if speedups[pick] > 1: return f'verdict: {pick}, the advisor\'s pick, ran at {said}'
     return (f'verdict: {pick}, the advisor\'s pick, ran at only {said}: they disagree. The machine may have been busy during '
-            'one of them; run again, or time it with `learn.precision_report(time=True)` on your own model')
+            'one of them; run again, or time it with learn.precision_report(time=True) on your own model')
 
 def main(epochs=8, bs=256, device='cpu', arch='mlp', threads=1, width=None):
     "The advisor's report, then a training run per mode, the comparison table and the verdict"
@@ -169,7 +170,7 @@ def main(epochs=8, bs=256, device='cpu', arch='mlp', threads=1, width=None):
     n,clock = torch.get_num_threads(),'CPU' if epoch_clock(device) is time.thread_time else 'wall'
     print(f'\ndevice: {device}, {n} thread{"s"*(n > 1)} | torch {torch.__version__} | fastai {fastai.__version__} | '
           f'{describe(arch, width)}, {epochs} epochs, bs {bs} | s/epoch: the fastest epoch\'s training phase, in {clock} time')
-    print(f'hardware: {report.hardware}\nadvisor: {report.recommended} recommended ({report.reasons[0]})')
+    print(f'hardware: {report.hardware}\nadvisor: {report.recommended} recommended ({plain_text(report.reasons[0])})')
     print(format_table(rows, report.hardware))
     print(verdict(report, rows))
     return rows

@@ -13,7 +13,6 @@ import argparse, configparser, inspect, json, os, re, shutil, subprocess, sys, t
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DOC_URL = 'https://mpx.github.io/mpx/'  # where the site is published; README's links point here
 NBS, PROC, SITE = ROOT/'nbs', ROOT/'_proc', ROOT/'_docs'
 STAGE = PROC/'.site'  # MyST sources; a dot folder, so proc_nbs's stale-page sweep leaves it alone
 BUILD = PROC/'.build'  # sphinx-build's output and caches, moved to _docs/ once the build succeeded
@@ -28,10 +27,11 @@ def settings() -> configparser.SectionProxy:
     cfg = configparser.ConfigParser(delimiters=['=']); cfg.read(ROOT/'settings.ini')
     return cfg['DEFAULT']
 
-def repo_url(raw=False) -> str:
-    "Where a repository file is browsed on GitHub (links to files that are not pages), or downloaded (`raw`: images)"
-    s = settings()
-    return f"https://github.com/{s['user']}/{s['repo']}/{'raw' if raw else 'blob'}/{s.get('branch', 'main')}/"
+def project_urls() -> dict:
+    "settings.ini's `git_url` and `doc_url`, the project's addresses (the one place they are written), without the empty ones"
+    return {k: v for k in ('git_url', 'doc_url') if (v := settings().get(k, '').strip())}
+
+DOC_URL = project_urls().get('doc_url', '')  # where the site is published ('' until it is): Sphinx's canonical base URL
 
 # ---- nbdev's processing -------------------------------------------------------------------------------------------
 
@@ -67,7 +67,7 @@ def load_proc(proc_dir:Path=PROC) -> dict:
 _link_re = re.compile(r'(!?)\[([^\]\n]*)\]\(([^)\s]+)((?:\s+"[^"\n]*")?)\)')
 
 class Links:
-    "Resolves relative links in a page to the site's pages (or, for the README, to `DOC_URL`), copying images it needs"
+    "Resolves relative links in a page to the site's pages, copying the other files they need; for README, to the repository's files"
     def __init__(self, pages:dict, readme=False):
         "`pages`: `{source file: (page name, suffix of the staged file)}`"
         self.pages,self.readme,self.assets = pages,readme,{}
@@ -77,16 +77,13 @@ class Links:
         if re.match(r'^[a-z][a-z0-9+.-]*:|^#|^/', url, re.I): return None
         path,_,anchor = url.partition('#')
         p = (src_dir/path).resolve()
+        if p not in self.pages and (not p.is_file() or ROOT not in p.parents): return None
+        if self.readme: return p.relative_to(ROOT).as_posix() + ('#'+anchor if anchor else '')  # works in a clone and on GitHub
         if p in self.pages:
             page,suffix = self.pages[p]
-            res = DOC_URL + page + '.html' if self.readme else os.path.relpath(STAGE/(page+suffix), stage_dir)
-            return res + ('#'+anchor if anchor else '')
-        if not p.is_file() or ROOT not in p.parents: return None
-        rel = p.relative_to(ROOT).as_posix()
-        if image and not self.readme:  # copied into the site next to the page, at the same relative place
-            self.assets[stage_dir/path] = p
-            return None
-        return repo_url(raw=image) + rel + ('#'+anchor if anchor else '')
+            return os.path.relpath(STAGE/(page+suffix), stage_dir) + ('#'+anchor if anchor else '')
+        self.assets[stage_dir/path] = p  # copied into the site at the same relative place: an image, or a download (MyST's)
+        return None
 
     def rewrite(self, md:str, src_dir:Path, stage_dir:Path) -> str:
         "`md` with its relative links resolved; an image whose file does not exist becomes a note instead of a warning"
@@ -267,7 +264,7 @@ def is_stale() -> bool:
 README_HEAD = '<!-- Generated from nbs/index.ipynb by `make docs` (docs/adapt.py): edit the notebook, not this file. -->\n\n'
 
 def readme_text(proc_dir:Path|None=None) -> str:
-    "README.md's text: nbs/index.ipynb after nbdev's processing and `adapt`, as markdown with links to `DOC_URL`"
+    "README.md's text: nbs/index.ipynb after nbdev's processing and `adapt`, its links relative to the repository's root"
     import nbformat
     from nbconvert import MarkdownExporter
     from traitlets.config import Config

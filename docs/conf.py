@@ -2,7 +2,7 @@
 import sys
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
-from adapt import DOC_URL, repo_url, settings
+from adapt import DOC_URL, project_urls, settings
 
 _s = settings()
 project,author,copyright = _s['lib_name'],_s['author'],_s['copyright']
@@ -18,12 +18,13 @@ exclude_patterns = ['**/.ipynb_checkpoints']
 
 html_theme = 'sphinx_book_theme'
 html_title = project
-html_baseurl = DOC_URL
+html_baseurl = DOC_URL  # settings.ini's doc_url: empty until the site is published
+_git = project_urls().get('git_url')  # settings.ini's: the theme's repository button links it, once there is one
 html_copy_source = html_show_sourcelink = False
 html_static_path = ['_static']
 html_css_files = ['mpx.css']
 html_theme_options = dict(
-    repository_url=repo_url().split('/blob/')[0], repository_branch=_s.get('branch', 'main'), use_repository_button=True,
+    **(dict(repository_url=_git, repository_branch=_s.get('branch', 'main'), use_repository_button=True) if _git else {}),
     use_download_button=False,  # it would offer the notebook sources, which the site does not copy
     home_page_in_toc=True, show_toc_level=2, navigation_with_keys=False)
 html_favicon = '_static/favicon.svg'  # without one the browser asks for /favicon.ico and logs a 404

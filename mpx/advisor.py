@@ -13,13 +13,14 @@ from time import perf_counter
 from typing import NamedTuple
 from .core import *
 from .hardware import *
+from .warn import warn_user
 from .callback import _no_kernel
 from .fp8 import fp8_table, linear_rows, real_fp8
 
 # %% auto #0
 __all__ = ['fp32_trial', 'ModuleStats', 'module_numerics', 'time_steps', 'ModeFailure', 'mode_failure', 'assess_numerics',
-           'PrecisionReport', 'precision_report', 'Hardware', 'cpu_hardware', 'cuda_hardware', 'mps_hardware',
-           'detect_hardware', 'slow_reason', 'warn_if_slow', 'reset_slow_warnings']
+           'PrecisionReport', 'plain_text', 'precision_report', 'Hardware', 'cpu_hardware', 'cuda_hardware',
+           'mps_hardware', 'detect_hardware', 'slow_reason', 'warn_if_slow', 'reset_slow_warnings']
 
 # %% ../nbs/06_advisor.ipynb #62e927f3
 _all_ = ['Hardware', 'cpu_hardware', 'cuda_hardware', 'mps_hardware', 'detect_hardware', 'slow_reason', 'warn_if_slow',
@@ -236,7 +237,7 @@ def time_steps(
     with _restored(model) as restore:  # each step starts from the same state: a bf16 step's hidden state would reach the fp32 step
         for m in modes:
             try: f = _stepper(model, m); restore(); _timed(f, dt, xb, yb, loss_func); run[m] = f  # warm-up
-            except Exception as e: warnings.warn(f"{m} could not run here, so it is not timed: {e}")
+            except Exception as e: warn_user(f"{m} could not run here, so it is not timed: {e}")
         times,t0 = {m: [] for m in run},perf_counter()
         while run:  # one step of each mode per round: a burst of load elsewhere hits every mode alike
             for m,f in run.items(): restore(); times[m].append(_timed(f, dt, xb, yb, loss_func))
@@ -367,17 +368,20 @@ def _timed_verdict(timings:dict, safe:dict, min_speedup:float) -> tuple[str, str
     "The mode measured speed picks among the numerically safe ones: at least `min_speedup`x fp32 (and fp16 as much over bf16), else fp32"
     gain = {m: timings['fp32']/t for m,t in timings.items() if m != 'fp32' and safe[m]}
     ok = [m for m in ('bf16', 'fp16') if gain.get(m, 0) >= min_speedup]
-    if not ok:
-        gains = ''.join(f"; {m} {g:.2f}x" for m,g in gain.items())
-        return 'fp32', f"fp32: no numerically safe 16-bit mode measured {min_speedup:g}x fp32's speed or more here" + gains
+    if not ok: return 'fp32', f"fp32: no numerically safe 16-bit mode measured {min_speedup:g}x fp32's speed or more here"
     best = 'fp16' if ok == ['fp16'] or len(ok) == 2 and gain['fp16'] >= min_speedup*gain['bf16'] else 'bf16'
-    return best, f"{best}: measured {gain[best]:.2f}x fp32's speed, and numerically safe"
+    return best, _timing_reason(best, timings) + ", and numerically safe"
 
-def _timing_reasons(timings:dict) -> list:
-    t32 = timings['fp32']
-    return [f"{m}: measured {t32/t:.2f}x fp32's speed ({_ms(t)} vs {_ms(t32)} a step)" for m,t in timings.items() if m != 'fp32']
+def _timing_reason(m:str, timings:dict) -> str:
+    "What `m` measured against fp32"
+    t,t32 = timings[m],timings['fp32']
+    return f"{m}: measured {t32/t:.2f}x fp32's speed ({_ms(t)} vs {_ms(t32)} a step)"
 
-def _ms(t:float) -> str: return f'{t*1e3:.3g} ms'
+def _timing_reasons(timings:dict, rec:str) -> list:
+    "The timing of each 16-bit mode but `rec`, whose timing the verdict already gives"
+    return [_timing_reason(m, timings) for m in timings if m not in ('fp32', rec)]
+
+def _ms(t:float) -> str: return f'{t*1e3:.3g} ms' if t < 1 else f'{t:.3g} s'
 
 # %% ../nbs/06_advisor.ipynb #cc5a01a7
 @dataclass
@@ -404,10 +408,17 @@ class PrecisionReport:
 def to_frame(self:PrecisionReport) -> pd.DataFrame:
     "The per-module numerics as a DataFrame, one row per module, with the risk found there"
     rows = [{'module': m.name, 'type': m.kind, 'max |activation|': m.act_max, 'max |gradient|': m.grad_max,
-             'fp16 underflow': m.underflow, 'at risk': self.at_risk.get(m.name, '')} for m in self.modules]
+             'fp16 underflow': math.nan if math.isnan(m.grad_max) else m.underflow, 'at risk': self.at_risk.get(m.name, '')}
+            for m in self.modules]
     return pd.DataFrame(rows).set_index('module')
 
-_fmt = {'fp16 underflow': '{:.1%}'.format}
+_table = dict(float_format=_num, na_rep='–', formatters={'fp16 underflow': lambda v: '–' if math.isnan(v) else f'{v:.1%}'})
+
+def plain_text(s:str) -> str:
+    "`s` for a terminal: the markdown code spans that mark module names (`0`) as quoted names ('0')"
+    return re.sub(r'`([^`]*)`', r"'\1'", s)
+
+def _html(s:str) -> str: return re.sub(r'`([^`]*)`', r'<code>\1</code>', html.escape(s))
 
 @patch
 def _head(self:PrecisionReport) -> list:
@@ -431,17 +442,16 @@ def _fp8_line(self:PrecisionReport) -> str:
 
 @patch
 def __str__(self:PrecisionReport):
-    table = self.to_frame().to_string(float_format=_num, formatters=_fmt)
-    return '\n'.join([f"recommended: {self.recommended}", *(f"  - {r}" for r in self.reasons), *self._head(), table])
+    lines = [f"recommended: {self.recommended}", *(f"  - {r}" for r in self.reasons), *self._head()]
+    return '\n'.join([*map(plain_text, lines), self.to_frame().to_string(**_table)])
 
 @patch
 def __repr__(self:PrecisionReport): return str(self)
 
 @patch
 def _repr_html_(self:PrecisionReport):
-    esc = lambda s: html.escape(s).replace('`', '')
-    return (f"<p><b>recommended: {self.recommended}</b></p><ul>" + ''.join(f"<li>{esc(r)}</li>" for r in self.reasons) + "</ul><p>"
-            + '<br>'.join(esc(l) for l in self._head()) + "</p>" + self.to_frame().to_html(float_format=_num, formatters=_fmt))
+    return (f"<p><b>recommended: {self.recommended}</b></p><ul>" + ''.join(f"<li>{_html(r)}</li>" for r in self.reasons) + "</ul><p>"
+            + '<br>'.join(_html(l) for l in self._head()) + "</p>" + self.to_frame().to_html(**_table))
 
 # %% ../nbs/06_advisor.ipynb #ec012913
 def _failed(learn:Learner, e:Exception) -> RuntimeError:
@@ -473,7 +483,7 @@ def precision_report(
     rec,verdict = _timed_verdict(timings, safe, min_speedup) if time else _hw_verdict(hw, safe, fails)
     for f in fails.values():
         if f.module: at_risk.setdefault(f.module, f"no {f.mode} kernel here" if f.no_kernel else f"fails in {f.mode}")
-    reasons = [verdict, *hw.notes[:2], *why, *map(str, fails.values()), *(_timing_reasons(timings) if time else [])]
+    reasons = [verdict, *hw.notes[:2], *why, *map(str, fails.values()), *(_timing_reasons(timings, rec) if time else [])]
     return PrecisionReport(hw, mods, underflow, at_risk, rec, reasons, timings, fp8, real_fp8(dev), fails)
 
 # %% ../nbs/06_advisor.ipynb #e101f421

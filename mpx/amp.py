@@ -69,7 +69,8 @@ class MixedPrecision(PrecisionCallback):
 
     def _hysteresis_left(self) -> int:
         "The overflows the scale absorbs before it backs off (one host sync while a fit's scaler holds it)"
-        return int(self._left.item()) if self._left is not None else (self._scaler_state_to_load or {}).get('hysteresis_left', self.hysteresis)
+        if self._left is not None: return int(self._left.item())
+        return (self._scaler_state_to_load or {}).get('hysteresis_left', self.hysteresis)
     def _repr_extra(self):
         hy = f"hysteresis={self._hysteresis_left()}/{self.hysteresis}, " if self.scaling and self.hysteresis > 1 else ''
         return (f"comm='{self.comm}', " if self.comm else '') + hy

@@ -87,7 +87,7 @@ def _why_not_fused_dtensor(opt) -> str|None:
 
 # %% ../nbs/06a_distributed.ipynb #c0982941
 class ShardedTrainer(Callback):
-    "Train a model sharded by `to_fsdp`: each rank a share of every batch; a precision that does not fit the sharding refused first"
+    "Train a model sharded by `to_fsdp`: each rank its part of the data; a precision that does not fit the sharding refused first"
     order = PrecisionCallback.order - 1  # before the precision callback: a refused fit changes nothing
     def __init__(self, policy:MixedPrecisionPolicy, device=None): self.policy,self.device = policy,device
     def before_fit(self):

@@ -8,6 +8,7 @@ import dataclasses, functools, math, pickle, warnings
 from typing import NamedTuple
 from fastai.basics import *
 from .core import *
+from .warn import warn_user
 from .plumbing import FitState
 from .callback import *
 import mpx.patches  # Learner._set_precision, which `to_fp8` ends with
@@ -92,9 +93,8 @@ def warn_if_emulated(device) -> bool:
     dt = torch.device(device).type
     if real_fp8(device) or dt in _emulated_warned: return False
     _emulated_warned.add(dt)
-    warnings.warn(f"fp8 is emulated on this {dt}: each fp8 matmul is computed in fp32 from fp8-rounded operands, slower than bf16. "
-                  "The numerics are fp8's, the speed is not: for speed train on CUDA of compute capability 8.9+ (Ada, H100, H200)",
-                  UserWarning, stacklevel=3)
+    warn_user(f"fp8 is emulated on this {dt}: each fp8 matmul is computed in fp32 from fp8-rounded operands, slower than bf16. "
+              "The numerics are fp8's, the speed is not: for speed train on CUDA of compute capability 8.9+ (Ada, H100, H200)")
     return True
 
 # %% ../nbs/05a_fp8.ipynb #f8000018
@@ -228,8 +228,8 @@ class FP8Precision(PrecisionCallback):
         if got is not None: raise ValueError(f"The model already holds torchao's {type(got).__name__}: FP8Precision converts the "
                                              "plain model during each fit; pass the model as it was before convert_to_float8_training")
         if getattr(self, '_lost_filter', None):
-            warnings.warn(f"module_filter={self._lost_filter} could not be pickled by export, so this FP8Precision picks its fp8 layers "
-                          "by default. Make the filter a module-level function, or pass it again (learn.to_fp8(module_filter=...))")
+            warn_user(f"module_filter={self._lost_filter} could not be pickled by export, so this FP8Precision picks its fp8 layers "
+                      "by default. Make the filter a module-level function, or pass it again (learn.to_fp8(module_filter=...))")
             self._lost_filter = None
         plan = fp8_plan(model, self.module_filter)
         if strict and not any(o.fp8 for o in plan):

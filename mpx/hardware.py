@@ -4,12 +4,13 @@
 
 # %% ../nbs/00a_hardware.ipynb #94c13381
 from __future__ import annotations
-import platform, re, warnings
+import platform, re
 from pathlib import Path
 from typing import NamedTuple
 import torch
 from fastcore.basics import *
 from .core import *
+from .warn import warn_user
 
 # %% auto #0
 __all__ = ['Hardware', 'cpu_hardware', 'cuda_hardware', 'mps_hardware', 'detect_hardware', 'slow_reason', 'warn_if_slow',
@@ -159,8 +160,8 @@ def warn_if_slow(
     key = (torch.device(hw.device).type, AMPMode(mode).value)
     if key in _slow_warned or (why := slow_reason(hw, mode)) is None: return False
     _slow_warned.add(key)
-    warnings.warn(f"{key[1]} is slow on this {key[0]} ({hw.name}): {why}. Training goes on; "
-                  "`learn.precision_report(time=True)` measures which mode suits this machine and model", UserWarning, stacklevel=3)
+    warn_user(f"{key[1]} is slow on this {key[0]} ({hw.name}): {why}. Training goes on; "
+              "learn.precision_report(time=True) measures which mode suits this machine and model")
     return True
 
 def reset_slow_warnings():

@@ -16,14 +16,15 @@ from .parallel import is_sharded, save_sharded, load_sharded
 __all__ = ['check_fastai_version', 'is_mpx_precision', 'check_one_precision']
 
 # %% ../nbs/01c_patches.ipynb #7a695868
+from .warn import warn_user
 _supported = ('2.8.0', '2.9.0')  # fastai versions whose internals these patches were written and pinned against: [from, to)
 
 def check_fastai_version(version:str=fastai.__version__) -> bool:
     "Warn, naming both, when `version` of fastai is outside the range mpx's patches are pinned against; True if inside"
     from packaging.version import Version
     ok = Version(_supported[0]) <= Version(version) < Version(_supported[1])
-    if not ok: warnings.warn(f"mpx's fastai patches are pinned against fastai >={_supported[0]},<{_supported[1]} and fastai {version} is "
-                             "installed: run mpx's tests/test_patches.py, which names each fastai behaviour mpx relies on")
+    if not ok: warn_user(f"mpx's fastai patches are pinned against fastai >={_supported[0]},<{_supported[1]} and fastai {version} is "
+                         "installed: run mpx's tests/test_patches.py, which names each fastai behaviour mpx relies on")
     return ok
 
 check_fastai_version()

@@ -34,8 +34,10 @@ def test_advice(demo, advice):
     lines = demo.format_advice(advice).splitlines()
     assert lines[0] == f'hardware: {advice.hardware}' and lines[0].startswith('hardware: cpu (')
     assert lines[1] == f'advisor: {advice.recommended} recommended'
-    assert lines[2] == f'  - {advice.reasons[0]}' and len(lines) == 2 + len(advice.reasons)
+    assert lines[2] == f'  - {mpx.advisor.plain_text(advice.reasons[0])}' and len(lines) == 2 + len(advice.reasons)
     assert any("bf16: measured" in l for l in lines) and any("fp16: measured" in l for l in lines)
+    assert '`' not in '\n'.join(lines), 'a terminal shows no markdown'
+    assert len([l for l in lines if l.startswith(f'  - {advice.recommended}: measured')]) <= 1, 'the pick\'s timing said twice'
 
 @pytest.fixture(scope='module')
 def rows(demo):

@@ -45,7 +45,7 @@ def test_adapt_quarto_to_myst():
     assert out['cells'][3] == dict(cell_type='code', id=out['cells'][3]['id'], metadata={'tags': ['remove-input']},
                                    source='x = 1', execution_count=None, outputs=[])
     readme = adapt.adapt(nb, '00_core.ipynb', adapt.Links(pages, readme=True))
-    assert f'[amp]({adapt.DOC_URL}amp.html#mixedprecision)' in readme['cells'][1]['source']
+    assert '[amp](nbs/03_amp.ipynb#mixedprecision)' in readme['cells'][1]['source']  # relative: a clone, GitHub
 
 def test_adapt_markdown_pages():
     "Headings escape `_` outside code; a missing image becomes a note, not a broken build; fenced code is left alone."
@@ -57,7 +57,12 @@ def test_adapt_markdown_pages():
     assert links.rewrite('![icon](docs/_static/favicon.svg)', adapt.ROOT, adapt.STAGE) == '![icon](docs/_static/favicon.svg)'
     assert links.assets == {adapt.STAGE/'docs/_static/favicon.svg': (adapt.ROOT/'docs/_static/favicon.svg').resolve()}
     assert adapt.Links({}).rewrite('[run](bench/x.py)', adapt.ROOT, adapt.STAGE) == '[run](bench/x.py)'  # no such file
-    assert adapt.Links({}).rewrite('[c](docs/conf.py)', adapt.ROOT, adapt.STAGE) == f'[c]({adapt.repo_url()}docs/conf.py)'
+    links = adapt.Links({})  # a repository file that is not a page: copied into the site, a download there
+    assert links.rewrite('[c](../docs/conf.py)', adapt.NBS, adapt.STAGE) == '[c](../docs/conf.py)'
+    assert links.assets == {adapt.STAGE/'../docs/conf.py': (adapt.ROOT/'docs/conf.py').resolve()}
+    readme = adapt.Links({}, readme=True)
+    assert readme.rewrite('[c](../docs/conf.py#L3) ![i](../docs/_static/favicon.svg)', adapt.NBS, adapt.ROOT) == \
+           '[c](docs/conf.py#L3) ![i](docs/_static/favicon.svg)' and not readme.assets
 
 def test_param_table():
     "show_doc pages get fastcore's docments table where the parameters are documented, and none where they are not."
@@ -67,12 +72,38 @@ def test_param_table():
 # ---- README.md -------------------------------------------------------------------------------------------------
 
 def test_readme_is_fresh():
-    "README.md is nbs/index.ipynb processed (run `make docs` after editing the notebook), with links into the site."
+    "README.md is nbs/index.ipynb processed (run `make docs` after editing the notebook); its links work in a clone and on GitHub."
     readme = (ROOT/'README.md').read_text()
     assert readme == adapt.readme_text(), 'README.md is stale: run `make docs` and commit README.md'
-    local = [u for u in re.findall(r'\]\(([^)\s]+)', readme) if not re.match(r'https?://', u)]
-    assert not local, f'README.md links that only work in the repository: {local}'
-    assert f'({adapt.DOC_URL}tutorial.digits.html)' in readme
+    links = re.findall(r'\]\(([^)\s]+)', readme)
+    local = [u for u in links if not re.match(r'[a-z][a-z0-9+.-]*:', u, re.I)]
+    assert 'nbs/tutorial.digits.ipynb' in local and not [u for u in local if not (ROOT/u.partition('#')[0]).is_file()], local
+    site = adapt.DOC_URL or 'https://mpx.github.io/'  # the site is linked only once settings.ini says where it is published
+    assert not [u for u in links if u.startswith(site)] or adapt.DOC_URL, links
+
+def test_readme_says_how_to_get_the_docs():
+    "README's text, not an HTML comment, says how to build the docs and open them, and what `make test` needs for the browser tests."
+    text = re.sub(r'<!--.*?-->', '', (ROOT/'README.md').read_text(), flags=re.S)
+    for s in ('make docs', '_docs/index.html', 'apt-get install chromium', 'MPX_CHROMIUM'): assert s in text, s
+
+def test_project_urls_in_one_place():
+    "The project's addresses are settings.ini's `git_url` and `doc_url`, nowhere else; no placeholder address is left."
+    cfg = adapt.settings()
+    assert {'git_url', 'doc_url'} <= set(cfg) and 'user' not in cfg, dict(cfg)
+    files = ['settings.ini', 'setup.py', 'pyproject.toml', 'README.md', 'docs/conf.py', 'docs/adapt.py', *adapt.NBS.glob('*.ipynb')]
+    placeholders = ('example.com', 'github.com/mpx/', 'mpx.github.io')
+    assert not [(f, p) for f in files for p in placeholders if p in (ROOT/f).read_text()]
+
+def test_index_names_pages_by_their_titles():
+    "Each link of the home page's Pages list is named as the page it opens is titled (README's name of a page is the site's)."
+    index = json.loads((adapt.NBS/'index.ipynb').read_text())
+    pages = next(''.join(c['source']) for c in index['cells'] if ''.join(c['source']).startswith('## Pages'))
+    def title(rel):
+        if rel.endswith('.md'): return (adapt.NBS/rel).read_text().splitlines()[0].lstrip('# ')
+        mds = [''.join(c['source']) for c in json.loads((adapt.NBS/rel).read_text())['cells'] if c['cell_type'] == 'markdown']
+        return next(m.splitlines()[0][2:] for m in mds if m.startswith('# '))
+    links = re.findall(r'^- \[([^\]]+)\]\(([^)#]+)', pages, re.M)
+    assert len(links) > 10 and not [(t, rel, title(rel)) for t,rel in links if not t.startswith(title(rel))]
 
 # ---- the site, in a browser ------------------------------------------------------------------------------------
 
@@ -117,7 +148,8 @@ def browser(tmp_path_factory):
         ctx.close()
 
 _SCRAPE = '''async () => {
-  const text = el => { const c = el.cloneNode(true); c.querySelectorAll('.headerlink').forEach(a => a.remove()); return c.textContent.trim(); };
+  const text = el => {
+    const c = el.cloneNode(true); c.querySelectorAll('.headerlink').forEach(a => a.remove()); return c.textContent.trim(); };
   const art = document.querySelector('article') || document.body;
   const imgs = [...art.querySelectorAll('img')];
   const decoded = await Promise.all(imgs.map(i => i.decode().then(() => true, () => false)));
@@ -168,11 +200,18 @@ def test_every_public_name_has_a_heading(pages):
     assert names and not [n for n in names if n not in headings], [n for n in names if n not in headings]
     assert {'Learner.to_fp16', 'Learner.to_bf16', 'Learner.to_fp32'} <= headings
 
-def test_loss_scale_plot_is_shown(pages):
-    "The tutorial shows the saved loss-scale plots as decoded images."
-    plots = [i for i in pages['tutorial.digits']['images'] if 'plot_loss_scale(' in i['cell']]
-    assert len(plots) >= 1, pages['tutorial.digits']['images']
+@pytest.mark.parametrize('page', ['tutorial.digits', 'amp'])
+def test_loss_scale_plot_is_shown(pages, page):
+    "The tutorial and the AMP page show the saved loss-scale plots they promise as decoded images."
+    plots = [i for i in pages[page]['images'] if 'plot_loss_scale(' in i['cell']]
+    assert len(plots) >= 1, pages[page]['images']
     for i in plots: assert i['decoded'] and i['width'] > 0, i
+
+def test_repository_files_are_downloads(site):
+    "A page's link to a repository file that is not a page (the tutorial's demo/digits.py) is a download in the site: no placeholder URL."
+    html = (site/'tutorial.digits.html').read_text()
+    hrefs = re.findall(r'href="([^"]*digits\.py)"', html)
+    assert hrefs and all((site/h).is_file() for h in hrefs), hrefs
 
 def test_nothing_hidden_leaks(pages):
     "No `#|` line in any code block, no Quarto option, show_doc call or nbdev_export in any page, no line of a `#| hide` cell."
@@ -182,7 +221,8 @@ def test_nothing_hidden_leaks(pages):
     for rel,nb in adapt.load_proc(adapt.proc()).items():
         page = pages[adapt.page_of(nb, rel)]
         src = json.loads((adapt.NBS/rel).read_text())
-        hidden = [''.join(c['source']) for c in src['cells'] if c['cell_type'] == 'code' and re.search(r'^#\|\s*hide\s*$', ''.join(c['source']), re.M)]
+        code = [''.join(c['source']) for c in src['cells'] if c['cell_type'] == 'code']
+        hidden = [c for c in code if re.search(r'^#\|\s*hide\s*$', c, re.M)]
         lines = {l.strip() for h in hidden for l in h.splitlines() if len(l.strip()) > 10 and not l.strip().startswith('#')}
         assert not [l for l in lines if l in page['text']], (rel, [l for l in lines if l in page['text']])
 
