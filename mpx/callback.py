@@ -13,6 +13,7 @@ from .scaler import *
 from .fused import FusedSteps
 from .plumbing import Ledger
 from .patches import *
+from .warn import warn_user
 
 # %% auto #0
 __all__ = ['ScaleTelemetry', 'check_single_autocast', 'NormStats', 'first_not_fp32', 'PrecisionCallback']
@@ -57,7 +58,7 @@ def _warn_if_stuck(self:ScaleTelemetry, skips:list, scale:float, at_floor:bool, 
     run = _trailing(skips)
     if run < self.warn_after or not at_floor or getattr(self, '_warned', False): return
     self._warned = True
-    warnings.warn(f"{run} optimizer steps in a row had inf/nan gradients at loss scale {scale:g}{where}. "
+    warn_user(f"{run} optimizer steps in a row had inf/nan gradients at loss scale {scale:g}{where}. "
                   f"The model itself may be producing inf/nan: {_hints[AMPMode(getattr(self, 'amp_mode', 'fp16'))]}.")
 
 # %% ../nbs/02_callback.ipynb #cb000008b
@@ -217,6 +218,7 @@ class PrecisionCallback(Callback, ScaleTelemetry):
     def before_epoch(self): self._epoch_start = self.step_log.total
     def after_epoch(self):
         if self.step_log.pending: self._settle_overflows(self.loss_scale, self._at_floor)
+        if self.fused_steps is not None: self.fused_steps.steps_to_host()  # compiled: the device's counts, once an epoch
     def before_train(self):
         "fastai sets `pct_train` from the epoch at each epoch's start: the steps skipped so far come off at its first batch"
         self._offset_due = bool(self._sched_skipped)

@@ -208,18 +208,19 @@ class CompiledSteps:
 
     def why_not(self, eng, b:Bucket) -> str|None:
         "Why bucket `b` cannot step compiled now; None where it can"
-        if torch._C._len_torch_dispatch_stack(): return "a dispatch mode is active (an op counter), and torch.compile refuses to run under one"
+        if torch._C._len_torch_dispatch_stack():
+            return "a dispatch mode is active (an op counter), and torch.compile refuses to run under one"
         if not b.flat: return "a parameter cannot take a slot in a flat buffer (a DTensor, a non-dense tensor)"
         if b.loose: return "a gradient is sparse: its parameter is stepped by fastai's loop"
         return _failed.get(type(b.kind))
 
     def bucket(self, eng, b:Bucket, hyper:dict):
         ds = self._steps(b)
-        self._step(eng, b, hyper, b.runs(0, len(b.params), ds.keys(b)), 0)
-        ds.advance(b)
+        if self._step(eng, b, hyper, b.runs(0, len(b.params), ds.keys(b)), 0): ds.advance(b)
     def extra(self, eng, b:Bucket, i:int, n:int, hyper:dict): self._step(eng, b, hyper, [(i, i+1)], n)
 
-    def _step(self, eng, b:Bucket, hyper:dict, runs:list, phase:int):
+    def _step(self, eng, b:Bucket, hyper:dict, runs:list, phase:int) -> bool:
+        "Step `runs` of `b` compiled (True), or eagerly where it cannot (False)"
         why = self.why_not(eng, b)
         if why is None:
             chain = _static_chain(eng.inner.cbs, hyper)
@@ -229,12 +230,13 @@ class CompiledSteps:
                 if k: raise RuntimeError(f"mpx: a compiled kernel failed after another of the same bucket ran: {_failed[type(b.kind)]}")
                 why = _failed[type(b.kind)]
                 break
-            else: return
+            else: return True
         self.to_host(eng, b)
-        if eng.found is not None and bool(eng.found): return  # a step skipped on the device: the eager one must not run
+        if eng.found is not None and bool(eng.found): return False  # a step skipped on the device: the eager one must not run
         eng.say(why)
         if phase: self.eager.extra(eng, b, runs[0][0], phase, hyper)
         else: self.eager.bucket(eng, b, hyper)
+        return False
 
     def _steps(self, b:Bucket) -> DeviceSteps:
         ds = self.dev.get(id(b))
@@ -254,7 +256,7 @@ class CompiledSteps:
         for k,v in vals.items():
             key = (device, k)
             t,old = self.scal.get(key, (None, None))
-            if t is None: t = torch.zeros((), device=device, dtype=torch.int32 if isinstance(v, int) and not isinstance(v, bool) else torch.float32)
+            if t is None: t = torch.zeros((), device=device, dtype=torch.int32 if type(v) is int else torch.float32)
             if v != old: t.fill_(v)
             self.scal[key] = (t, v); res[k] = t
         return res

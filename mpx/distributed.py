@@ -20,6 +20,7 @@ from .callback import PrecisionCallback
 from .amp import MixedPrecision
 from .master import MasterPrecision
 from .fused import why_not_fused
+from .core import Fused
 from .plumbing import unwrap
 from .parallel import *
 
@@ -75,8 +76,8 @@ def _why_not_sharded(learn:Learner, policy:MixedPrecisionPolicy) -> str|None:
     if fsdp_policy(cb) != policy: return (f"{type(cb).__name__ if cb else 'fp32'} needs {fsdp_policy(cb)} but the model was sharded "
                                           f"in {policy}: FSDP2 fixes a module's policy when it shards it. Choose the precision first")
     if getattr(cb, 'comm', None): return f"comm={cb.comm!r} sets DDP's all-reduce; FSDP2 reduce-scatters in fp32. Drop comm"
-    if getattr(cb, 'flat_master', False): return "flat_master=True has nothing to flatten: FSDP2's fp32 shards are the masters"
-    if getattr(cb, 'fused', False) and learn.opt is not None and why_not_fused(learn.opt) is None: return _why_not_fused_dtensor(learn.opt)
+    if getattr(cb, 'fused', Fused.LOOP) is not Fused.LOOP and learn.opt is not None and why_not_fused(learn.opt) is None:
+        return _why_not_fused_dtensor(learn.opt)
 
 def _why_not_fused_dtensor(opt) -> str|None:
     "Why mpx's fused steps of `opt` cannot step `DTensor` shards; None where they can"

@@ -38,7 +38,8 @@ class ForeignSteps:
     def _swapped(self, step:Callable, wins:list, only:bool):
         wins = [(b, i, j) for b,i,j in wins if any(b.live[i:j])]
         xs = [b.kind.wide(b, i, j) for b,i,j in wins]
-        ps = [(p, _part(x, b, k, i), _part(g, b, k, i)) for (b,i,j),(x,g) in zip(wins, xs) for k,p in enumerate(b.params[i:j], i) if b.live[k]]
+        ps = [(p, _part(x, b, k, i), _part(g, b, k, i))
+              for (b,i,j),(x,g) in zip(wins, xs) for k,p in enumerate(b.params[i:j], i) if b.live[k]]
         with Ledger() as led:
             for p,d,gr in ps:
                 led.defer(partial(_put, p, p.data, p.grad))
@@ -47,7 +48,9 @@ class ForeignSteps:
                 topt,keep = self.eng.inner.opt,set(id(p) for p,*_ in ps)
                 led.set(topt, 'param_groups', [{**g, 'params': [p for p in g['params'] if id(p) in keep]} for g in topt.param_groups])
             step()
-        for (b,i,j),(x,_) in zip(wins, xs): b.kind.fold(b, i, j, x)
+        for (b,i,j),(x,_) in zip(wins, xs):
+            b.kind.fold(b, i, j, x)
+            b.versions = [p._version for p in b.params]  # the swaps are the engine's, not a write of a callback
 
 def _part(x, b:Bucket, k:int, i:int) -> Tensor:
     "Parameter `k`'s part of what `wide` gave for the window from parameter `i`"

@@ -9,6 +9,7 @@ from functools import partial
 from fastai.torch_basics import *
 from fastai.optimizer import *
 from .core import Fused
+from .warn import warn_user
 from .plumbing import Ledger, unwrap
 from .flat import *
 from .eager import *
@@ -179,7 +180,7 @@ class FusedSteps:
         "Warn once an engine why `fused='compile'` steps eagerly"
         if why in self.said: return
         self.said.add(why)
-        warnings.warn(f"fused='compile' steps eagerly here: {why}", stacklevel=5)
+        warn_user(f"fused='compile' steps eagerly here: {why}")
 
     def steps_to_host(self):
         "Write the compiled step's device step counts into fastai's state dicts (one host sync); a no-op otherwise"

@@ -10,7 +10,7 @@ from .scaler import *
 from .plumbing import *
 from .flat import Kind, set_data, merge_writes
 from .fused import FusedSteps
-import warnings
+from .warn import warn_user
 from .parallel import ShardedMasters, is_sharded
 from .callback import *
 
@@ -149,8 +149,8 @@ class MasterPrecision(PrecisionCallback):
     ):
         super().__init__(amp_mode, check_finite, fused, schedule_skips)
         check_args(dynamic=dynamic, **({} if flat_master is None else dict(flat_master=flat_master)))
-        if flat_master is not None: warnings.warn("flat_master has no effect: the fp32 masters are always flat, one buffer a parameter "
-                                              "group (split by weight decay), whatever `fused` says. Drop it", FutureWarning, stacklevel=4)
+        if flat_master is not None: warn_user("flat_master has no effect: the fp32 masters are always flat, one buffer a parameter "
+                                              "group (split by weight decay), whatever `fused` says. Drop it", FutureWarning)
         args = dict(loss_scale=loss_scale, growth_interval=growth_interval, growth_factor=growth_factor, backoff_factor=backoff_factor,
                     min_scale=min_scale, max_scale=max_scale, hysteresis=hysteresis)
         check_mode_args('master', self.amp_mode, dynamic, **passed(**args), **({'dynamic': dynamic} if dynamic else {}))

@@ -103,7 +103,7 @@ def test_report_views():
     r = scaled_learner().precision_report()
     s = str(r)
     assert s.splitlines()[0] == f'recommended: {r.recommended}' and repr(r) == s
-    assert f'hardware: {r.hardware}' in s and 'at risk in 16 bits: `0`' in s
+    assert f'hardware: {r.hardware}' in s and "at risk in 16 bits: '0'" in s
     h = r._repr_html_()
     assert '<table' in h and f'recommended: {r.recommended}' in h and '65504' in h
     df = r.to_frame()

@@ -4,8 +4,9 @@ import json, os, subprocess, sys, textwrap
 from concurrent.futures import ThreadPoolExecutor
 import pytest
 
-# DESIGN.md's arrows: `learner -> (amp, master, pure, fp8, advisor) -> callback -> (fused, plumbing, scaler, hardware, patches) -> core`
-TIERS = dict(core=0, hardware=1, scaler=1, fused=1, plumbing=1, patches=1, progress=1, parallel=1, callback=2, distributed=4, amp=3, master=3, pure=3, fp8=3, advisor=3,
+# DESIGN.md's arrows: `learner -> (amp, master, pure, fp8, advisor) -> callback -> (fused, plumbing, scaler, hardware, patches) -> core`;
+# the step engine's pieces (flat, eager, compiled, foreign) sit beside fused, and `warn` beside core
+TIERS = dict(core=0, warn=0, hardware=1, scaler=1, fused=1, flat=1, eager=1, compiled=1, foreign=1, plumbing=1, patches=1, progress=1, parallel=1, callback=2, distributed=4, amp=3, master=3, pure=3, fp8=3, advisor=3,
              learner=4, test_utils=5, all=5)
 MODES = {'amp', 'master', 'pure', 'fp8'}  # no mode imports another mode
 EXTRA = dict(advisor={'fp8'})  # the advisor is no mode: its report says what `to_fp8()` would convert (`fp8_table`, `real_fp8`)
@@ -85,11 +86,48 @@ t = LossScaler(); t.load_state_dict(s.state_dict()); assert t.scale == 4.
     fused='''
 from mpx.fused import *
 a,b = learner(),learner()
+from mpx.core import Fused
 a.create_opt(); steps = FusedSteps(a.opt)
-assert steps.path == 'fused', steps
+assert steps.native and steps.path is Fused.FLAT, steps
 fit(a); fit(b)  # fastai's loop in `b`: the same weights, bit for bit
 assert all(torch.equal(p, q) for p,q in zip(a.model.parameters(), b.model.parameters()))
 steps.undo()
+''',
+    flat='''
+from mpx.flat import *
+ps = [nn.Parameter(torch.randn(s)) for s in (3, 70)]
+b = Bucket(ps, Kind(), flat=True, group=0)
+assert b.offs == [0, 64] and all(p.data_ptr() == b.w.data_ptr() + 4*o for p,o in zip(ps, b.offs))
+''',
+    eager='''
+from mpx.eager import *
+from fastai.optimizer import Adam, Lamb, weight_decay, lamb_step
+assert [w[0] for w in plan(Adam([nn.Parameter(torch.zeros(2))], lr=1e-3).cbs)] == ['run']*5
+assert plan([lamb_step])[0][0] == 'param' and plan([lambda p, **kw: None]) is None
+''',
+    compiled='''
+from mpx.compiled import *
+from mpx.flat import Bucket, Kind
+ps = [nn.Parameter(torch.zeros(2)) for _ in range(2)]
+b = Bucket(ps, Kind(), flat=True, group=0); b.dicts = [{'step': 3}, {}]
+assert DeviceSteps(b).t.tolist() == [3., 0.]
+''',
+    foreign='''
+from mpx.foreign import *
+from mpx.fused import FusedSteps
+from mpx.pure import KahanKind
+from fastai.optimizer import OptimWrapper
+learn = learner(); learn.opt_func = partial(OptimWrapper, opt=torch.optim.SGD); learn.create_opt()
+kind = KahanKind()
+steps = FusedSteps(learn.opt, lambda p: kind)
+assert not steps.native and 'step' in vars(learn.opt)  # a torch optimizer steps the widened weights, swapped in
+steps.undo(); assert 'step' not in vars(learn.opt)
+''',
+    warn='''
+from mpx.warn import *
+with warnings.catch_warnings(record=True) as ws:
+    warnings.simplefilter('always'); warn_user('here')
+assert ws[0].filename == '<string>' and str(ws[0].message) == 'here', ws[0]
 ''',
     plumbing='''
 from mpx.plumbing import *
