@@ -59,7 +59,6 @@ MPX_MODES = {  # name: what makes a learner train in that mpx mode
     'mpx AMP bf16':         lambda l: l.to_bf16(),
     'mpx AMP fp16':         lambda l: l.to_fp16(),
     'mpx master fp16':      lambda l: l.to_fp16(loss_scale=512),
-    'mpx master fp16 flat': lambda l: l.to_fp16(loss_scale=512, flat_master=True),
 }
 
 class FastaiAMPOnCPU(ffp16.MixedPrecision):

@@ -3,7 +3,7 @@
 1. Aten ops one optimizer step dispatches (counted with `CountOps`, a `TorchDispatchMode`; on a GPU each is a kernel
    launch) at 10, 100 and 1000 parameter tensors, for SGD with momentum, Adam, RAdam and ranger (ranger: the mean over
    its 6-step Lookahead cycle, one slow-weight sync included). Target: fused at most 2% of the loop at 1000 tensors.
-   Also the fused Adam step with the bulk pure-bf16 widen/fold hooks (`bf16_hooks`), Kahan and stochastic.
+   Also the fused Adam step in pure bf16's storage kinds (widen, step, fold), Kahan and stochastic.
 2. Time of one optimizer step, and of one whole training batch through a fastai `Learner`, on 200 `Linear(64, 64)`
    layers (400 tensors) with Adam: fused against the loop, interleaved rounds, the median of paired ratios. Target: 2x.
 
@@ -22,7 +22,8 @@ import sys, statistics
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import *
-from mpx.fused import FusedSteps, bf16_hooks
+from mpx.fused import FusedSteps
+from mpx.pure import KahanKind, StochasticKind
 from mpx.test_utils import CountOps
 from mpx.patches import is_mpx_precision
 
@@ -62,12 +63,12 @@ def count_table(sizes=(10, 100, 1000)):
     table(['optimizer', 'tensors:', 'loop ops/step:', 'fused ops/step:', 'fused/loop:'], rows)
 
 def bf16_ops(update, n, warm=3) -> int:
-    "Aten ops of one fused Adam step on `n` bf16 tensors through `bf16_hooks` (Kahan: a bf16 compensation each; else stochastic)"
-    ps = [nn.Parameter(p.detach().bfloat16()) for p in _params(n)]
-    for p,q in zip(ps, _params(n)): p.grad = q.grad.bfloat16()
-    comp = {p: torch.zeros_like(p) for p in ps} if update == 'kahan' else {}
+    "Aten ops of one fused Adam step on `n` tensors held in pure bf16's storage kinds (Kahan: a bf16 compensation each)"
+    ps = _params(n)
+    kind = KahanKind() if update == 'kahan' else StochasticKind(dict(seed=0, count=0))
     opt = Adam(ps, lr=1e-3)
-    FusedSteps(opt, *bf16_hooks(comp, gen=torch.Generator().manual_seed(0)))
+    FusedSteps(opt, lambda p: kind)
+    for p in ps: p.grad = p.grad.bfloat16()
     for _ in range(warm): opt.step()
     with CountOps() as c: opt.step()
     return c.n
@@ -104,9 +105,16 @@ def batch_timer(fused, n_batches=24) -> callable:
     learn = learner(chain(), batches, cbs=[Fuse()] if fused else None, opt_func=Adam, lr=1e-4)
     return learner_step(learn)
 
+def amp_fit_timer(fused, n_batches=24, width=32, bs=64) -> callable:
+    "One epoch of AMP bf16 on 200 `Linear(width, width)` with Adam, `fused` or fastai's loop: settled seconds per batch"
+    batches = synth_batches((bs, width), n_out=width, n=n_batches)
+    learn = learner(chain(width=width), batches, opt_func=Adam, lr=1e-4).to_bf16(fused=fused)
+    return learner_step(learn)
+
 def time_table(rounds=7):
     rows = []
-    for what,make in (('optimizer step', opt_step_timer), ('training batch (fastai Learner, fp32)', batch_timer)):
+    for what,make in (('optimizer step', opt_step_timer), ('training batch (fastai Learner, fp32)', batch_timer),
+                      ('AMP bf16 batch, 200 Linear(32, 32), batch 64', amp_fit_timer)):
         res = interleaved(dict(loop=make(False), fused=make(True)), rounds)
         rows.append([what, f"{med(res['loop'])*1e3:.2f}", f"{med(res['fused'])*1e3:.2f}", f"{ratio(res['loop'], res['fused']):.2f}x"])
     table(['200 Linear(64, 64), Adam', 'loop ms:', 'fused ms:', 'speed-up (paired median):'], rows)
@@ -118,7 +126,6 @@ MODES = {  # name: a function making learner `l` train in that mode, with fused 
     'AMP bf16':         lambda l,fused: l.to_bf16(fused=fused),
     'AMP fp16':         lambda l,fused: l.to_fp16(init_scale=2.**8, fused=fused),
     'master fp16':      lambda l,fused: l.to_fp16(loss_scale=512, fused=fused),
-    'master fp16 flat': lambda l,fused: l.to_fp16(loss_scale=512, flat_master=True, fused=fused),
     'master bf16':      lambda l,fused: l.to_bf16(master=True, fused=fused),
     'pure kahan':       lambda l,fused: l.to_bf16(pure=True, update='kahan', fused=fused),
     'pure stochastic':  lambda l,fused: l.to_bf16(pure=True, update='stochastic', fused=fused),

@@ -114,7 +114,6 @@ MODES = {  # name: (what makes a learner's precision, or the raw loop's autocast
     'fp32': (lambda l: l, False), 'tf32': (lambda l: l, True),
     'mpx bf16': (lambda l: l.to_bf16(), False), 'mpx bf16 check_finite=False': (lambda l: l.to_bf16(check_finite=False), False),
     'mpx fp16': (lambda l: l.to_fp16(), False),
-    'mpx master fp16 flat': (lambda l: l.to_fp16(flat_master=True, dynamic=True), False),
     'mpx pure bf16 kahan': (lambda l: l.to_bf16(pure=True, update='kahan'), False),
     'mpx pure bf16 stochastic': (lambda l: l.to_bf16(pure=True, update='stochastic'), False),
     'fastai fp16': (lambda l: l.add_cb(ffp16.MixedPrecision()), False), 'fastai bf16': (lambda l: l.add_cb(ffp16.MixedPrecision(amp_mode='bf16')), False),
@@ -194,7 +193,7 @@ def bookkeeping(sizes=(100, 1000), numel=1024, rounds=7, k=5) -> list:
     "`master_bookkeeping.py`'s fastai and mpx steps (fastai's SGD; mpx fused and per-parameter) on `DEV`, timed between two syncs: rows"
     import master_bookkeeping as mb
     def mpx_setup(n, numel, flat, fused):  # `mb.mpx_setup`, the callback's fit state (and fused steps) begun as `before_fit` begins them
-        learn,cb = mb.make_learner(n, numel),MasterPrecision(loss_scale=mb.SCALE, flat_master=flat, fused=fused)
+        learn,cb = mb.make_learner(n, numel),MasterPrecision(loss_scale=mb.SCALE, fused=fused)
         learn.add_cb(cb); cb._begin_fit()
         give = mb.grad_source(list(learn.model.parameters()))
         def step(): give(); cb.after_backward(); cb.before_step(); cb.after_step(); learn.opt.zero_grad()
@@ -219,7 +218,6 @@ SYNC_MODES = {  # name: the precision callback whose host syncs per optimizer st
     'mpx AMP fp16': lambda: MixedPrecision('fp16'), 'mpx AMP bf16': lambda: MixedPrecision('bf16'),
     'mpx AMP bf16, check_finite=False': lambda: MixedPrecision('bf16', check_finite=False),
     'mpx master fp16 per-tensor': lambda: MasterPrecision('fp16'),
-    'mpx master fp16 flat': lambda: MasterPrecision('fp16', flat_master=True),
     'mpx master bf16': lambda: MasterPrecision('bf16'), 'mpx pure bf16 kahan': lambda: PureBF16(update='kahan'),
     'mpx pure bf16 stochastic': lambda: PureBF16(update='stochastic'),
     'fastai AMP fp16': lambda: ffp16.MixedPrecision(), 'fastai AMP bf16': lambda: ffp16.MixedPrecision(amp_mode='bf16'),
@@ -258,7 +256,6 @@ def on_dev(batches) -> list: return [(x.to(DEV), y.to(DEV)) for x,y in batches]
 
 FUSED_MODES = {  # name: what makes a learner train in that mode, its fastai optimizer stepped in bulk (`f=True`) or per parameter
     'mpx AMP bf16': lambda l,f: l.to_bf16(fused=f),
-    'mpx master fp16 flat': lambda l,f: l.to_fp16(flat_master=True, dynamic=True, fused=f),
     # the callback added directly: at 171ac26 `to_bf16(pure=True)` refused `fused` (fixed on main since)
     'mpx pure bf16 kahan': lambda l,f: l.add_cb(PureBF16(update='kahan', fused=f)),
     'mpx pure bf16 stochastic': lambda l,f: l.add_cb(PureBF16(update='stochastic', fused=f)),

@@ -1,7 +1,7 @@
 """What bounds pure kahan's compiled step (issue 27): one Adam step over 5.27M elements as one `torch.compile`d kernel,
 in the storage of each mode, timed side by side in interleaved rounds on one thread.
 
-The kernels are mpx's own: the widen and fold of each kind (`cwiden`/`cfold` of `mpx.pure`), around the same Adam
+The kernels are mpx's own: the widen and fold of each kind (`kwiden`/`kfold` of `mpx.pure`), around the same Adam
 arithmetic. Two variants that mpx does not use show what the canonical Kahan split costs: one rounding of the weight
 (the compensation stored by the conversion, so a pair may not be canonical), and a split with fp32 arithmetic alone
 (Veltkamp's, `x*(2**16+1)`), which needs no integer view of the bits but rounds ties its own way. Every arm reads
@@ -22,8 +22,8 @@ def adam(x, g, m, v, lr=1e-3, b1=.9, b2=.99, eps=1e-5, wd=1e-2, step=10):
 def fp32_weights(w, c, g, m, v): w.copy_(adam(w, g.float(), m, v))               # AMP's and the master mode's kernel
 def bf16_weights(w, c, g, m, v): w.copy_(adam(w.float(), g.float(), m, v))       # bf16 weights, rounded to nearest, no compensation
 def kahan(w, c, g, m, v):                                                         # mpx's: the canonical split, on the bits
-    x,gf = KahanKind.cwiden(dict(w=w, c=c, g=g), {})
-    out = KahanKind.cfold({}, {}, adam(x, gf, m, v)); w.copy_(out['w']); c.copy_(out['c'])
+    x,gf = KahanKind.kwiden(dict(w=w, c=c, g=g), {})
+    out = KahanKind.kfold({}, {}, adam(x, gf, m, v)); w.copy_(out['w']); c.copy_(out['c'])
 def kahan_one_rounding(w, c, g, m, v):
     x = adam(w.float() + c.float(), g.float(), m, v); hi = bf16_nearest(x); w.copy_(hi); c.copy_(x - hi)
 def kahan_veltkamp(w, c, g, m, v):

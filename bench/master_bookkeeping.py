@@ -30,7 +30,7 @@ def grad_source(params):
 
 def mpx_setup(n, numel, flat):
     learn = make_learner(n, numel)
-    cb = MasterPrecision(loss_scale=SCALE, flat_master=flat)
+    cb = MasterPrecision(loss_scale=SCALE)  # mpx's masters are always flat: `flat` is fastai's alone
     learn.add_cb(cb); cb._begin_fit()
     give = grad_source(list(learn.model.parameters()))
     def step():

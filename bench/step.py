@@ -53,7 +53,7 @@ if __name__ == '__main__':
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import *
 import torch.nn.functional as F
-import mpx.fused
+import mpx.fused, mpx.compiled
 from mpx.fused import FusedSteps
 from mpx.core import check_args
 from mpx.patches import is_mpx_precision
@@ -217,7 +217,7 @@ def is_compiled(label) -> bool: return label.endswith(' compile') or label == 'r
 def eager_fallback(label) -> str|None:
     "Why a compiled mpx arm steps eagerly (a kernel failed to compile, once a process a storage kind), or None"
     if not label.endswith(' compile'): return None
-    return '; '.join(getattr(mpx.fused, '_failed', {}).values()) or None
+    return '; '.join(getattr(mpx.compiled, '_failed', {}).values()) or None
 
 # ---- timing
 

@@ -19,7 +19,6 @@ MODES = {  # name: (the callback, syncs per step on CUDA: mpx's as tests/test_gp
     'mpx AMP bf16':                 (lambda: MixedPrecision('bf16'), '1'),
     'mpx AMP bf16, check_finite=False': (lambda: MixedPrecision('bf16', check_finite=False), '0'),
     'mpx master fp16 per-tensor':   (lambda: MasterPrecision('fp16'), '1'),
-    'mpx master fp16 flat':         (lambda: MasterPrecision('fp16', flat_master=True), '1'),
     'mpx master bf16':              (lambda: MasterPrecision('bf16'), '1'),
     'fastai AMP fp16 (off on CPU)': (lambda: ffp16.MixedPrecision(), '2'),
     'fastai AMP bf16 (off on CPU)': (lambda: ffp16.MixedPrecision(amp_mode='bf16'), '0'),

@@ -106,7 +106,7 @@ class Bucket:
         self.live = [False]*len(params)  # each parameter has a gradient now
         self.loose = set()  # parameters whose gradient could not be adopted (sparse): stepped one at a time
         self.g = self.gv = None
-        self._grads,self._runs,self._nkeys = None,None,None
+        self._grads,self._runs,self._seen = None,None,None
         kind.build(self)
         if flat and self.g is not None: self.gv = self.views(self.g)
         self.ptrs = [p.data_ptr() for p in params] if flat else None
@@ -161,12 +161,12 @@ def adopt_weights(self:Bucket):
 def adopt_grads(self:Bucket):
     "Note which parameters have a gradient; in a flat bucket, copy new dense ones into their slots"
     gs = [p.grad for p in self.params]
-    if self._grads is not None and all(a is b for a,b in zip(gs, self._grads)): return
+    if self._grads is not None and list(map(id, gs)) == self._grads: return
     if not self.flat or self.g is None:
         self.live = [g is not None for g in gs]
         self.loose = {i for i,g in enumerate(gs) if g is not None and g.layout is not torch.strided}
     else: self._adopt_flat(gs)
-    self._grads = [p.grad for p in self.params]
+    self._grads = [id(p.grad) for p in self.params]
 
 @patch
 def _adopt_flat(self:Bucket, gs:list):
@@ -186,11 +186,10 @@ def _adopt_flat(self:Bucket, gs:list):
 _flat_keys = lambda p,v: isinstance(v, Tensor) and v.layout is torch.strided and v.shape == p.shape and v.is_floating_point()
 
 @patch
-def adopt_states(self:Bucket, state:dict, sdtype):
-    "Take each parameter's state dict from `state`; move state tensors shaped like it into the state buffers"
-    ds = [state[p] for p in self.params]
+def adopt_states(self:Bucket, state:dict, sdtype, same:bool=False):
+    "Take each parameter's state dict from `state` (`same`: none replaced); move its tensors into the state buffers"
+    ds = list(self.dicts) if same and None not in self.dicts else [state[p] for p in self.params]
     if self._states_same(ds): return
-    self._nkeys = [len(d) for d in ds]
     for i,(p,d) in enumerate(zip(self.params, ds)):
         self.dicts[i] = d
         if not self.flat: continue
@@ -198,18 +197,24 @@ def adopt_states(self:Bucket, state:dict, sdtype):
             if not _flat_keys(p, v) or v.dtype != sdtype: continue
             self.state_buf(k, sdtype)
             if v is not self.stv[k][i]: self.stv[k][i].copy_(v); d[k] = self.stv[k][i]
+    self._seen = self._ids(ds)
+
+@patch
+def _ids(self:Bucket, ds:list) -> tuple:
+    "The identities of `ds`, of their sizes, and of the state tensors in them: what `_states_same` compares"
+    return (list(map(id, ds)), list(map(len, ds)), *([id(d.get(k)) for d in ds] for k in self.stv))
 
 @patch
 def _states_same(self:Bucket, ds:list) -> bool:
-    "Whether `ds` are the dicts adopted, each holding the views it was given"
-    if any(d is not e for d,e in zip(ds, self.dicts)) or [len(d) for d in ds] != self._nkeys: return False
-    return all(d.get(k, v) is v for k,vs in self.stv.items() for d,v in zip(ds, vs))
+    "Whether `ds` are the dicts adopted, each holding the tensors it held then: a few list comparisons in C"
+    return self._seen is not None and self._ids(ds) == self._seen
 
 # %% ../nbs/01e_flat.ipynb #fl0026
 def scalar_keys(b:Bucket) -> list:
     "Each parameter's scalar state the step functions read: `step`, `do_wd`, which state tensors it has"
-    keys = tuple(b.st)
-    return [(d.get('step', 0), d.get('do_wd', True), *(k in d for k in keys)) if d is not None else None for d in b.dicts]
+    ds = [d or {} for d in b.dicts]
+    has = [[k in d for d in ds] for k in b.st]
+    return list(zip([d.get('step', 0) for d in ds], [d.get('do_wd', True) for d in ds], *has))
 
 @patch
 def runs(self:Bucket, i:int, j:int, keys:list, single:bool=False) -> list:

@@ -53,6 +53,7 @@ class FusedSteps:
         self.lists = [list(pg) for pg in self.inner.param_lists]
         self.kind_of = lambda p: (kind_of(p) if kind_of is not None else None) or _in_place
         self.fresh,self.pending,self.found,self.exposed,self.ws,self.said = True,False,None,False,{},set()
+        self._st,self._st_ids = None,None
         self.lookahead,self.foreign = LookaheadSync(self),ForeignSteps(self)
         self._layout()
         self.ledger.defer(self._finish)
@@ -127,10 +128,14 @@ class FusedSteps:
 
     def refresh(self):
         "Adopt what changed since the last step: weights, gradients (a taking kind's: in `take`), state dicts"
+        st = self.inner.state if self.native else None
+        ids = list(map(id, st.values())) if st is not None else None
+        same = st is self._st and ids == self._st_ids  # no state dict replaced (`clear_state`, `load_state_dict` replace them)
         for b in self.buckets:
             b.adopt_weights()
             if not b.kind.takes: b.adopt_grads()
-            if self.native: b.adopt_states(self.inner.state, b.kind.sdtype(b))
+            if self.native: b.adopt_states(st, b.kind.sdtype(b), same)
+        self._st,self._st_ids = st,ids
 
     @torch.no_grad()
     def step(self, closure=None):
