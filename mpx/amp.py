@@ -26,11 +26,12 @@ class MixedPrecision(PrecisionCallback):
         hysteresis:int=default(1), # fp16: back off on the N-th overflow only, the budget refilled when the scale grows (DeepSpeed's)
         enabled:bool=True, # False: no autocast and no scaling, the callback stays in place
         check_finite:bool=True, # Skip a step whose gradients hold inf/nan; fp16 always checks
-        fused:bool|str=True, # Step over flat buffers; 'compile': one compiled kernel a run; False: fastai's per-parameter loop
+        fused:bool|str=True, # How the step engine steps (`Fused`): True, False or 'compile'
         schedule_skips:bool=True, # False: a skipped step does not advance fastai's schedules
+        opt_state:str='fp32', # The optimizer's state: 'fp32', 'bf16', '8bit' or '4bit' (`mpx.lowbit`)
         comm:str|None=None, # Under DDP: all-reduce the gradients in 'bf16', or 'fp16' (needs the loss scale), averaged in fp32
     ):
-        super().__init__(amp_mode, check_finite, fused, schedule_skips)
+        super().__init__(amp_mode, check_finite, fused, schedule_skips, opt_state)
         given = passed(init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor, growth_interval=growth_interval,
                        hysteresis=hysteresis)
         check_mode_args('amp', self.amp_mode, **given, enabled=enabled, **({} if comm is None else dict(comm=comm)))

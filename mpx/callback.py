@@ -10,7 +10,8 @@ import fastai.callback.fp16 as fastai_fp16
 from torch.nn.modules.batchnorm import _NormBase
 from .core import *
 from .scaler import *
-from .fused import FusedSteps
+from .fused import FusedSteps, why_not_lowbit
+from .lowbit import state_bytes
 from .plumbing import Ledger
 from .patches import *
 from .warn import warn_user
@@ -124,8 +125,10 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         check_finite:bool=True, # Skip a step whose gradients hold inf/nan (one host sync a step); a scaled loss is always checked
         fused:bool|str=True, # How the step engine steps (`Fused`): True, False or 'compile'
         schedule_skips:bool=True, # False: a skipped step does not advance fastai's schedules (`pct_train`), as it makes no update
+        opt_state:str='fp32', # The optimizer's state in 'fp32', 'bf16', '8bit' or '4bit' (`mpx.lowbit`)
     ):
-        check_args(check_finite=check_finite, schedule_skips=schedule_skips)
+        check_args(check_finite=check_finite, schedule_skips=schedule_skips, opt_state=opt_state)
+        self.opt_state = opt_state
         self.amp_mode,self.check_finite,self.fused,self.step_log = AMPMode(amp_mode),check_finite,Fused.of(fused),StepLog()
         self.schedule_skips,self._sched_skipped,self._batch_skipped = schedule_skips,0,False
         self.device_type,self.fit_state,self.fused_steps,self.ledger = None,None,None,None
@@ -158,8 +161,14 @@ class PrecisionCallback(Callback, ScaleTelemetry):
 
     def __repr__(self):
         return (f"{type(self).__name__}(amp_mode='{self.amp_mode}', loss_scale={self.loss_scale:g}, {self._repr_extra()}"
-                f"skipped_steps={self.skipped_steps}/{self.total_steps})")
+                f"{self._repr_state()}skipped_steps={self.skipped_steps}/{self.total_steps})")
     def _repr_extra(self) -> str: return ''
+    weight_bytes = 8.  # bytes a parameter holds besides the optimizer's state: fp32 weight and gradient (AMP)
+    def param_bytes(self, n_state:int=2) -> float:
+        "Bytes a large parameter holds between steps in this mode with `n_state` state tensors (Adam: 2)"
+        return self.weight_bytes + n_state * state_bytes(self.opt_state)
+    def _repr_state(self) -> str:
+        return '' if self.opt_state == 'fp32' else f"opt_state='{self.opt_state}' ({self.param_bytes():.3g} B/param with Adam), "
 
     # ---- hooks a mode overrides
     def _check_model(self, model:nn.Module):
@@ -175,7 +184,7 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         "The step engine of one fit on the learner's optimizer (none without one), holding each parameter as the fit state says"
         if self.learn.opt is None: return None
         kind_of = None if self.fit_state is None else self.fit_state.kind_of
-        return FusedSteps(self.learn.opt, kind_of, fused=self.fused, ledger=self.ledger)  # its undo goes into the ledger
+        return FusedSteps(self.learn.opt, kind_of, fused=self.fused, ledger=self.ledger, opt_state=self.opt_state)  # undo: the ledger
     def _scale_loss(self, loss): return loss
     def _step_grads(self) -> list:
         "The gradients the optimizer is about to apply, each tensor once: one a flat bucket of the step engine"
@@ -207,6 +216,8 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         check_single_autocast(self.learn.cbs)
         self._check_cbs(self.learn.cbs)
         self._check_model(get_model(self.model))
+        why = why_not_lowbit(self.learn.opt, self.fused, self.opt_state)
+        if why: raise ValueError(why)
         if not any(type(c).__name__ == 'SkipToEpoch' for c in self.learn.cbs): self._sched_skipped = 0  # a resumed fit keeps its count
         dt = self.autocast_dtype
         self._autocast = None if dt is None else torch.autocast(self.device_type, dtype=dt)

@@ -105,12 +105,14 @@ def _scalar_body(chain:tuple, s:dict, steps:Tensor|None) -> dict:
     for f,kw in chain: _COMPILED[f].scalars(q, s, dict(kw))
     return {k: v for k,v in q.items() if v is not None}
 
-def _kernel_body(kind, chain:tuple, t:dict, s:dict, q:dict):
+def _kernel_body(kind, store, chain:tuple, t:dict, s:dict, q:dict):
     "One step of `chain` on a run: the kind's widen, the functions, the kind's fold; nothing changes where `s['found']`"
     x,g = kind.kwiden(t, s)
-    e = dict(x=x, g=g, **{k: t[k] for k in _STATE if k in t})
+    ks = [k for k in _STATE if any(n == k or n.startswith(k + '@') for n in t)]
+    e = dict(x=x, g=g, **{k: store.kload(t, k) for k in ks})  # the state, dequantised where it is low-bit (`mpx.lowbit`)
     for f,kw in chain: _COMPILED[f].update(e, q, dict(kw))
-    out = {**kind.kfold(t, s, e['x']), **{k: e[k] for k in _STATE if k in t}}
+    out = kind.kfold(t, s, e['x'])
+    for k in ks: out.update(store.kstore(t, k, e[k]))
     keep = s['found'] != 0
     for k,v in out.items(): t[k].copy_(torch.where(keep, t[k], v.to(t[k].dtype)))
     if 'steps' in t: t['steps'].copy_(torch.where(keep, t['steps'], t['steps'] + 1))
@@ -125,13 +127,13 @@ def _signature(t:dict, s:dict) -> tuple:
     "What a kernel specialises on: each tensor's name, dtype and whether it holds one element"
     return tuple((k, v.dtype, v.numel() == 1) for k,v in sorted(t.items())) + tuple((k, v.dtype) for k,v in sorted(s.items()))
 
-def _kernel(kind, chain:tuple, sig:tuple=()) -> tuple:
-    "The compiled scalars and step of `chain` for `kind`'s class and the tensors' `sig`, made once a process"
-    key = (type(kind), tuple((f, tuple(sorted(kw.items()))) for f,kw in chain), sig)
+def _kernel(kind, store, chain:tuple, sig:tuple=()) -> tuple:
+    "The compiled scalars and step of `chain` for `kind`'s class, `store`'s and the tensors' `sig`, made once a process"
+    key = (type(kind), repr(store), tuple((f, tuple(sorted(kw.items()))) for f,kw in chain), sig)
     if key not in _kernels:
-        name = f"mpx_{type(kind).__name__}_{'_'.join(f.__name__ for f,_ in chain)}"
+        name = f"mpx_{type(kind).__name__}_{store.name}_{'_'.join(f.__name__ for f,_ in chain)}"
         def scalars(s, steps): return _scalar_body(chain, s, steps)
-        def step(t, s, q): return _kernel_body(kind, chain, t, s, q)
+        def step(t, s, q): return _kernel_body(kind, store, chain, t, s, q)
         opts = dict(dynamic=True, fullgraph=True)
         _kernels[key] = (torch.compile(_own(scalars, name + '_scalars'), **opts),torch.compile(_own(step, name), **opts))
     return _kernels[key]
@@ -266,13 +268,13 @@ class CompiledSteps:
         t,extra = b.kind.kio(b, a, c, phase)
         sd = b.kind.sdtype(b)
         for k,f in (('grad_avg', average_grad), ('sqr_avg', average_sqr_grad)):
-            if any(g is f for g,_ in chain): t[k] = _zeros_state(b, k, a, c, sd)
+            if any(g is f for g,_ in chain): t.update(_zeros_state(b, k, a, c, sd))
         if any(g is step_stat for g,_ in chain): t['steps'] = self.dev[id(b)].t[a:c]
         s = self._scalars(b.device, {**hs, 'wd': hs.get('wd', 0.) if b.dicts[a].get('do_wd', True) else 0., **extra})
         found = eng.found if eng.found is not None else self._scalars(b.device, {'nothing_found': 0.})['nothing_found']
         s['found'] = found.reshape(())  # a view: the finite check's flag may come as one element of rank 1
         try:
-            scalars,step = _kernel(b.kind, chain, _signature(t, s))
+            scalars,step = _kernel(b.kind, b.store, chain, _signature(t, s))
             step(t, s, scalars(s, t.get('steps')))
         except Exception as e:
             if torch._C._len_torch_dispatch_stack(): raise
@@ -280,10 +282,10 @@ class CompiledSteps:
             return False
         return True
 
-def _zeros_state(b:Bucket, k:str, a:int, c:int, dtype) -> Tensor:
-    "State `k` of run `a` to `c`: its slice of the state buffer, zeroed where the run has none yet"
-    b.state_buf(k, dtype)
+def _zeros_state(b:Bucket, k:str, a:int, c:int, dtype) -> dict:
+    "The kernel's tensors of state `k` for run `a` to `c` (its store's), made zero where the run has none yet"
+    b.state_new(k, dtype)
     if k not in b.dicts[a]:
-        b.part(b.st[k], a, c).zero_()
+        b.store.zero(b, k, a, c)
         for i in range(a, c): b.dicts[i][k] = b.stv[k][i]
-    return b.part(b.st[k], a, c)
+    return b.store.kio(b, k, a, c)

@@ -137,6 +137,7 @@ _arg_rules = dict(
     schedule_skips  = (bool, lambda v: True,                'True or False'),
     update          = (str, lambda v: v in ('kahan', 'stochastic'), "'kahan' or 'stochastic'"),
     comm            = (str, lambda v: v in ('fp16', 'bf16'), "'fp16' or 'bf16'"),
+    opt_state       = (str, lambda v: v in ('fp32', 'bf16', '8bit', '4bit'), "'fp32', 'bf16', '8bit' or '4bit'"),
 )
 
 # %% ../nbs/00_core.ipynb #d19bb1e4
@@ -194,6 +195,7 @@ MODE_ARGS = dict(  # argument: {callback that takes it: what it needs there to h
     check_finite    = _both,
     fused           = _both,
     schedule_skips  = _both,
+    opt_state       = _both,
     comm            = dict(amp='scaled comm'),  # comm='fp16' needs the fp16 loss scale; 'bf16' has fp32's range (`mpx.parallel`)
 )
 

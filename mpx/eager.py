@@ -12,8 +12,8 @@ from fastai.optimizer import _update
 from .flat import *
 
 # %% auto #0
-__all__ = ['ELEMENTWISE', 'base_fn', 'fn_name', 'plan', 'run_state', 'put_state', 'ParamItems', 'LoopSteps', 'loop_one',
-           'RunSteps']
+__all__ = ['ELEMENTWISE', 'base_fn', 'fn_name', 'plan', 'StateWindow', 'run_state', 'put_state', 'ParamItems', 'LoopSteps',
+           'loop_one', 'RunSteps']
 
 # %% ../nbs/01f_eager.ipynb #ea0006
 def base_fn(cb) -> Callable:
@@ -45,17 +45,36 @@ class _Item:
     __slots__ = ('data', 'grad')
     def __init__(self, data:Tensor, grad:Tensor): self.data,self.grad = data,grad
 
-def run_state(b:Bucket, a:int, c:int) -> dict:
-    "The state of run `a` to `c` of flat bucket `b`: the first parameter's, state tensors as slices of their buffers"
-    return {**b.dicts[a], **{k: b.part(buf, a, c) for k,buf in b.st.items() if k in b.dicts[a]}}
+class StateWindow:
+    "The fp32 state of parameters `i` to `j` of flat bucket `b` while they are stepped: views, or dequantised"
+    def __init__(self, eng, b:Bucket, i:int, j:int):
+        self.eng,self.b,self.i,self.j,self.lo,self.x = eng,b,i,j,b.lo(i),{}
+        for k in b.st: self._open(k)
+    def _open(self, k:str):
+        b = self.b
+        ws = None if b.store.bits is None else self.eng.workspace(b.device, b.end(self.j) - self.lo, 50 + len(self.x))
+        self.x[k] = b.store.window(b, k, self.i, self.j, ws)
+    def part(self, k:str, a:int, c:int) -> Tensor: return self.b.part(self.x[k], a, c, self.lo)
+    def slot(self, k:str, i:int) -> Tensor: return self.b.slot(self.x[k], i, self.lo)
+    def make(self, k:str, dtype):
+        "State `k`, new to the bucket: its store made, zero, and opened"
+        if k not in self.b.st: self.b.state_new(k, dtype); self._open(k)
+    def close(self):
+        "The window's state back into its store (quantised, for a low-bit store)"
+        for k,x in self.x.items(): self.b.store.back(self.b, k, self.i, self.j, x)
 
-def put_state(b:Bucket, a:int, c:int, new:dict|None):
-    "What a step function returned for run `a` to `c`, into the state buffers and each parameter's dict"
+def run_state(b:Bucket, a:int, c:int, sw:StateWindow) -> dict:
+    "The state of run `a` to `c` of flat bucket `b`: the first parameter's, its state tensors the run's fp32 slices"
+    return {**b.dicts[a], **{k: sw.part(k, a, c) for k in sw.x if k in b.dicts[a]}}
+
+def put_state(b:Bucket, a:int, c:int, new:dict|None, sw:StateWindow):
+    "What a step function returned for run `a` to `c`, into the state window and each parameter's dict"
     if not isinstance(new, dict): return
     n = b.end(c) - b.lo(a)
     for k,v in new.items():
         if isinstance(v, Tensor) and v.dim() == 1 and v.numel() == n and v.is_floating_point():
-            s = b.part(b.state_buf(k, v.dtype), a, c)
+            sw.make(k, v.dtype)
+            s = sw.part(k, a, c)
             if v is not s: s.copy_(v)
             for i in range(a, c): b.dicts[i][k] = b.stv[k][i]
         else:
@@ -64,11 +83,13 @@ def put_state(b:Bucket, a:int, c:int, new:dict|None):
 # %% ../nbs/01f_eager.ipynb #ea0011
 class ParamItems:
     "The live parameters of a window as lists: stepped tensors, gradients, state dicts, with the group's `hyper`"
-    def __init__(self, data:list, grads:list, states:list, hyper:dict, zeros:Callable):
-        self.data,self.grads,self.states,self.hyper,self.n,self.memo,self._zeros = data,grads,states,hyper,len(data),{},zeros
+    def __init__(self, data:list, grads:list, states:list, hyper:dict, zeros:Callable, tensors:Callable|None=None):
+        self.data,self.grads,self.states,self.hyper,self.n,self.memo = data,grads,states,hyper,len(data),{}
+        self._zeros,self._tensors = zeros,tensors
     def arg(self, k, kw:dict, default=None) -> list:
         "Argument `k` for each item, as fastai's loop passes it"
         if k in self.hyper: return [self.hyper[k]]*self.n
+        if self._tensors is not None and (ts := self._tensors(k)) is not None: return ts  # a state tensor, in fp32
         d = kw.get(k, default)
         return [s.get(k, d) for s in self.states]
     def hp(self, k, kw:dict, default=None):
@@ -172,22 +193,25 @@ class RunSteps(LoopSteps):
         if not any(b.live[i:j]): return
         x,g = b.kind.wide(b, i, j)
         rs = b.runs(i, j, scalar_keys(b))
-        lo = b.lo(i)
+        lo,sw = b.lo(i),StateWindow(eng, b, i, j)
         for what in self.plan:
             if what[0] == 'run':
                 for a,c in rs:
                     it = _Item(b.part(x, a, c, lo), b.part(g, a, c, lo))
-                    put_state(b, a, c, what[1](it, **{**run_state(b, a, c), **hyper}))
-            else: what[2](self._params(eng, b, x, g, rs, lo, hyper), what[3])
+                    put_state(b, a, c, what[1](it, **{**run_state(b, a, c, sw), **hyper}), sw)
+            else: what[2](self._params(b, x, g, rs, lo, hyper, sw), what[3])
+        sw.close()
         if b.kind.in_place:
             for k in sorted(b.loose):
                 if i <= k < j: loop_one(eng.inner, b, k, x, g, i, hyper)  # a sparse gradient
         b.kind.fold(b, i, j, x, phase)
 
-    def _params(self, eng, b:Bucket, x, g, rs:list, lo:int, hyper:dict) -> ParamItems:
+    def _params(self, b:Bucket, x, g, rs:list, lo:int, hyper:dict, sw:StateWindow) -> ParamItems:
         ks = [k for a,c in rs for k in range(a, c)]
         def zeros(n, key):
             d = b.dicts[ks[n]]
-            if key not in d: b.state_buf(key, b.kind.sdtype(b)); b.stv[key][ks[n]].zero_(); d[key] = b.stv[key][ks[n]]
-            return d[key]
-        return ParamItems([b.slot(x, k, lo) for k in ks], [b.slot(g, k, lo) for k in ks], [b.dicts[k] for k in ks], hyper, zeros)
+            sw.make(key, b.kind.sdtype(b))
+            if key not in d: sw.slot(key, ks[n]).zero_(); d[key] = b.stv[key][ks[n]]
+            return sw.slot(key, ks[n])
+        def tensors(key): return [sw.slot(key, k) if key in b.dicts[k] else None for k in ks] if key in sw.x else None
+        return ParamItems([b.slot(x, k, lo) for k in ks], [b.slot(g, k, lo) for k in ks], [b.dicts[k] for k in ks], hyper, zeros, tensors)

@@ -5,6 +5,7 @@
 # %% ../nbs/01e_flat.ipynb #fl0003
 from __future__ import annotations
 from fastai.torch_basics import *
+from .lowbit import DenseStore
 
 # %% auto #0
 __all__ = ['slottable', 'set_data', 'Kind', 'merge_writes', 'Bucket', 'scalar_keys']
@@ -94,12 +95,12 @@ def merge_writes(fine:Tensor, coarse:Tensor):
 # %% ../nbs/01e_flat.ipynb #fl0017
 class Bucket:
     "Parameters of one group, kind, device, dtype and `do_wd`: flat buffers a role, or the tensors as they are"
-    def __init__(self, params:list, kind:Kind, flat:bool, group:int, base:int=0, engine=None):
+    def __init__(self, params:list, kind:Kind, flat:bool, group:int, base:int=0, engine=None, store=None, align:int|None=None):
         self.params,self.kind,self.flat,self.group,self.base,self.engine = params,kind,flat,group,base,engine
+        self.store = store or DenseStore()  # how the optimizer's state is held (`mpx.lowbit`)
         self.specs = [(p.shape, p.stride()) for p in params]
         self.sizes = [p.numel() for p in params]
-        self.offs,_ = _offsets(self.sizes)
-        self.n = self.offs[-1] + self.sizes[-1]  # no padding after the last slot: a run over the whole bucket is the buffer
+        self.offs,self.n = _offsets(self.sizes, align or self.store.block)  # slots on the store's blocks
         self.dtype,self.device = params[0].dtype,params[0].device
         self.st,self.stv = {},{}  # flat state buffers by key, and their per-parameter views
         self.dicts = [None]*len(params)  # each parameter's state dict, as last adopted
@@ -138,10 +139,9 @@ class Bucket:
     def slot(self, buf:Tensor, i:int, lo:int=0) -> Tensor:
         "Parameter `i`'s slot of flat `buf` (from element `lo` of the bucket), shaped like it"
         return _alias(buf, self.offs[i]-lo, *self.specs[i])
-    def state_buf(self, k:str, dtype) -> Tensor:
-        "The flat buffer of state `k` (made, zero, on first use), its per-parameter views in `stv[k]`"
-        if k not in self.st: self.st[k] = self.zeros(dtype); self.stv[k] = self.views(self.st[k])
-        return self.st[k]
+    def state_new(self, k:str, dtype):
+        "Make the store of state `k` (zeros) where there is none yet; `stv[k]` holds what each state dict holds for it"
+        if k not in self.st: self.store.new(self, k, dtype)
 
 # %% ../nbs/01e_flat.ipynb #fl0020
 @patch
@@ -194,9 +194,9 @@ def adopt_states(self:Bucket, state:dict, sdtype, same:bool=False):
         self.dicts[i] = d
         if not self.flat: continue
         for k,v in list(d.items()):
-            if not _flat_keys(p, v) or v.dtype != sdtype: continue
-            self.state_buf(k, sdtype)
-            if v is not self.stv[k][i]: self.stv[k][i].copy_(v); d[k] = self.stv[k][i]
+            if not _flat_keys(p, v) or (v.dtype != sdtype and self.store.bits is None): continue
+            self.state_new(k, sdtype)
+            if v is not self.stv[k][i]: self.store.put(self, k, i, v); d[k] = self.stv[k][i]
     self._seen = self._ids(ds)
 
 @patch
@@ -233,8 +233,8 @@ def runs(self:Bucket, i:int, j:int, keys:list, single:bool=False) -> list:
 
 @patch
 def windows(self:Bucket, chunk:int) -> list:
-    "The `(i, j)` ranges stepped at once: the whole bucket, or (a widening kind) spans of at most `chunk` elements"
-    if not self.kind.widens: return [(0, len(self.params))]
+    "The `(i, j)` ranges stepped at once: the whole bucket, or spans of at most `chunk` elements (widened weights or state)"
+    if not (self.kind.widens or self.store.bits): return [(0, len(self.params))]
     res,start = [],0
     for k in range(1, len(self.params)+1):
         if k == len(self.params) or self.end(k+1) - self.lo(start) > chunk: res.append((start, k)); start = k

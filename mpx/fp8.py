@@ -189,10 +189,11 @@ class FP8Precision(PrecisionCallback):
         emulate:bool|None=None, # Compute the fp8 matmuls in fp32 from fp8-rounded operands; None: where the device has no fp8 kernels
         fp8_eval:bool=False, # Run `validate` and `get_preds` outside a fit in fp8 too (by default in bf16)
         check_finite:bool=True, # Skip a step whose gradients hold inf/nan (one host sync a step)
-        fused:bool|str=True, # Step over flat buffers; 'compile': one compiled kernel a run; False: fastai's per-parameter loop
+        fused:bool|str=True, # How the step engine steps (`Fused`): True, False or 'compile'
         schedule_skips:bool=True, # False: a skipped step does not advance fastai's schedules
+        opt_state:str='fp32', # The optimizer's state: 'fp32', 'bf16', '8bit' or '4bit' (`mpx.lowbit`)
     ):
-        super().__init__(AMPMode.BF16, check_finite, fused, schedule_skips)
+        super().__init__(AMPMode.BF16, check_finite, fused, schedule_skips, opt_state)
         self._check_schedule_skips()
         self.recipe = _check_recipe(recipe)
         if module_filter is not None and not callable(module_filter):

@@ -15,9 +15,10 @@ from .flat import *
 from .eager import *
 from .compiled import CompiledSteps, compile_plan
 from .foreign import ForeignSteps, LookaheadSync
+from .lowbit import DenseStore, LowBitState, make_store, MIN_LOWBIT
 
 # %% auto #0
-__all__ = ['why_not_fused', 'FusedSteps']
+__all__ = ['why_not_fused', 'why_not_lowbit', 'FusedSteps']
 
 # %% ../nbs/01a_fused.ipynb #fz0006
 def why_not_fused(opt) -> str|None:
@@ -28,6 +29,15 @@ def why_not_fused(opt) -> str|None:
     if type(o).step is not Optimizer.step: return f"{type(o).__name__} overrides Optimizer.step"
     if any(type(la).step is not Lookahead.step for la in las): return "a Lookahead subclass overrides its step"
     if 'step' in vars(o): return "its step is already replaced on the instance"
+
+def why_not_lowbit(opt, fused, opt_state:str) -> str|None:
+    "Why `opt`'s state cannot be held in `opt_state`'s bits when stepped with `fused`, in a sentence; None where it can"
+    if opt_state == 'fp32' or opt is None: return None
+    why = why_not_fused(opt)
+    if why: why = f"{why}, and it keeps its own state in fp32"
+    elif Fused.of(fused) is Fused.LOOP: why = "fused=False steps fastai's loop, which keeps each parameter's state tensors in fp32"
+    elif plan(unwrap(opt)[1].cbs) is None: why = "a step function is not fastai's own, and may read its state in any way"
+    return f"opt_state={opt_state!r} needs the step engine's own steps: {why}. Use opt_state='fp32'" if why else None
 
 def _own_zero_grad(o) -> bool:
     "Whether `o` zeroes gradients its own way (a subclass's `zero_grad`, or one set on the instance)"
@@ -42,9 +52,10 @@ class FusedSteps:
         kind_of:Callable|None=None, # `kind_of(p) -> Kind` for each parameter; None: `Kind()` (in place)
         fused:bool|str|Fused=True, # How it steps (see `Fused`): True, False or 'compile'
         ledger:Ledger|None=None, # The fit's ledger, where the engine's undo is recorded; None: its own
-        chunk:int=1<<22, # Most elements a widening kind widens at once (a larger parameter alone)
+        chunk:int=1<<22, # Most elements a window widens at once (a larger parameter alone)
+        opt_state:str='fp32', # How the optimizer's state is held: 'fp32', 'bf16', '8bit' or '4bit' (`mpx.lowbit`)
     ):
-        self.opt,self.path,self.chunk = opt,Fused.of(fused),chunk
+        self.opt,self.path,self.chunk,self.opt_state = opt,Fused.of(fused),chunk,opt_state
         self.ledger,self.done = Ledger(),False
         if ledger is not None: ledger.defer(self.undo)
         self.las,self.inner = unwrap(opt)
@@ -55,6 +66,9 @@ class FusedSteps:
         self.fresh,self.pending,self.found,self.exposed,self.ws,self.said = True,False,None,False,{},set()
         self._st,self._st_ids = None,None
         self.lookahead,self.foreign = LookaheadSync(self),ForeignSteps(self)
+        self.dense,self.low = DenseStore(),make_store(opt_state)
+        why = why_not_lowbit(opt, self.path, opt_state)
+        if why: raise ValueError(why)
         self._layout()
         self.ledger.defer(self._finish)
         self._choose()
@@ -75,12 +89,13 @@ class FusedSteps:
                 if id(p) in self.home: continue
                 kind = self.kind_of(p)
                 flat = not kind.in_place or (self.native and self.path is not Fused.LOOP and slottable(p))
-                key = (id(kind), p.device, p.dtype, bool(st.get(p, {}).get('do_wd', True)), flat)
-                keys.setdefault(key, (kind, flat, []))[2].append(p)
+                store = self.low if flat and p.numel() >= MIN_LOWBIT else self.dense
+                key = (id(kind), p.device, p.dtype, bool(st.get(p, {}).get('do_wd', True)), flat, id(store))
+                keys.setdefault(key, (kind, flat, store, []))[3].append(p)
                 self.home[id(p)] = None
             bs = []
-            for kind,flat,ps in keys.values():
-                b = Bucket(ps, kind, flat, gi, base, self); base += b.n
+            for kind,flat,store,ps in keys.values():
+                b = Bucket(ps, kind, flat, gi, base, self, store); base += b.n
                 for i,p in enumerate(ps): self.home[id(p)] = (b, i)
                 bs.append(b)
             self.groups.append(bs)
@@ -113,7 +128,7 @@ class FusedSteps:
             if self.path is Fused.COMPILE: self.say(self.reason)
             if widened: self.foreign.install(led)
             return
-        if self.path is Fused.COMPILE: led.set(o, 'state_dict', self._state_dict)
+        if self.path is Fused.COMPILE or self.opt_state != 'fp32': led.set(o, 'state_dict', self._state_dict)
         if self.path is Fused.LOOP and not widened: return  # fastai's own loop on the parameters themselves
         led.set(o, 'step', self.step)
         for la in self.las: led.set(la, 'step', partial(self.lookahead.step, la))
@@ -165,13 +180,19 @@ class FusedSteps:
         return all(isinstance(b.stepper, CompiledSteps) and b.stepper.why_not(self, b) is None for b in self.buckets)
 
     def _state_dict(self) -> dict:
-        "fastai's `state_dict`, the device's step counts written into the state dicts first (one host sync)"
+        "fastai's `state_dict` in fastai's layout: step counts from the device, low-bit state dequantised (fp32)"
         self.steps_to_host()
-        return type(self.inner).state_dict(self.inner)
+        sd = type(self.inner).state_dict(self.inner)
+        if self.opt_state == 'fp32': return sd
+        wide = lambda v: v.float() if isinstance(v, LowBitState) else v
+        return {**sd, 'state': [{k: wide(v) for k,v in s.items()} for s in sd['state']]}
+
 
     def _recompose(self):
         "The step functions changed (a callback edited `opt.cbs`): the compiled step's counts to the host, steppers again"
         self.steps_to_host()
+        why = why_not_lowbit(self.opt, self.path, self.opt_state)
+        if why: raise ValueError(f"opt.cbs changed mid-fit: {why}")
         self._choose()
 
     def workspace(self, device, n:int, i:int=0, dtype=torch.float32) -> Tensor:
@@ -208,7 +229,7 @@ class FusedSteps:
                     if p.grad is v: p.grad = v.clone(memory_format=torch.preserve_format)
             for i,d in enumerate(b.dicts):
                 for k,vs in b.stv.items():
-                    if d is not None and d.get(k) is vs[i]: d[k] = vs[i].clone(memory_format=torch.preserve_format)
+                    if d is not None and d.get(k) is vs[i]: d[k] = b.store.value(b, k, i)  # fp32 (dequantised), its own
         self.lookahead.finish()
 
 _in_place = Kind()

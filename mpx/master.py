@@ -144,10 +144,11 @@ class MasterPrecision(PrecisionCallback):
         max_scale:float=default(2.**24), # Dynamic: the scale never goes above this
         hysteresis:int=default(1), # Dynamic: back off on the N-th overflow only, the budget refilled when the scale grows (DeepSpeed's)
         check_finite:bool=True, # bf16: skip a step whose gradients hold inf/nan (fp16 always checks)
-        fused:bool|str=True, # Step over flat buffers; 'compile': one compiled kernel a run; False: fastai's per-parameter loop
+        fused:bool|str=True, # How the step engine steps (`Fused`): True, False or 'compile'
         schedule_skips:bool=True, # False: a skipped step does not advance fastai's schedules
+        opt_state:str='fp32', # The optimizer's state: 'fp32', 'bf16', '8bit' or '4bit' (`mpx.lowbit`)
     ):
-        super().__init__(amp_mode, check_finite, fused, schedule_skips)
+        super().__init__(amp_mode, check_finite, fused, schedule_skips, opt_state)
         check_args(dynamic=dynamic, **({} if flat_master is None else dict(flat_master=flat_master)))
         if flat_master is not None: warn_user("flat_master has no effect: the fp32 masters are always flat, one buffer a parameter "
                                               "group (split by weight decay), whatever `fused` says. Drop it", FutureWarning)
@@ -161,6 +162,7 @@ class MasterPrecision(PrecisionCallback):
     def loss_scale(self) -> float:
         "The current loss scale (1.0 for bf16); a host value, free to read (one host sync during a compiled fit)"
         return 1.0 if self.scaler is None else self.scaler.pull().scale
+    weight_bytes = 12.  # half weight and gradient (2 + 2), fp32 master and master gradient (4 + 4)
     @property
     def scaling(self) -> bool: return self.scaler is not None
     @property

@@ -214,10 +214,11 @@ class PureBF16(PrecisionCallback):
         update:str='kahan', # 'kahan': a bf16 compensation per weight; 'stochastic': unbiased random rounding, nothing kept
         check_finite:bool=True, # Skip a step whose gradients hold inf/nan (one host sync a step)
         seed:int=0, # Seeds the random bits of `stochastic` rounding
-        fused:bool|str=True, # Widen, step and fold in bulk over flat buffers; 'compile': in one compiled kernel; False: fastai's loop
+        fused:bool|str=True, # How the step engine steps (`Fused`): True, False or 'compile'
         schedule_skips:bool=True, # False: a skipped step does not advance fastai's schedules
+        opt_state:str='fp32', # The optimizer's state: 'fp32', 'bf16', '8bit' or '4bit' (`mpx.lowbit`)
     ):
-        super().__init__(AMPMode.BF16, check_finite, fused, schedule_skips)
+        super().__init__(AMPMode.BF16, check_finite, fused, schedule_skips, opt_state)
         self._check_schedule_skips()
         check_mode_args('pure', AMPMode.BF16, update=update, seed=seed)
         self.update,self.seed,self.stream = update,seed,dict(seed=seed, count=0)
@@ -226,6 +227,8 @@ class PureBF16(PrecisionCallback):
         "During a fit, its `BF16Weights`"
         return self.fit_state
     def _repr_extra(self): return f"update='{self.update}', "
+    @property
+    def weight_bytes(self) -> float: return 6. if self.update == 'kahan' else 4.  # bf16 weight, gradient (and compensation)
 
     def _new_fit_state(self): return BF16Weights(self.learn, self.update, self.stream)
 

@@ -1,0 +1,69 @@
+"""The step engine's arithmetic written once (issue 34): each storage kind's rounding is the same eager and compiled, stochastic
+rounding draws the same bits under every `fused` setting, and a checkpoint resumes its stream under either."""
+import pytest, torch
+from fastai.basics import Adam
+from mpx.all import *
+from mpx.pure import KahanKind, StochasticKind, split_kahan, round_stochastic, stream_key
+from mpx.test_utils import tiny_learner, fit_quiet, state_of, state_diffs
+from conftest import compiles
+
+pytestmark = pytest.mark.filterwarnings('ignore::UserWarning')
+
+def _values(n=50_000, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * 10.**torch.randint(-20, 20, (n,), generator=g)
+    return torch.cat([x, torch.tensor([1 + 2**-8, 1 + 3*2**-8, 0., -0., 3e38, 1e-40, 1 + 2**-9])])
+
+def test_stochastic_rounding_same_eager_and_compiled():
+    "The compiled kernel's stochastic rounding and the eager fold draw the same bits from (seed, step, element): bit for bit."
+    if not compiles(): pytest.skip('torch.compile cannot build a kernel here (no C++ compiler): only the eager path runs')
+    x = _values()
+    for seed,count,phase,base in ((0, 1, 0, 0), (7, 123, 1, 4096), (2**40, 5, 0, 2**31 - 64)):
+        key = stream_key(seed, count, phase)
+        kernel = torch.compile(lambda x, k, b: StochasticKind.kfold({}, dict(key=k, base=b), x)['w'], dynamic=True)
+        got = kernel(x, torch.tensor(key, dtype=torch.int32), torch.tensor(base, dtype=torch.int32))
+        assert torch.equal(got.view(torch.int32), round_stochastic(x, key, base).view(torch.int32))
+
+def test_kahan_split_same_eager_and_compiled():
+    "The compiled kernel's Kahan split is the eager fold's, bit for bit, ties and extremes included."
+    if not compiles(): pytest.skip('torch.compile cannot build a kernel here (no C++ compiler): only the eager path runs')
+    x = _values(seed=1)
+    out = torch.compile(lambda x: KahanKind.kfold({}, {}, x), dynamic=True)(x)
+    w,c = split_kahan(x)
+    assert torch.equal(out['w'].view(torch.int32), w.float().view(torch.int32))
+    assert torch.equal(out['c'].view(torch.int32), c.float().view(torch.int32))
+
+def _stochastic(fused, tmp_path, load=None):
+    learn = tiny_learner(opt_func=Adam, lr=1e-2, n_trn=4, path=tmp_path).to_bf16(pure=True, update='stochastic', fused=fused)
+    if load: learn.load(load, with_opt=True)
+    return learn
+
+@pytest.mark.parametrize('saved,resumed', [(True, 'compile'), ('compile', True), (False, 'compile')])
+def test_stream_resumes_under_either(saved, resumed, tmp_path):
+    """A checkpoint of pure stochastic saved under one `fused` setting resumes the same stream under another: the count carries,
+    and the resumed fit is the one a fit from the same checkpoint under that setting gives, bit for bit."""
+    a = _stochastic(saved, tmp_path); fit_quiet(a, 1); a.save('ck', with_opt=True)
+    assert a.pure_bf16.stream['count'] == 4
+    runs = []
+    for _ in range(2):
+        b = _stochastic(resumed, tmp_path, 'ck')
+        assert b.pure_bf16.stream['count'] == 4
+        fit_quiet(b, 1); runs.append(state_of(b))
+        assert b.pure_bf16.stream['count'] == 8
+    assert not state_diffs(*runs)
+
+def test_stochastic_fused_equals_loop_and_windows():
+    "The same bits whatever steps them: fused, fastai's loop (`fused=False`), one window or many: bit for bit."
+    res = []
+    for fused,chunk in ((True, 1 << 22), (False, 1 << 22), (True, 64)):
+        learn = tiny_learner(opt_func=Adam, lr=1e-2, n_trn=4).to_bf16(pure=True, update='stochastic', fused=fused)
+        if chunk != 1 << 22: learn.add_cb(_Chunk(chunk))
+        fit_quiet(learn, 1); res.append(state_of(learn))
+    assert not state_diffs(res[0], res[1]) and not state_diffs(res[0], res[2])
+
+from fastai.basics import Callback
+class _Chunk(Callback):
+    "Step the pure mode's widened weights in windows of `chunk` elements"
+    order = 11
+    def __init__(self, chunk): self.chunk = chunk
+    def before_train(self): self.learn.pure_bf16.fused_steps.chunk = self.chunk

@@ -1,0 +1,153 @@
+"""Low-bit optimizer state (issue 35): `opt_state='bf16'|'8bit'|'4bit'` trains every fastai optimizer in every mode, resumes
+a checkpoint bit for bit, writes checkpoints plain fastai loads, and refuses what it cannot hold, before the fit."""
+import pytest, torch
+from torch import nn
+from fastai.basics import Callback, Adam, SGD, OptimWrapper, Optimizer, sgd_step
+from mpx.all import *
+from mpx.lowbit import LowBitState
+from mpx.test_utils import tiny_learner, ALL_MODES, OPTIMIZERS, fit_quiet, state_of, state_diffs, precision_cb, weights, CountOps
+
+pytestmark = pytest.mark.filterwarnings('ignore::UserWarning')
+STATES = ['bf16', '8bit', '4bit']
+MODES = {k: ALL_MODES[k] for k in ('amp_bf16', 'amp_fp16', 'master_bf16', 'pure_kahan', 'pure_stochastic')}
+MODES['fp8'] = lambda l, **kw: l.to_fp8(**kw)
+OPTS = ['sgd', 'adam', 'radam', 'qhadam', 'lamb', 'larc', 'ranger']
+
+def wide(): return nn.Sequential(nn.Linear(1, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))  # 4,096 weights: low-bit
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads(); torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+def learner(mode, opt_state, opt='adam', fused=True, **kw):
+    learn = tiny_learner(model=wide, opt_func=OPTIMIZERS[opt], lr=1e-2, n_trn=4, **kw)
+    return MODES[mode](learn, opt_state=opt_state, fused=fused)
+
+def _lowbit_held(learn) -> bool:
+    "Whether some state tensor of the fit is held in low bits (a `LowBitState` in a state dict)"
+    return any(isinstance(v, LowBitState) for s in learn.opt.state.values() for v in s.values())
+
+class Held(Callback):
+    order = 100
+    def after_step(self): self.held = _lowbit_held(self.learn)
+
+@pytest.mark.parametrize('opt', OPTS)
+@pytest.mark.parametrize('opt_state', STATES)
+@pytest.mark.parametrize('mode', list(MODES))
+def test_trains(mode, opt_state, opt):
+    "Every fastai optimizer trains in every mode with low-bit state: every weight moves, the loss falls, the state is held low."
+    if mode == 'amp_fp16' and opt_state != '8bit': pytest.skip('fp16 AMP runs with one state kind: its CPU kernels are slow')
+    learn = learner(mode, opt_state, opt, cbs=Held())
+    start,before = weights(learn),learn.validate()[0]
+    fit_quiet(learn, 2)
+    assert all(not torch.equal(a, b) for a,b in zip(start, weights(learn)))
+    assert learn.validate()[0] < before and learn.held
+    assert {v.dtype for s in learn.opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()} == {torch.float32}
+
+@pytest.mark.parametrize('opt_state', STATES)
+@pytest.mark.parametrize('mode', ['amp_bf16', 'pure_kahan', 'pure_stochastic'])
+def test_compiled(mode, opt_state):
+    "With `fused='compile'` the state is dequantised, stepped and quantised in the one kernel, within 2% of the eager run."
+    res = []
+    for fused in (True, 'compile'):
+        learn = learner(mode, opt_state, fused=fused); fit_quiet(learn, 2); res.append(learn.validate()[0])
+    assert abs(res[0] - res[1]) <= .02 * res[0] + 1e-3, res
+
+@pytest.mark.parametrize('fused', [True, 'compile'])
+@pytest.mark.parametrize('opt_state', STATES)
+def test_resume_bit_for_bit(opt_state, fused, tmp_path):
+    "Two epochs, or one, a checkpoint, a new learner loading it and one more: the same weights and state, bit for bit."
+    a = learner('pure_kahan', opt_state, fused=fused, path=tmp_path); fit_quiet(a, 1); order = a.dls.train.rng.getstate(); fit_quiet(a, 1)
+    b = learner('pure_kahan', opt_state, fused=fused, path=tmp_path); fit_quiet(b, 1); b.save('ck', with_opt=True)
+    c = learner('pure_kahan', opt_state, fused=fused, path=tmp_path); c.load('ck', with_opt=True); c.dls.train.rng.setstate(order)
+    fit_quiet(c, 1)
+    assert not state_diffs(state_of(a), state_of(c)), state_diffs(state_of(a), state_of(c))[:3]
+
+class SaveMid(Callback):
+    order = 100
+    def after_step(self):
+        if self.train_iter == 2: self.learn.save('mid', with_opt=True)
+
+@pytest.mark.parametrize('opt_state', STATES)
+def test_save_mid_fit_changes_nothing(opt_state, tmp_path):
+    "A save mid-fit dequantises the state into the checkpoint and quantises it back: training goes on bit for bit."
+    a = learner('pure_kahan', opt_state, path=tmp_path); fit_quiet(a, 1)
+    b = learner('pure_kahan', opt_state, path=tmp_path, cbs=SaveMid()); fit_quiet(b, 1)
+    assert not state_diffs(state_of(a), state_of(b))
+
+@pytest.mark.parametrize('opt_state', STATES)
+def test_checkpoint_loads_in_plain_fastai(opt_state, tmp_path):
+    "A checkpoint of a low-bit fit holds fastai's layout in fp32: plain fastai loads it, and so does any other `opt_state`."
+    learn = learner('pure_kahan', opt_state, path=tmp_path); fit_quiet(learn, 1); learn.save('ck', with_opt=True)
+    sd = torch.load(tmp_path/'models/ck.pth', weights_only=False)['opt']
+    assert {v.dtype for s in sd['state'] for v in s.values() if torch.is_tensor(v)} == {torch.float32}
+    plain = tiny_learner(model=wide, opt_func=Adam, lr=1e-2, n_trn=4, path=tmp_path); plain.load('ck', with_opt=True); fit_quiet(plain, 1)
+    other = learner('amp_bf16', '4bit' if opt_state != '4bit' else 'fp32', path=tmp_path); other.load('ck', with_opt=True); fit_quiet(other, 1)
+
+def test_state_dict_mid_fit():
+    "`opt.state_dict()` during a low-bit fit gives fastai's layout, fp32 values close to the state held; the dicts hold handles."
+    seen = {}
+    class Look(Callback):
+        order = 100
+        def after_step(self):
+            if self.train_iter == 2: seen['sd'],seen['held'] = self.learn.opt.state_dict(),_lowbit_held(self.learn)
+    learn = learner('amp_bf16', '8bit', cbs=Look()); fit_quiet(learn, 1)
+    vals = [v for s in seen['sd']['state'] for v in s.values() if torch.is_tensor(v) and v.dim()]
+    assert vals and {v.dtype for v in vals} == {torch.float32}
+    assert seen['held']
+
+def test_small_tensors_stay_fp32():
+    "Tensors under 4,096 elements keep fp32 state (their scale would cost as much as their codes)."
+    learn = learner('amp_bf16', '8bit')
+    p_small,p_big = learn.model[0].weight,learn.model[2].weight
+    fs = None
+    class Grab(Callback):
+        order = 100
+        def after_step(self): nonlocal fs; fs = precision_cb(self.learn).fused_steps
+    fit_quiet(learn, 1, cbs=Grab())
+    assert fs.home[id(p_small)][0].store.bits is None and fs.home[id(p_big)][0].store.bits == 8
+
+class MyOpt(Optimizer):
+    def step(self, closure=None): super().step()
+
+REFUSED = [(dict(fused=False), "fused=False steps fastai's loop"),
+           (dict(opt_func=lambda ps, **kw: OptimWrapper(ps, opt=torch.optim.AdamW, **kw)), 'OptimWrapper'),
+           (dict(opt_func=lambda ps, **kw: MyOpt(ps, [sgd_step], **kw)), 'overrides Optimizer.step'),
+           (dict(opt_func=lambda ps, **kw: Optimizer(ps, [sgd_step, lambda p, **k: None], **kw)), "a step function is not fastai's own")]
+
+@pytest.mark.parametrize('kw,why', REFUSED, ids=['loop', 'torch', 'subclass', 'user_fn'])
+def test_refused_before_the_fit(kw, why):
+    "What cannot hold low-bit state is refused before the fit changes anything, with the reason."
+    learn = tiny_learner(model=wide, lr=1e-2, n_trn=2, **{k: v for k,v in kw.items() if k == 'opt_func'})
+    learn.to_bf16(pure=True, opt_state='8bit', **{k: v for k,v in kw.items() if k == 'fused'})
+    w = weights(learn)
+    with pytest.raises(ValueError, match=why.replace('(', r'\(')): fit_quiet(learn)
+    assert all(torch.equal(a, b) for a,b in zip(w, weights(learn))) and {p.dtype for p in learn.model.parameters()} == {torch.float32}
+
+@pytest.mark.parametrize('bad,exc,msg', [('3bit', ValueError, "opt_state='3bit' is not allowed: opt_state must be 'fp32', 'bf16', '8bit' or '4bit'"),
+                                         (8, TypeError, "opt_state=8 is a int: opt_state must be")])
+def test_bad_values(bad, exc, msg):
+    "A bad `opt_state` is refused at the call, naming the argument and what is allowed."
+    for to in (lambda l: l.to_bf16(opt_state=bad), lambda l: l.to_fp16(opt_state=bad), lambda l: l.to_bf16(pure=True, opt_state=bad),
+               lambda l: l.to_fp16(loss_scale=512, opt_state=bad)):
+        with pytest.raises(exc, match=msg.replace('(', r'\(')): to(tiny_learner())
+
+def test_repr_says_bytes():
+    "The callback's repr says the state kind and the bytes a parameter holds with Adam."
+    assert "opt_state='8bit' (8.03 B/param with Adam)" in repr(tiny_learner().to_bf16(pure=True, opt_state='8bit').pure_bf16)
+    assert "opt_state='4bit' (9.06 B/param with Adam)" in repr(tiny_learner().to_bf16(opt_state='4bit').mixed_precision)
+
+@pytest.mark.parametrize('opt_state', ['8bit', '4bit'])
+def test_ops_do_not_grow(opt_state):
+    "The eager low-bit step dispatches as many ops at 20 large tensors as at 4: its windows follow the elements, not the tensors."
+    def ops(n):
+        learn = tiny_learner(model=lambda: nn.Sequential(nn.Linear(1, 64), *[nn.Linear(64, 64) for _ in range(n)], nn.Linear(64, 1)),
+                             opt_func=Adam, n_trn=2).to_bf16(opt_state=opt_state)
+        class Count(Callback):
+            order = 100
+            def before_step(self): self.c = CountOps().__enter__()
+            def after_step(self): self.c.__exit__(None, None, None); self.n = self.c.n
+        cnt = Count(); fit_quiet(learn, 1, cbs=cnt); return cnt.n
+    assert ops(4) == ops(20)
