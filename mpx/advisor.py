@@ -16,11 +16,12 @@ from .hardware import *
 from .warn import warn_user
 from .callback import _no_kernel
 from .fp8 import fp8_table, linear_rows, real_fp8
+from .lowbit import param_bytes
 
 # %% auto #0
 __all__ = ['fp32_trial', 'ModuleStats', 'module_numerics', 'time_steps', 'ModeFailure', 'mode_failure', 'assess_numerics',
-           'PrecisionReport', 'plain_text', 'precision_report', 'Hardware', 'cpu_hardware', 'cuda_hardware',
-           'mps_hardware', 'detect_hardware', 'slow_reason', 'warn_if_slow', 'reset_slow_warnings']
+           'PrecisionReport', 'plain_text', 'memory_line', 'precision_report', 'Hardware', 'cpu_hardware',
+           'cuda_hardware', 'mps_hardware', 'detect_hardware', 'slow_reason', 'warn_if_slow', 'reset_slow_warnings']
 
 # %% ../nbs/06_advisor.ipynb #62e927f3
 _all_ = ['Hardware', 'cpu_hardware', 'cuda_hardware', 'mps_hardware', 'detect_hardware', 'slow_reason', 'warn_if_slow',
@@ -427,7 +428,13 @@ def _head(self:PrecisionReport) -> list:
     t = ' | '.join(f"{m} {_ms(s)}{speed(m)}" for m,s in self.timings.items()) if self.timings else None
     return [f"hardware: {self.hardware}", *( [f"step time: {t}"] if t else []),
             f"fp16 underflow at the loss scale 2**16: {self.underflow:.2%} of the nonzero gradient elements",
-            "at risk in 16 bits: " + (', '.join(f"`{n}`" for n in self.at_risk) or 'none'), self._fp8_line()]
+            "at risk in 16 bits: " + (', '.join(f"`{n}`" for n in self.at_risk) or 'none'), self._fp8_line(), memory_line()]
+
+def memory_line() -> str:
+    "Bytes a large parameter holds in each mode with Adam, its state in fp32 or (`opt_state`) in 8 bits"
+    ms = dict(zip(('fp32 and AMP', 'master', 'pure kahan', 'pure stochastic'), ('amp', 'master', 'kahan', 'stochastic')))
+    return ("memory a parameter with Adam (fp32 state / opt_state='8bit'): "
+            + ', '.join(f"{k} {param_bytes(m):.3g} / {param_bytes(m, '8bit'):.3g} B" for k,m in ms.items()))
 
 @patch
 def _fp8_line(self:PrecisionReport) -> str:

@@ -11,7 +11,7 @@ from torch.nn.modules.batchnorm import _NormBase
 from .core import *
 from .scaler import *
 from .fused import FusedSteps, why_not_lowbit
-from .lowbit import state_bytes
+from .lowbit import param_bytes
 from .plumbing import Ledger
 from .patches import *
 from .warn import warn_user
@@ -163,10 +163,10 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         return (f"{type(self).__name__}(amp_mode='{self.amp_mode}', loss_scale={self.loss_scale:g}, {self._repr_extra()}"
                 f"{self._repr_state()}skipped_steps={self.skipped_steps}/{self.total_steps})")
     def _repr_extra(self) -> str: return ''
-    weight_bytes = 8.  # bytes a parameter holds besides the optimizer's state: fp32 weight and gradient (AMP)
+    memory_mode = 'amp'  # the `MODE_BYTES` entry of `mpx.lowbit` saying what a parameter holds besides its state
     def param_bytes(self, n_state:int=2) -> float:
         "Bytes a large parameter holds between steps in this mode with `n_state` state tensors (Adam: 2)"
-        return self.weight_bytes + n_state * state_bytes(self.opt_state)
+        return param_bytes(self.memory_mode, self.opt_state, n_state)
     def _repr_state(self) -> str:
         return '' if self.opt_state == 'fp32' else f"opt_state='{self.opt_state}' ({self.param_bytes():.3g} B/param with Adam), "
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 from fastai.torch_basics import *
 
 # %% auto #0
-__all__ = ['OPT_STATES', 'MIN_LOWBIT', 'dynamic_map', 'root_map', 'quantize', 'dequantize', 'pack4', 'unpack4', 'LowBitState',
-           'DenseStore', 'BF16Store', 'bf16_round', 'QuantStore', 'make_store', 'state_bytes']
+__all__ = ['OPT_STATES', 'MIN_LOWBIT', 'MODE_BYTES', 'dynamic_map', 'root_map', 'quantize', 'dequantize', 'pack4', 'unpack4',
+           'LowBitState', 'DenseStore', 'BF16Store', 'bf16_round', 'QuantStore', 'make_store', 'state_bytes',
+           'param_bytes']
 
 # %% ../nbs/01i_lowbit.ipynb #lb0006
 def dynamic_map(signed:bool=True, exp_bits:int=7, bits:int=8) -> Tensor:
@@ -176,3 +177,9 @@ def make_store(opt_state:str='fp32'):
 def state_bytes(opt_state:str='fp32', dtype=torch.float32) -> float:
     "Bytes an element of one state tensor takes under `opt_state` (a large tensor's)"
     return make_store(opt_state).bytes(dtype)
+
+MODE_BYTES = dict(fp32=8., amp=8., fp8=8., master=12., kahan=6., stochastic=4.)  # weights, gradients, masters, compensations
+
+def param_bytes(mode:str, opt_state:str='fp32', n_state:int=2) -> float:
+    "Bytes a large parameter holds between steps in `mode` with `n_state` state tensors (Adam: 2) under `opt_state`"
+    return MODE_BYTES[mode] + n_state * state_bytes(opt_state)

@@ -162,7 +162,7 @@ class MasterPrecision(PrecisionCallback):
     def loss_scale(self) -> float:
         "The current loss scale (1.0 for bf16); a host value, free to read (one host sync during a compiled fit)"
         return 1.0 if self.scaler is None else self.scaler.pull().scale
-    weight_bytes = 12.  # half weight and gradient (2 + 2), fp32 master and master gradient (4 + 4)
+    memory_mode = 'master'  # half weight and gradient (2 + 2), fp32 master and master gradient (4 + 4)
     @property
     def scaling(self) -> bool: return self.scaler is not None
     @property

@@ -228,7 +228,7 @@ class PureBF16(PrecisionCallback):
         return self.fit_state
     def _repr_extra(self): return f"update='{self.update}', "
     @property
-    def weight_bytes(self) -> float: return 6. if self.update == 'kahan' else 4.  # bf16 weight, gradient (and compensation)
+    def memory_mode(self) -> str: return self.update  # bf16 weight, gradient (and, kahan, compensation)
 
     def _new_fit_state(self): return BF16Weights(self.learn, self.update, self.stream)
 
