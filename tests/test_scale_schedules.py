@@ -68,7 +68,7 @@ def _scales(make, overflow_at, micro=False, n_trn=12):
     fit_quiet(learn, 1, cbs=InjectGrad(at=overflow_at, micro=micro))
     return learn,precision_cb(learn).scales
 
-@pytest.mark.parametrize('fused', [True, 'compile'])
+@pytest.mark.parametrize('fused', [True, pytest.param('compile', marks=pytest.mark.compiled)])
 @pytest.mark.parametrize('mode', ['amp', 'master'])
 def test_fp16_modes_with_hysteresis(mode, fused):
     "`to_fp16(hysteresis=2)` in AMP and in the dynamic master mode: the scale each step used is DeepSpeed's, eager and compiled."
