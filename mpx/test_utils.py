@@ -14,7 +14,7 @@ __all__ = ['MASTER_MODES', 'MODES', 'BASIC_MODES', 'ALL_MODES', 'OPTIMIZERS', 'A
            'check_stochastic_rounding', 'raised', 'StepProfile', 'check_compiled_steps']
 
 # %% ../nbs/99_test_utils.ipynb #29d10340
-import functools, re
+import functools, os, re, sys
 from contextlib import contextmanager, nullcontext
 from fastai.basics import *
 from fastai.callback.progress import ProgressCallback
@@ -546,6 +546,15 @@ def raised(f:Callable, exc=Exception, contains:str='') -> BaseException:
     raise AssertionError(f'nothing raised: expected {exc}')
 
 # %% ../nbs/99_test_utils.ipynb #tu380023
+@contextmanager
+def _no_fd2():
+    "File descriptor 2 to the null device while inside: kineto writes a line there at each profiler start and stop"
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, 'w') as null: os.dup2(null.fileno(), 2)
+    try: yield
+    finally: os.dup2(saved, 2); os.close(saved)
+
 class _ProfileFrom(Callback):
     def __init__(self, prof, event, order): self.prof,self.order = prof,order; setattr(self, event, prof._start)
 
@@ -560,10 +569,12 @@ class StepProfile:
         self.wide,self.steps,self.p = wide,[],None
         # the step alone: after every other `before_step`, before every other `after_step`
         self.cbs = [_ProfileFrom(self, 'after_backward', -1000), _ProfileTo(self, 1000)] if wide else [_ProfileFrom(self, 'before_step', 1000), _ProfileTo(self, -1000)]
-    def _start(self): self.p = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]); self.p.__enter__()
+    def _start(self):
+        self.p = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        with _no_fd2(): self.p.__enter__()
     def _stop(self):
         if self.p is None: return
-        self.p.__exit__(None, None, None)
+        with _no_fd2(): self.p.__exit__(None, None, None)
         evs = {e.key: e.count for e in self.p.key_averages()}
         self.p = None
         self.steps.append(dict(compiled=sum(n for k,n in evs.items() if k.startswith('Torch-Compiled Region')),
