@@ -277,7 +277,7 @@ def one_thread():
 def bf16_lstm_runs(device:str='cpu') -> bool:
     "Whether `device` has a bf16 LSTM kernel under autocast (a CPU's oneDNN has one only with AVX512-BF16 or AMX)"
     try:
-        with torch.autocast(device, dtype=torch.bfloat16): nn.LSTM(4, 4, batch_first=True).to(device)(torch.randn(2, 3, 4, device=device))
+        with torch.autocast(device, dtype=torch.bfloat16): nn.LSTM(4, 4).to(device)(torch.randn(3, 2, 4, device=device))
         return True
     except RuntimeError: return False
 
@@ -415,7 +415,7 @@ def learner_problems(learn:Learner) -> list:
     except KeyError: res.append('opt.all_params() raises KeyError')
     stale = lambda st: sum(isinstance(k, Tensor) and id(k) not in ids for k in st)  # fastai keys collab's `do_wd` by a method
     if stale(opt.state): res.append(f'stale keys in opt.state: {stale(opt.state)}')
-    if isinstance(opt, OptimWrapper) and stale(opt.opt.state): res.append(f'stale keys in the torch optimizer state: {stale(opt.opt.state)}')
+    if isinstance(opt, OptimWrapper) and stale(opt.opt.state): res.append(f'stale keys in the torch state: {stale(opt.opt.state)}')
     if isinstance(opt, Lookahead) and opt.slow_weights is not None:
         if [[s.shape for s in pg] for pg in opt.slow_weights] != [[p.shape for p in pg] for pg in opt.param_lists]:
             res.append('Lookahead slow weights not shaped like the parameters')
@@ -532,8 +532,9 @@ def check_stochastic_rounding(learn:Learner, # A `ramp_learner` after its fit
     p = lr / u
     mean,var,n = steps*p,steps*p*(1-p),k.numel()
     res = dict(mean=k.mean().item(), expected=mean, z=(k.mean().item() - mean) / (var/n)**.5, var_ratio=k.var().item() / var)
-    assert abs(res['z']) < z, f"biased: the weights came down {res['mean']:.4f} ulps on average, unbiased rounding {mean:.4f} ({res['z']:.1f} standard errors)"
-    assert abs(res['var_ratio'] - 1) < rtol, f"spread {res['var_ratio']:.3f} times unbiased rounding's: the random bits are not independent"
+    assert abs(res['z']) < z, (f"biased: the weights came down {res['mean']:.4f} ulps on average, unbiased rounding {mean:.4f} "
+                               f"({res['z']:.1f} standard errors)")
+    assert abs(res['var_ratio'] - 1) < rtol, f"spread {res['var_ratio']:.3f} times unbiased rounding's: the bits are not independent"
     return res
 
 # %% ../nbs/99_test_utils.ipynb #tu380021
@@ -564,11 +565,11 @@ class _ProfileTo(Callback):
     def after_batch(self): self.prof._stop()  # the step was cancelled
 
 class StepProfile:
-    "Profile each optimizer step (`wide`: from `after_backward` to the end of `after_step`): its aten op counts and compiled regions, in `steps`"
+    "Profile each optimizer step (`wide`: from `after_backward` to the end of `after_step`): aten op counts, compiled regions"
     def __init__(self, wide:bool=False):
         self.wide,self.steps,self.p = wide,[],None
-        # the step alone: after every other `before_step`, before every other `after_step`
-        self.cbs = [_ProfileFrom(self, 'after_backward', -1000), _ProfileTo(self, 1000)] if wide else [_ProfileFrom(self, 'before_step', 1000), _ProfileTo(self, -1000)]
+        if wide: self.cbs = [_ProfileFrom(self, 'after_backward', -1000), _ProfileTo(self, 1000)]
+        else: self.cbs = [_ProfileFrom(self, 'before_step', 1000), _ProfileTo(self, -1000)]  # after every other `before_step`, and so on
     def _start(self):
         self.p = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
         with _no_fd2(): self.p.__enter__()
@@ -587,7 +588,7 @@ class StepProfile:
 _step_math = re.compile(r'aten::(_foreach_\w+|add_?|sub_?|mul_?|div_?|sqrt_?|addcmul_?|addcdiv_?|lerp_?)$')
 
 def check_compiled_steps(prof:StepProfile):
-    "Assert every step `prof` saw entered compiled regions and (the step alone, after the first: it compiles) ran none of the eager step's arithmetic"
+    "Assert every step `prof` saw entered compiled regions and (the step alone, after the first) ran none of the eager step's arithmetic"
     assert prof.steps, 'no step was profiled'
     eager = [i for i,s in enumerate(prof.steps) if not s['compiled']]
     assert not eager, f'steps {eager} of {len(prof.steps)} ran no compiled region: the eager step ran'

@@ -8,7 +8,8 @@ from mpx.test_utils import one_thread as _one_thread
 from mpx.fused import _failed as _fallbacks  # the engine's record of kernels that failed to compile: the one line naming it
 
 def pytest_configure(config):
-    config.addinivalue_line('markers', "compiled: runs mpx's compiled step (`fused='compile'`) or inductor; skipped where torch.compile cannot build")
+    config.addinivalue_line('markers', "compiled: runs mpx's compiled step (`fused='compile'`) or inductor; skipped where torch.compile "
+                                       "cannot build")
 
 @functools.cache
 def why_not_compiled() -> str|None:

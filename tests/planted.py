@@ -38,7 +38,7 @@ def masters_rounded_on_save(dtype=torch.float16):
 
 @contextmanager
 def nested_effect_dropped():
-    "`validate`, `get_preds` and `lr_find` called inside an mpx fit put back what they change of it: training, the loader, the hypers, the RNGs"
+    "`validate`, `get_preds` and `lr_find` called in an mpx fit put back what they change of it: training, the loader, the hypers, the RNGs"
     depth = [0]
     def fit(real):
         def f(learn, *args, **kwargs):
@@ -64,7 +64,7 @@ def nested_effect_dropped():
 
 @contextmanager
 def biased_stochastic_rounding(bias:int=1 << 14):
-    "Stochastic rounding with `bias` (in 2**-16 of an ulp; 2**14: a quarter of an ulp) added to its random bits, eager and compiled (planted before the kernels first compile)"
+    "Rounding with `bias` (in 2**-16 of an ulp; 2**14: a quarter) added to its random bits, eager and compiled (set before compiling)"
     import mpx.pure
     real_bits = mpx.pure.random_bits16
     @torch.no_grad()
@@ -72,7 +72,8 @@ def biased_stochastic_rounding(bias:int=1 << 14):
         bits = x.view(torch.int32)
         bits.add_(torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=bits.device, generator=gen) + bias).bitwise_and_(-65536)
         w.copy_(x)
-    with _patched(mpx.pure, 'fold_stochastic', fold), _patched(mpx.pure, 'random_bits16', lambda idx, key: real_bits(idx, key) + bias): yield
+    def bits(idx, key): return real_bits(idx, key) + bias
+    with _patched(mpx.pure, 'fold_stochastic', fold), _patched(mpx.pure, 'random_bits16', bits): yield
 
 @contextmanager
 def compiled_replaced_by_eager():

@@ -191,7 +191,7 @@ def test_model_hooks_and_dropout_untouched():
     assert_unchanged(before, state(learn))
 
 def test_half_model(mock_hw):
-    "A model left in half precision (e.g. mid-fit in the master-weights mode) is examined in fp32: the report of its fp32 copy; it stays half."
+    "A model left in half precision (mid-fit in the master-weights mode, say) is examined in fp32: its fp32 copy's report; it stays half."
     mock_hw(A100)
     learn,ref = tiny_learner(),tiny_learner()
     learn.model.half(); ref.model.half().float()  # the same weights, rounded alike
@@ -304,7 +304,7 @@ def test_model_deepcopy_cannot_copy(model):
     assert_same_attrs(attrs, module_attrs(learn.model))
 
 def timed_rule(r, min_speedup=1.1) -> str:
-    "The documented rule, restated: among the timed 16-bit modes, those at least `min_speedup`x fp32; fp16 over bf16 only if `min_speedup`x it too"
+    "The documented rule, restated: of the timed 16-bit modes those `min_speedup`x fp32 or faster; fp16 over bf16 only if `min_speedup`x it"
     ok = [m for m in ('bf16', 'fp16') if r.speedups.get(m, 0) >= min_speedup]
     if not ok: return 'fp32'
     return 'fp16' if ok == ['fp16'] or len(ok) == 2 and r.speedups['fp16'] >= min_speedup * r.speedups['bf16'] else 'bf16'

@@ -64,7 +64,7 @@ def test_compiled_within_tolerance(mode, opt):
 
 @pytest.mark.compiled
 def test_stochastic_compiled_unbiased():
-    "Compiled stochastic rounding is unbiased and its bits independent: 4096 weights' 20 steps of 1e-3 (a quarter of bf16's spacing) come down as exact rounding's Binomial."
+    "Compiled stochastic rounding is unbiased, its bits independent: 4096 weights' 20 steps of a quarter ulp each come down as they must."
     prof = StepProfile()
     learn = fit_quiet(ramp_learner().to_bf16(pure=True, update='stochastic', fused='compile'), cbs=prof.cbs)
     check_compiled_steps(prof)
@@ -227,7 +227,7 @@ def regions_a_step(mode, n_layers, model=None) -> float:
 @pytest.mark.compiled
 @pytest.mark.parametrize('mode', ['amp_bf16', 'master_fp16', 'pure_kahan', 'pure_stochastic'])
 def test_compiled_kernels_do_not_grow(mode):
-    "A compiled step enters as many compiled regions at 100 parameter tensors as at 10: a kernel (and its scalars) a run of a flat buffer, not a tensor."
+    "A compiled step enters as many compiled regions at 100 parameter tensors as at 10: a kernel (and its scalars) a run, not a tensor."
     few,many = regions_a_step(mode, 4),regions_a_step(mode, 49)
     assert few == many and 0 < few <= 4, (few, many)
 

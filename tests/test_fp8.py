@@ -10,7 +10,8 @@ from mpx.all import *
 from mpx.callback import is_mpx_precision
 import mpx.fp8
 from mpx.fp8 import FP8Precision, Float8Swap, fp8_plan, fp8_table, fp8_gain, linear_rows, unwrapped, _torchao_float8
-from mpx.test_utils import tiny_learner, fit_quiet, count_syncs, tabular_app_learner, text_app_learner, _quiet, bf16_lstm_runs, learner_problems
+from mpx.test_utils import (tiny_learner, fit_quiet, count_syncs, tabular_app_learner, text_app_learner, _quiet, bf16_lstm_runs,
+                            learner_problems)
 from fastai.basics import trainable_params
 
 pytestmark = pytest.mark.filterwarnings('ignore::UserWarning')  # fp8 and bf16 are slow on this CPU; load_learner's pickle warning
@@ -247,7 +248,7 @@ def _lstm_in_fp32(model):
         if isinstance(m, nn.LSTM): m.register_forward_pre_hook(pre); m.register_forward_hook(post)
 
 def _problems(learn) -> list:
-    "What must never show between fits: a torchao layer, and `learner_problems` (weights not fp32 or not finite, the optimizer off the model)"
+    "What must never show between fits: a torchao layer, and `learner_problems` (weights not fp32 or not finite, the optimizer elsewhere)"
     torchao = any(type(m).__module__.startswith('torchao') for m in learn.model.modules())
     return ['torchao layer in the model'] * torchao + learner_problems(learn)
 

@@ -22,7 +22,8 @@ class _DropGrad(Callback):
 def run(mode, opt, fused):
     """freeze -> fit -> unfreeze -> fit_one_cycle with discriminative lrs -> freeze -> fit (frozen weights keep zeroed gradients: fastai
     steps them), `wd_bn_bias=False`, a bias missing some gradients, in `mode` with or without fused steps"""
-    learn = tiny_learner(bn=True, splitter=tiny_split, opt_func=OPTS[opt], lr=1e-2, wd=1e-2, wd_bn_bias=False, n_trn=4, n_val=1, cbs=_DropGrad())
+    learn = tiny_learner(bn=True, splitter=tiny_split, opt_func=OPTS[opt], lr=1e-2, wd=1e-2, wd_bn_bias=False, n_trn=4, n_val=1,
+                         cbs=_DropGrad())
     ALL_MODES[mode](learn, fused=fused)
     learn.freeze(); fit_quiet(learn, 1)
     learn.unfreeze(); fit_quiet(learn, 1, 'fit_one_cycle', lr_max=slice(1e-3, 1e-2))

@@ -202,7 +202,7 @@ def test_check_finite_false_lets_nan_through(mode):
     assert precision_cb(learn).skipped_steps == 0
     assert any(p.isnan().any() for p in learn.model.parameters())
 
-CHECK_FINITE = {  # name: (a precision callback made with `check_finite=v`, whether its dtype is fp16, whose scaler checks whatever `v` says)
+CHECK_FINITE = {  # name: (a precision callback made with `check_finite=v`, whether it is fp16: its scaler checks whatever `v` says)
     'MixedPrecision': (lambda v: MixedPrecision('bf16', check_finite=v), False),
     'MasterPrecision': (lambda v: MasterPrecision('bf16', check_finite=v), False),
     'to_fp16': (lambda v: precision_cb(tiny_learner(lr=1e-2).to_fp16(init_scale=2.**8, check_finite=v)), True),

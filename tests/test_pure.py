@@ -39,7 +39,7 @@ def test_ramp(opt):
 
 @pytest.mark.parametrize('fused', [False, True])
 def test_stochastic_unbiased(fused):
-    "Stochastic rounding (fastai's loop or fused): 4096 weights' 20 steps of 1e-3, a quarter of bf16's spacing, come down as unbiased rounding's Binomial."
+    "Stochastic rounding (fastai's loop or fused): 4096 weights' 20 steps of a quarter ulp come down as unbiased rounding's Binomial."
     check_stochastic_rounding(fit_quiet(ramp_learner().to_bf16(pure=True, update='stochastic', fused=fused)))
 
 @pytest.mark.parametrize('bias', [1 << 14, -(1 << 14)], ids=['up', 'down'])

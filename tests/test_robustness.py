@@ -116,7 +116,7 @@ class _Steps(Callback):
     def after_step(self): self.n += 1
 
 def _nested_run(mode, event, call):
-    "The final `state_of` and step count of a 2-epoch fit in `mode` (None: fp32) with `call` made at `event`; or the exception and `learner_problems`"
+    "The final `state_of` and step count of a 2-epoch fit in `mode` (None: fp32) with `call` at `event`; or the exception, the problems"
     steps = _Steps()
     learn = tiny_learner(lr=1e-2, path=Path(tempfile.mkdtemp()), cbs=[steps] + ([CallAt(event, NESTED[call])] if call else []))
     if mode: ALL_MODES[mode](learn)
@@ -132,10 +132,11 @@ def _dist(a:dict, b:dict) -> float: return sum(float((x - y).norm()**2) for x,y 
 def check_nested(mode, event, call, got):
     """`got`, a `nested_run` in `mode`, against fp32 fastai making the same call: the same exception where fp32 fails; else the same steps,
     the mode's own run without the call bit for bit where the call changes nothing in fp32, and where it does, weights as close to fp32's
-    with the call as the mode's are to fp32's without it (three times): a mode dropping the call's effect ends where the call was never made"""
+    with the call as the mode's are to fp32's without it (three times): a mode dropping the call's effect ends where it was never made"""
     fp32 = nested_run(None, event, call)
     if isinstance(fp32[0], Exception):
-        assert type(got[0]) is type(fp32[0]) and str(got[0]).splitlines()[:2] == str(fp32[0]).splitlines()[:2], f'{mode} failed otherwise: {got[0]!r}'
+        same = type(got[0]) is type(fp32[0]) and str(got[0]).splitlines()[:2] == str(fp32[0]).splitlines()[:2]
+        assert same, f'{mode} failed otherwise: {got[0]!r}'
         assert got[1] == [], f'{mode} after the failed fit: {got[1]}'
         return
     assert not isinstance(got[0], Exception), f'{mode} failed where fp32 works: {got[0]!r}'
@@ -150,7 +151,7 @@ def check_nested(mode, event, call, got):
 @pytest.mark.parametrize('event,call', NEST_CASES, ids=[f'{e}-{c}' for e,c in NEST_CASES])
 @pytest.mark.parametrize('mode', KEY_MODES + ['amp_bf16'])
 def test_nested_call(mode, event, call):
-    "A call fastai allows mid-fit does in every mode what it does in fp32 (its effect on the rest of the fit, or its error), within a tolerance."
+    "A call fastai allows mid-fit does in every mode what it does in fp32 (its effect on the rest of the fit, or its error)."
     check_nested(mode, event, call, nested_run(mode, event, call))
 
 @pytest.mark.parametrize('event,call', [('after_pred', 'validate'), ('after_epoch', 'lr_find')])

@@ -50,12 +50,13 @@ def summary(learn) -> dict:
     return res
 
 def values(learn) -> dict:
-    "The numbers fp32 decides, loosely: `weights` (the parameters and float buffers), and per optimizer-state key its trained parameters' tensors"
-    res = dict(weights=[p.detach().float().clone() for p in learn.model.parameters()] + [b.float().clone() for b in learn.model.buffers() if b.is_floating_point()])
+    "The numbers fp32 decides, loosely: `weights` (the parameters and float buffers), and per optimizer-state key the trained parameters'"
+    ps,bs = learn.model.parameters(),learn.model.buffers()
+    res = dict(weights=[p.detach().float().clone() for p in ps] + [b.float().clone() for b in bs if b.is_floating_point()])
     st = _opt_state(learn.opt) if learn.opt is not None else {}
     for p in learn.model.parameters():
         for k,v in st.get(p, {}).items():
-            if p.requires_grad and isinstance(v, Tensor) and v.dim() > 0: res.setdefault(k, []).append(v.detach().float().to_dense().clone())
+            if p.requires_grad and isinstance(v, Tensor) and v.dim(): res.setdefault(k, []).append(v.detach().float().to_dense().clone())
     return res
 
 # How far from fp32 a mode may end: its weights' `rel_err` (1: no training at all), and for each optimizer-state key the median over the
@@ -68,7 +69,8 @@ def tolerance(mode:str) -> tuple: return TOLERANCE[mode if mode.startswith('pure
 def far_from_fp32(got:dict, ref:dict, start:list, mode:str) -> list:
     "Where the `values` a mode left are further from fp32's than `tolerance(mode)` allows (`start`: the weights before the sequence)"
     tw,ts = tolerance(mode)
-    res = [f'weights {e:.3g} from fp32 (relative to its change), more than {tw}'] if (e := rel_err(got['weights'], ref['weights'], start)) > tw else []
+    e = rel_err(got['weights'], ref['weights'], start)
+    res = [f'weights {e:.3g} from fp32 (relative to its change), more than {tw}'] if e > tw else []
     for k in ref:
         if k == 'weights': continue
         if len(got.get(k, [])) != len(ref[k]): res.append(f'{k}: {len(got.get(k, []))} tensors, fp32 {len(ref[k])}'); continue
@@ -93,8 +95,8 @@ class FitCheck(Callback):
         if any(getattr(c, '_outer', None) is not None for c in self.learn.cbs): return  # a nested validate: its fit goes on
         self.found += [f'after_fit at step {self.learn.train_iter}: {p}' for p in learner_problems(self.learn)]
 
-# ---- the sequences: each takes a learner and the mode (None: fp32) and returns the learner to check. Where a sequence saves, loads, exports
-# or switches precision, it checks on the way, in fp32 too, that the step changed nothing (or gave back exactly what was saved)
+# ---- the sequences: each takes a learner and the mode (None: fp32) and returns the learner to check. Where a sequence saves, loads,
+# exports or switches precision, it checks on the way, in fp32 too, that the step changed nothing (or gave back exactly what was saved)
 
 def _lr_find(learn):
     """`lr_find`, which saves the learner and loads it back: the model after it is the one before, bit for bit; in pure bf16, which keeps no
@@ -201,7 +203,7 @@ def export_nocpu(learn, mode):
     return new
 
 def switch(learn, mode):
-    "The mode, fp16 masters, bf16 autocast, fp32 and the mode again, a fit after each (fp32 all along for the reference); a switch changes no value"
+    "The mode, fp16 masters, bf16 autocast, fp32, the mode again, a fit after each (fp32 all along for the reference); no value changes"
     for f in [mode, MASTER_MODES['fp16'], lambda l: l.to_bf16(), lambda l: l.to_fp32(), mode]:
         before = state_of(learn)
         if mode is not None: f(learn)
@@ -214,7 +216,7 @@ SEQUENCES = {f.__name__: f for f in [lrfind_onecycle, lrfind_finetune, fit_fit, 
                                       unfreeze_cb]}
 
 def run(client, seq, mode, opt, path):
-    "Run `seq` on a fresh `client` learner with `opt` in `mode` (a `SEQ_MODES` key; None: fp32) in `path`: its `learner_problems` after every fit and at the end, its `summary` and `values`, and the weights it started from"
+    "Run `seq` on a fresh `client` learner with `opt` in `mode` (a `SEQ_MODES` key; None: fp32): problems, `summary`, `values`, start"
     learn = CLIENTS[client](opt)
     start = values(learn)['weights']
     learn.path = path; learn.add_cb(FitCheck())
@@ -231,7 +233,7 @@ def reference(client, seq, opt, path):
     return ref,vals
 
 def check_like_fp32(client, seq, mode, opt, tmp_path):
-    "Run `seq` in `mode`: no exception, no `learner_problems` after any fit, the `summary` fp32 leaves, and its `values` within `tolerance(mode)`"
+    "Run `seq` in `mode`: no exception, no `learner_problems` after any fit, fp32's `summary`, its `values` within `tolerance(mode)`"
     found,got,vals,start = run(client, seq, mode, opt, tmp_path)
     assert found == [], f'{found}'
     ref,ref_vals = reference(client, seq, opt, tmp_path.parent/f'ref-{client}-{seq}-{opt}')
