@@ -1,19 +1,59 @@
-"""Shared by every test file: a `fused='compile'` case whose kernel quietly fell back to the eager step fails."""
-import functools
+"""Shared by every test file: the compiled cases (marked `compiled`) skip with the reason where `torch.compile` cannot build a
+kernel, and fail where it can but a kernel quietly fell back to the eager step; `one_thread`; the end of the run says what it
+skipped and why, grouped by reason."""
+import functools, re
+from collections import Counter
 import pytest, torch
-from mpx.compiled import _failed
+from mpx.test_utils import one_thread as _one_thread
+from mpx.compiled import _failed as _fallbacks  # the engine's record of kernels that failed to compile: the one line naming it
+
+def pytest_configure(config):
+    config.addinivalue_line('markers', "compiled: runs mpx's compiled step (`fused='compile'`) or inductor; skipped where torch.compile "
+                                       "cannot build")
 
 @functools.cache
-def compiles() -> bool:
-    "Whether torch.compile builds a kernel on this machine (no C++ compiler: mpx steps eagerly, and says why)"
-    try: return bool(torch.compile(lambda x: x + 1)(torch.ones(2)).eq(2).all())
-    except Exception: return False
+def why_not_compiled() -> str|None:
+    "Why torch.compile builds no kernel on this machine (a missing C++ compiler, say), or None where it does"
+    try: ok = bool(torch.compile(lambda x: x + 1)(torch.ones(2)).eq(2).all())
+    except Exception as e: return f'{type(e).__name__}: {str(e).strip().splitlines()[0][:160]}' if str(e).strip() else type(e).__name__
+    return None if ok else 'a compiled function computed a wrong result'
+
+def compiles() -> bool: return why_not_compiled() is None
 
 @pytest.fixture(autouse=True)
-def _compiled_for_real():
-    "A case whose kernel fell back to eager steps (a recompile limit, a compile error) fails here, where the machine compiles"
-    before = dict(_failed)
+def _compiled_for_real(request):
+    """A `compiled` case skips, with the reason, where torch.compile builds nothing (it would compare the eager step with itself);
+    where it builds, any case whose kernel fell back to the eager step (a recompile limit, a compile error) fails"""
+    marked = request.node.get_closest_marker('compiled') is not None
+    if marked and not compiles(): pytest.skip(f'torch.compile cannot build a kernel here ({why_not_compiled()})')
+    before = dict(_fallbacks)
     yield
-    new = {k: v for k,v in _failed.items() if k not in before}
-    _failed.clear(); _failed.update(before)
-    if new and compiles(): pytest.fail(f"a kernel stepped eagerly on a machine that compiles: {new}")
+    new = {k: v for k,v in _fallbacks.items() if k not in before}
+    _fallbacks.clear(); _fallbacks.update(before)
+    if not new: return
+    if compiles(): pytest.fail(f"a kernel stepped eagerly on a machine that compiles: {new}")
+    if not marked: pytest.fail(f"this case compiles (a kernel fell back here: {new}): mark it `compiled`, so it skips with the reason")
+
+@pytest.fixture
+def one_thread():
+    "One intra-op thread for the test: tiny tensors, and OpenMP's spinning on a busy 2-core machine made BatchNorm 100x slower"
+    with _one_thread(): yield
+
+# ---- the end of the run: what was skipped, and why
+
+def _reason(rep) -> str:
+    "A skip's reason, without the 'Skipped: ' pytest puts before it"
+    msg = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
+    return re.sub(r'^Skipped: ', '', msg)
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_terminal_summary(terminalreporter):
+    "After pytest's own summary: the skipped cases counted by reason, most first, and the expected failures: what this run did not check"
+    yield
+    tr = terminalreporter
+    skipped = Counter(_reason(r) for r in tr.stats.get('skipped', []))
+    xfailed = Counter(getattr(r, 'wasxfail', '') or 'expected failure' for r in tr.stats.get('xfailed', []))
+    if not skipped and not xfailed: return
+    tr.write_sep('=', f'not checked in this run: {sum(skipped.values())} skipped, {sum(xfailed.values())} expected to fail')
+    for why,n in skipped.most_common(): tr.write_line(f'{n:5d} skipped: {why}')
+    for why,n in xfailed.most_common(): tr.write_line(f'{n:5d} xfail:   {why}')

@@ -16,7 +16,7 @@ def _cpu_broadcast(self, t, rank):
     t = torch.tensor(t, dtype=torch.long); torch.distributed.broadcast(t, rank); return t.tolist()
 DistributedDL._broadcast = _cpu_broadcast
 
-MODES = dict(amp_fp16=lambda l: l.to_fp16(init_scale=2.**8, growth_interval=2), amp_bf16=lambda l: l.to_bf16(),
+DIST_MODES = dict(amp_fp16=lambda l: l.to_fp16(init_scale=2.**8, growth_interval=2), amp_bf16=lambda l: l.to_bf16(),
              master=lambda l: l.to_fp16(loss_scale=2.**8, dynamic=True, growth_interval=2),
              master_flat=lambda l: l.to_fp16(loss_scale=2.**8, dynamic=True, growth_interval=2, flat_master=True),
              master_bf16=lambda l: l.to_bf16(master=True))
@@ -36,7 +36,7 @@ def learner(mode, path, world):
     # num_workers=0: fastai forks loader workers by default, and a fork beside gloo's threads can deadlock
     dls = DataLoaders.from_dsets(list(zip(x, y)), list(zip(x, y)), bs=32 // world, shuffle=False, num_workers=0)
     learn = Learner(dls, nn.Sequential(nn.Linear(1, 8), nn.ReLU(), nn.Linear(8, 1)), loss_func=MSELossFlat(), lr=1e-2, path=path)
-    return MODES[mode](learn)
+    return DIST_MODES[mode](learn)
 
 def run(mode, out):
     out,world,rank = Path(out)/mode,max(num_distrib(), 1),rank_distrib()

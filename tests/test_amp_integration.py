@@ -10,13 +10,12 @@ from mpx.all import MixedPrecision, MasterPrecision
 from mpx.test_utils import tiny_learner, fit_quiet, weights, precision_cbs, TupleModel, first_mse, DtypeHook, PredProbe, LossProbe
 
 HALF = dict(fp16=torch.float16, bf16=torch.bfloat16)
-MODES = list(HALF)
 
 def to_mode(learn, mode, **kwargs):
     "`learn.to_fp16(**kwargs)` or `learn.to_bf16()`"
     return learn.to_fp16(**kwargs) if mode == 'fp16' else learn.to_bf16()
 
-@pytest.mark.parametrize('mode', MODES)
+@pytest.mark.parametrize('mode', HALF)
 def test_lr_find_restores_weights(mode, tmp_path):
     "`lr_find` runs and afterwards the weights, the loss scale and the telemetry are those from before it."
     learn = to_mode(tiny_learner(lr=1e-2, path=tmp_path), mode)
@@ -25,7 +24,7 @@ def test_lr_find_restores_weights(mode, tmp_path):
     assert math.isfinite(res.valley) and learn.mixed_precision.total_steps == 0 and learn.mixed_precision.loss_scale == scale
     assert all(map(torch.equal, w, learn.model.parameters()))
 
-@pytest.mark.parametrize('mode', MODES)
+@pytest.mark.parametrize('mode', HALF)
 @pytest.mark.parametrize('method,kw', [('fit_one_cycle', {}), ('fine_tune', dict(freeze_epochs=1))], ids=['fit_one_cycle','fine_tune'])
 def test_schedules(mode, method, kw):
     "`fit_one_cycle` and `fine_tune` train through the callback: every optimizer step counted, weights moved, losses finite."
@@ -37,7 +36,7 @@ def test_schedules(mode, method, kw):
     assert not any(map(torch.equal, w, learn.model.parameters()))
     assert all(math.isfinite(l) for l in learn.recorder.losses)
 
-@pytest.mark.parametrize('mode', MODES)
+@pytest.mark.parametrize('mode', HALF)
 def test_get_preds_and_validate_autocast(mode):
     "`get_preds` and `validate` compute in half precision (a forward hook sees it) and return fp32."
     learn = to_mode(tiny_learner(lr=1e-2), mode)
@@ -49,7 +48,7 @@ def test_get_preds_and_validate_autocast(mode):
     learn.to_fp32()
     assert torch.allclose(learn.get_preds()[0], preds, rtol=.02, atol=.02), 'half precision predictions close to fp32 ones'
 
-@pytest.mark.parametrize('mode', MODES)
+@pytest.mark.parametrize('mode', HALF)
 @pytest.mark.parametrize('as_list', [False, True], ids=['tuple','list'])
 def test_listy_preds_are_fp32(mode, as_list):
     "A model returning a tuple or list of half tensors gives the loss a tuple or list of fp32 tensors."
@@ -59,7 +58,7 @@ def test_listy_preds_are_fp32(mode, as_list):
     assert set(hook.dtypes) == {HALF[mode]}
     assert len(probe.dtypes) == 12 and all(d == [torch.float32]*2 for d in probe.dtypes)
 
-@pytest.mark.parametrize('mode', MODES)
+@pytest.mark.parametrize('mode', HALF)
 @pytest.mark.parametrize('acc', [False, True], ids=['plain','grad_acc'])
 def test_logged_loss_is_unscaled(mode, acc):
     "The recorded losses match an fp32 run's (at a learning rate too small for skipped steps to matter), not 2**16 times them."

@@ -9,7 +9,7 @@ from mpx.all import *
 from mpx.test_utils import tiny_learner, fit_quiet, weights, precision_cb
 
 TESTS = Path(__file__).parent
-MODES = dict(
+CKPT_MODES = dict(  # each with a scale that moves in these fits
     amp_fp16    = lambda l: l.to_fp16(init_scale=2.**8, growth_interval=3),
     amp_bf16    = lambda l: l.to_bf16(),
     master      = lambda l: l.to_fp16(loss_scale=8., dynamic=True, growth_interval=3),
@@ -21,7 +21,7 @@ class SeedEpochs(Callback):
     "Seed every epoch by its index (the DataLoader shuffles with its own `rng`), so a resumed run sees the same batches"
     def before_epoch(self): set_seed(100 + self.epoch, reproducible=True); self.dls.train.rng = random.Random(100 + self.epoch)
 
-def learner(mode, path): return MODES[mode](tiny_learner(lr=1e-2, path=path, cbs=SeedEpochs()))
+def learner(mode, path): return CKPT_MODES[mode](tiny_learner(lr=1e-2, path=path, cbs=SeedEpochs()))
 
 def first_half(mode, path):
     "Train the first epoch of two and save with the optimizer state"
@@ -44,7 +44,7 @@ def second_half(mode, path):
     learn.load('half', with_opt=True)
     return fit_quiet(learn, 2, start_epoch=1)
 
-@pytest.mark.parametrize('mode', MODES)
+@pytest.mark.parametrize('mode', CKPT_MODES)
 def test_resume_is_bit_exact(mode, tmp_path):
     "Train, save, load into a new learner, train on: bit-identical weights and the same scales as an uninterrupted run."
     whole = fit_quiet(learner(mode, tmp_path), 2)

@@ -29,6 +29,7 @@ def test_compiled_model(mode):
     assert {p.dtype for p in learn.model.parameters()} == {torch.float32}
     assert precision_cb(learn).total_steps == 20 and all(torch.isfinite(p).all() for p in learn.model.parameters())
 
+@pytest.mark.compiled
 def test_inductor_bf16():
     "A model compiled by inductor (generated C++) trains under `to_bf16()` and matches the uncompiled model's first steps."
     torch._dynamo.reset()

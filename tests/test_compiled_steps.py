@@ -1,7 +1,9 @@
 """`fused='compile'` (issue 27): one compiled kernel a run in every mode, within a stated tolerance of the eager step, skipping a
 bad step on the device with no host sync, falling back to the eager step with a reason where it cannot compile, and the
 stochastic rounding's stream and the step counts carried across checkpoints. Compiling costs seconds a kernel; each
-(storage kind, chain) compiles once a process, so the cases share a few."""
+(storage kind, chain) compiles once a process, so the cases share a few. Every compiled case checks that its steps ran in
+compiled regions (`check_compiled_steps`): where the kernel quietly gave way to the eager step, comparing it with the eager
+step would compare the eager step with itself. Where torch.compile cannot build, the `compiled` cases skip with the reason."""
 import functools, warnings
 from functools import partial
 import pytest, torch
@@ -9,18 +11,12 @@ from torch import nn
 from fastai.basics import Callback, Optimizer, Adam, SGD, RAdam, QHAdam, RMSProp, Lamb, Larc, ranger, sgd_step, load_learner
 import fastai.callback.schedule  # noqa: F401 (fit_one_cycle, lr_find)
 from mpx.all import *
-from mpx.fused import FusedSteps
-from mpx.compiled import CompiledSteps, _kernels
 from mpx.test_utils import (tiny_learner, tiny_split, ALL_MODES, fit_quiet, state_of, state_diffs, precision_cb, Snapshot, InjectGrad,
-                            check_skips_change_nothing, CountOps, weights, tabular_app_learner, collab_app_learner, text_app_learner)
+                            check_skips_change_nothing, CountOps, weights, tabular_app_learner, collab_app_learner, text_app_learner,
+                            StepProfile, check_compiled_steps, ramp_learner, check_stochastic_rounding, suspended)
+from planted import compiled_replaced_by_eager
 
-pytestmark = pytest.mark.filterwarnings('ignore::UserWarning')
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads(); torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = [pytest.mark.filterwarnings('ignore::UserWarning'), pytest.mark.usefixtures('one_thread')]
 
 COMPILED = [m for m in ALL_MODES if m != 'master_fp16_dynamic']  # its kernels are master_fp16's: the dynamic scale is the callback's
 
@@ -36,17 +32,19 @@ class StepOnce(Callback):
         if self.n == self.at: self.after = self._wide()
         self.n += 1
     def _wide(self):
-        cb = precision_cb(self.learn)
-        with cb.suspended(): return weights(self.learn)  # the fp32 model the fit would leave
+        with suspended(self.learn): return weights(self.learn)  # the fp32 model the fit would leave
 
 def stepped(mode, fused, opt='adam', at=3, **kw):
+    "The fp32 weights before and after step `at` and the learner; compiled, every step checked to have run in compiled regions"
     learn = tiny_learner(bn=True, splitter=tiny_split, opt_func=dict(adam=Adam, sgd=partial(SGD, mom=.9), radam=RAdam, qhadam=QHAdam,
                                                                       rmsprop=partial(RMSProp, mom=.9))[opt], lr=1e-2, wd=1e-2, n_trn=4)
     ALL_MODES[mode](learn, fused=fused, **kw)
-    probe = StepOnce(at)
-    fit_quiet(learn, 1, cbs=probe)
+    probe,prof = StepOnce(at),StepProfile()
+    fit_quiet(learn, 1, cbs=[probe] + (prof.cbs if fused == 'compile' else []))
+    if fused == 'compile': check_compiled_steps(prof)
     return probe.before,probe.after,learn
 
+@pytest.mark.compiled
 @pytest.mark.parametrize('opt', ['adam', 'sgd', 'radam', 'qhadam', 'rmsprop'])
 @pytest.mark.parametrize('mode', COMPILED)
 def test_compiled_within_tolerance(mode, opt):
@@ -64,17 +62,15 @@ def test_compiled_within_tolerance(mode, opt):
     assert precision_cb(l1).total_steps == precision_cb(l0).total_steps
     assert [s.get('step') for s in l0.opt.state_dict()['state']] == [s.get('step') for s in l1.opt.state_dict()['state']]
 
+@pytest.mark.compiled
 def test_stochastic_compiled_unbiased():
-    "Compiled stochastic rounding keeps updates far below bf16's spacing on average: 200 steps of 1e-4 from 1.0 reach about 0.98."
-    xs = torch.ones(200, 1)
-    from fastai.basics import DataLoaders, TfmdDL, Learner
-    dls = DataLoaders(TfmdDL(list(zip(xs, xs)), bs=1), TfmdDL(list(zip(xs[:1], xs[:1])), bs=1))
-    model = nn.Linear(1, 1, bias=False); nn.init.ones_(model.weight)
-    learn = Learner(dls, model, loss_func=lambda p,y: p.mean(), opt_func=partial(SGD, mom=0.), lr=1e-4, wd=0.)
-    learn.to_bf16(pure=True, update='stochastic', fused='compile')
-    fit_quiet(learn, 1)
-    assert abs(learn.model.weight.item() - .98) < .02  # a seeded random walk in steps of 2**-8 (plain bf16 would stay at 1.0)
+    "Compiled stochastic rounding is unbiased, its bits independent: 4096 weights' 20 steps of a quarter ulp each come down as they must."
+    prof = StepProfile()
+    learn = fit_quiet(ramp_learner().to_bf16(pure=True, update='stochastic', fused='compile'), cbs=prof.cbs)
+    check_compiled_steps(prof)
+    check_stochastic_rounding(learn)
 
+@pytest.mark.compiled
 def test_kahan_compensation_lives():
     "The Kahan compensation is non-zero in a compiled step: inductor would otherwise fold `bf16(x).float()` back into `x`."
     seen = []
@@ -82,52 +78,41 @@ def test_kahan_compensation_lives():
         order = 100
         def after_step(self): seen.append(max(float(c.float().abs().max()) for c in self.learn.pure_bf16.bf16_weights.comp.values()))
     learn = tiny_learner(opt_func=Adam, lr=1e-3, n_trn=4, cbs=Comp()).to_bf16(pure=True, fused='compile')
-    fit_quiet(learn, 1)
+    prof = StepProfile()
+    fit_quiet(learn, 1, cbs=prof.cbs)
+    check_compiled_steps(prof)
     assert seen and all(c > 0 for c in seen[1:])
 
 # ---- skipped on the device, with no host sync
 
-class Syncs(Callback):
-    "Host syncs (`aten::_local_scalar_dense`, which every `.item()` and `bool(t)` makes) from `after_backward` to the end of `after_step`"
-    order = -100
-    def __init__(self): self.n,self.p = [],None
-    def after_backward(self): self.p = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]); self.p.__enter__()
-    def after_step(self): self._stop()
-    def after_batch(self): self._stop()
-    def _stop(self):
-        if self.p is None: return
-        self.p.__exit__(None, None, None)
-        self.n.append(sum(e.count for e in self.p.key_averages() if e.key == 'aten::_local_scalar_dense')); self.p = None
-
-class SyncsLast(Callback):
-    order = 100
-    def __init__(self, s): self.s = s
-    def after_step(self): self.s._stop()
-
+@pytest.mark.compiled
 @pytest.mark.parametrize('mode', ALL_MODES)
 def test_no_host_sync_and_skips_on_device(mode):
     "Every checking mode compiled: a step with an inf skipped (state bit-identical after it), and no host sync a step after the first."
     learn = tiny_learner(bn=True, splitter=tiny_split, opt_func=Adam, lr=1e-2, n_trn=6)
     ALL_MODES[mode](learn, fused='compile')
-    syncs,snap = Syncs(),Snapshot()
+    prof,snap = StepProfile(wide=True),Snapshot()  # from `after_backward` to the end of `after_step`
     inject = InjectGrad(at=[2], micro=mode.startswith('master'))  # the master modes take the gradients after the backward
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter('always')
-        fit_quiet(learn, 1, cbs=[syncs, SyncsLast(syncs), inject, snap])
+        fit_quiet(learn, 1, cbs=[*prof.cbs, inject, snap])
     assert not [x for x in w if 'steps eagerly' in str(x.message)]
+    check_compiled_steps(prof)
     cb = precision_cb(learn)
-    assert syncs.n[1:] == [0]*(len(syncs.n) - 1), syncs.n  # the first step compiles (and may read values doing so)
+    assert prof.syncs[1:] == [0]*(len(prof.syncs) - 1), prof.syncs  # the first step compiles (and may read values doing so)
     check_skips_change_nothing(cb, snap, skipped=[2])
     assert cb.last_overflow.step == 2 and cb.last_overflow.param is None  # read lazily: the gradients are gone, the step is known
 
+@pytest.mark.compiled
 def test_dynamic_scale_on_device():
     "fp16 compiled: the dynamic scale backs off at the overflow and grows after `growth_interval` clean steps, on the device, as eagerly."
     res = {}
     for fused in (True, 'compile'):
         for mode,f in (('amp', lambda l: l.to_fp16(init_scale=256., growth_interval=3, fused=fused)),
                        ('master', lambda l: l.to_fp16(loss_scale=256., dynamic=True, growth_interval=3, fused=fused))):
-            learn = f(tiny_learner(opt_func=Adam, lr=1e-2, n_trn=8))
-            fit_quiet(learn, 1, cbs=InjectGrad(at=[2], micro=mode == 'master'))
+            learn,prof = f(tiny_learner(opt_func=Adam, lr=1e-2, n_trn=8)),StepProfile()
+            fit_quiet(learn, 1, cbs=[InjectGrad(at=[2], micro=mode == 'master'), *(prof.cbs if fused == 'compile' else [])])
+            if fused == 'compile': check_compiled_steps(prof)
             res[(mode, fused)] = precision_cb(learn).scales
     assert res[('amp', True)] == res[('amp', 'compile')] == [256., 256., 256., 128., 128., 128., 256., 256.]
     assert res[('master', True)] == res[('master', 'compile')] == res[('amp', True)]
@@ -170,19 +155,24 @@ class SaveAt(Callback):
         self.n += 1
         if self.n == self.at: self.learn.save('mid', with_opt=True)
 
+@pytest.mark.compiled
 def test_stochastic_stream_survives_a_checkpoint(tmp_path):
     "Pure stochastic compiled: fit 2 epochs; or save after the first, load it in a new learner and fit one more: bit-identical."
     def learner(): return tiny_learner(opt_func=Adam, lr=1e-2, n_trn=4, path=tmp_path).to_bf16(pure=True, update='stochastic', fused='compile')
-    a = learner(); fit_quiet(a, 1); order = a.dls.train.rng.getstate(); fit_quiet(a, 1)
+    a,prof = learner(),StepProfile()
+    fit_quiet(a, 1, cbs=prof.cbs); order = a.dls.train.rng.getstate(); fit_quiet(a, 1)
+    check_compiled_steps(prof)
     b = learner(); fit_quiet(b, 1); b.save('ck', with_opt=True)
     c = learner(); c.load('ck', with_opt=True); c.dls.train.rng.setstate(order); fit_quiet(c, 1)  # the second epoch's batches
     assert not state_diffs(state_of(a), state_of(c))
     assert torch.load(tmp_path/'models/ck.pth', weights_only=False)['opt']['mpx']['pure_bf16']['scaler']['count'] == 4
 
+@pytest.mark.compiled
 def test_step_counts_written_back(tmp_path):
     "Step counts live on the device during a compiled fit; a save mid-fit and the end of the fit write fastai's `step` back."
-    learn = tiny_learner(opt_func=Adam, lr=1e-2, n_trn=4, path=tmp_path).to_bf16(fused='compile')
-    fit_quiet(learn, 1, cbs=SaveAt(2))
+    learn,prof = tiny_learner(opt_func=Adam, lr=1e-2, n_trn=4, path=tmp_path).to_bf16(fused='compile'),StepProfile()
+    fit_quiet(learn, 1, cbs=[SaveAt(2), *prof.cbs])
+    check_compiled_steps(prof)
     assert {s['step'] for s in learn.opt.state_dict()['state']} == {4}
     sd = torch.load(tmp_path/'models/mid.pth', weights_only=False)['opt']
     assert {s['step'] for s in sd['state']} == {2}
@@ -191,11 +181,13 @@ def test_step_counts_written_back(tmp_path):
 
 def _workflow(make, mode, tmp_path):
     "lr_find -> fit_one_cycle -> save/load -> unfreeze -> fit -> export/load_learner, in `mode` compiled; the final validation loss"
-    learn = make(); learn.path = tmp_path
+    learn,prof = make(),StepProfile()
+    learn.path = tmp_path
     ALL_MODES[mode](learn, fused='compile')
     with learn.no_bar(), learn.no_logging():
         learn.lr_find(num_it=8, show_plot=False, suggest_funcs=None)
-        learn.freeze(); learn.fit_one_cycle(1, 1e-2)
+        learn.freeze(); learn.fit_one_cycle(1, 1e-2, cbs=prof.cbs)
+        check_compiled_steps(prof)
         learn.save('ck', with_opt=True); learn.load('ck', with_opt=True)
         learn.unfreeze(); learn.fit(1, 1e-3)
         learn.export('ex.pkl')
@@ -208,6 +200,7 @@ def _workflow(make, mode, tmp_path):
 APPS = [('tabular', tabular_app_learner, 'amp_bf16'), ('collab', partial(collab_app_learner, use_nn=True), 'master_fp16_flat'),
         ('text', text_app_learner, 'pure_kahan')]
 
+@pytest.mark.compiled
 @pytest.mark.parametrize('name,make,mode', APPS, ids=[a[0] for a in APPS])
 def test_application_workflow(name, make, mode, tmp_path):
     "fastai's applications go through lr_find, fit_one_cycle, save/load, unfreeze, fit and export compiled, and train as eagerly."
@@ -222,31 +215,36 @@ def test_application_workflow(name, make, mode, tmp_path):
 
 # ---- per-step work does not grow with the number of parameter tensors
 
-def kernels_a_step(mode, n_layers, monkeypatch, model=None) -> float:
-    "Compiled kernels run a step, on `model` or a chain of `n_layers` Linear(4, 4) with Adam (a dispatch mode cannot count them)"
-    calls = []
-    real = CompiledSteps._run
-    def counted(self, *args, **kw): calls.append(1); return real(self, *args, **kw)
-    monkeypatch.setattr(CompiledSteps, '_run', counted)
+def regions_a_step(mode, n_layers, model=None) -> float:
+    "Compiled regions a step enters, on `model` or a chain of `n_layers` Linear(4, 4) with Adam (a dispatch mode cannot count them)"
     model = model or (lambda: nn.Sequential(nn.Linear(1, 4), *[nn.Linear(4, 4) for _ in range(n_layers)], nn.Linear(4, 1)))
-    learn = tiny_learner(model=model, opt_func=Adam, n_trn=4)
+    learn,prof = tiny_learner(model=model, opt_func=Adam, n_trn=4),StepProfile()
     ALL_MODES[mode](learn, fused='compile')
-    fit_quiet(learn, 1)
-    return len(calls) / precision_cb(learn).total_steps
+    fit_quiet(learn, 1, cbs=prof.cbs)
+    check_compiled_steps(prof)
+    return sum(s['compiled'] for s in prof.steps) / len(prof.steps)
 
+@pytest.mark.compiled
 @pytest.mark.parametrize('mode', ['amp_bf16', 'master_fp16', 'pure_kahan', 'pure_stochastic'])
-def test_compiled_kernels_do_not_grow(mode, monkeypatch):
-    "A compiled step runs as many kernels at 100 parameter tensors as at 10: one a run of a flat buffer, not one a tensor."
-    few,many = kernels_a_step(mode, 4, monkeypatch),kernels_a_step(mode, 49, monkeypatch)
-    assert few == many and 0 < few <= 2, (few, many)
+def test_compiled_kernels_do_not_grow(mode):
+    "A compiled step enters as many compiled regions at 100 parameter tensors as at 10: a kernel (and its scalars) a run, not a tensor."
+    few,many = regions_a_step(mode, 4),regions_a_step(mode, 49)
+    assert few == many and 0 < few <= 4, (few, many)
 
-def test_kernels_never_recompile(monkeypatch):
+@pytest.mark.compiled
+def test_kernels_never_recompile():
     "With dynamo allowed no recompile, fp16 and bf16 masters, AMP, runs of one element and of many, all step compiled in one process"
     single = lambda: nn.Linear(1, 1, bias=False)  # one run of one element: torch.compile specialises sizes 0 and 1
     limit = torch._dynamo.config.recompile_limit
     with torch._dynamo.config.patch(recompile_limit=1):  # its own undo: monkeypatch's leaves the config module broken
         for mode in ('master_fp16', 'master_bf16', 'amp_fp16', 'amp_bf16'):
-            for model in (single, None):
-                assert kernels_a_step(mode, 2, monkeypatch, model) > 0, (mode, model)
+            for model in (single, None): regions_a_step(mode, 2, model)
     assert torch._dynamo.config.recompile_limit == limit
     # tests/conftest.py fails this case if any kernel fell back to eager steps
+
+@pytest.mark.compiled
+def test_compiled_check_sees_the_eager_step():
+    "Negative control: a compiled kernel quietly replaced by the eager step (no warning, nothing recorded) fails `check_compiled_steps`."
+    learn,prof = tiny_learner(opt_func=Adam, lr=1e-2, n_trn=2).to_bf16(pure=True, fused='compile'),StepProfile()
+    with compiled_replaced_by_eager(): fit_quiet(learn, 1, cbs=prof.cbs)
+    with pytest.raises(AssertionError, match='ran no compiled region'): check_compiled_steps(prof)

@@ -1,23 +1,16 @@
-"Fused optimizer steps (mpx.fused): bit-equal to fastai's loop on CPU for every fastai optimizer, op counts that stay flat, bf16 kernels"
+"""Fused optimizer steps (mpx.fused) on optimizers alone: bit-equal to fastai's loop on CPU for every fastai optimizer, the engine installed
+and undone, the bf16 kinds. In a learner, through freeze/unfreeze and schedules, and their op counts: `test_fused_modes.py`."""
 import pytest, torch
 from functools import partial
 from torch import nn
 from fastcore.foundation import L
-from fastai.callback.core import Callback
-import fastai.callback.schedule
 from fastai.optimizer import *
 from mpx.fused import *
 from mpx.flat import Kind
-from mpx.test_utils import CountOps, count_step_ops
+from mpx.test_utils import CountOps, stepped_opt, opt_diffs
 from mpx.pure import split_kahan, fold_kahan, widen_kahan, round_stochastic, stream_key, KahanKind, StochasticKind, KeptKind
-from mpx.test_utils import tiny_learner, tiny_split
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    "One intra-op thread: tiny tensors, and OpenMP's spinning on a busy 2-core machine made BatchNorm 100x slower"
-    n = torch.get_num_threads(); torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures('one_thread')
 
 def _look(ps, **kw): return Lookahead(Adam(ps, **kw), k=3)
 def _ranger(ps, **kw): return ranger(ps, k=3, **kw)
@@ -43,93 +36,36 @@ OPTS = {  # name: (opt_func, hyper-parameters)
     'ranger':      (_ranger, dict(lr=1e-2)),
 }
 
-def _model(seed=0):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 5), nn.Linear(5, 3), nn.Linear(3, 2))
-
-def _stepped(opt_func, fused:bool, n:int=10, chunk:int=1<<22, **kw):
-    "Model and optimizer after `n` steps: two groups, `do_wd` off for norms and biases, a bias missing some batches, a frozen layer"
-    m = _model()
-    opt = opt_func([list(m[:2].parameters()), list(m[2:].parameters())], **kw)
-    for p in (m[0].bias, m[1].weight, m[1].bias, m[2].bias): opt.state[p]['do_wd'] = False
-    m[4].weight.requires_grad_(False)  # never a gradient: never stepped
-    fs = FusedSteps(opt, chunk=chunk) if fused else None
-    if fused: assert fs.native, fs.reason
-    g = torch.Generator().manual_seed(1)
-    for i in range(n):
-        m(torch.randn(8, 4, generator=g)).pow(2).mean().backward()
-        if i % 3 == 1: m[3].bias.grad = None
-        opt.step(); opt.zero_grad()
-    return m,opt,fs
-
-def _diffs(a, b) -> list:
-    "Where two (model, optimizer) pairs differ: weights bit for bit, every state value (type, dtype, value), Lookahead's slow weights"
-    (ma,oa),(mb,ob) = a,b
-    res = [f'weight {i}' for i,(p,q) in enumerate(zip(ma.parameters(), mb.parameters())) if not torch.equal(p, q)]
-    sa,sb = oa.state_dict(),ob.state_dict()
-    for i,(s,t) in enumerate(zip(sa['state'], sb['state'])):
-        if s.keys() != t.keys(): res.append(f'keys {i}: {sorted(s)} {sorted(t)}'); continue
-        for k in s:
-            u,v = s[k],t[k]
-            if type(u) is not type(v): res.append(f'{k} {i}: {type(u)} {type(v)}')
-            elif torch.is_tensor(u) and (u.dtype != v.dtype or not torch.equal(u, v)): res.append(f'{k} {i}')
-            elif not torch.is_tensor(u) and u != v: res.append(f'{k} {i}: {u} {v}')
-    if 'slow_weights' in sa:
-        if sa['count'] != sb['count']: res.append('count')
-        slow = [[s for pg in sd['slow_weights'] for s in pg] for sd in (sa, sb)]
-        res += [f'slow {i}' for i,(s,t) in enumerate(zip(*slow)) if not torch.equal(s, t)]
-    return res
+def engine(chunk:int=1<<22):
+    "Installs the step engine on an optimizer (for `stepped_opt`), asserting it takes the fused path"
+    def install(opt):
+        fs = FusedSteps(opt, chunk=chunk)
+        assert fs.native, fs.reason
+        return fs
+    return install
 
 @pytest.mark.parametrize('name', list(OPTS))
 def test_bit_equal(name):
-    "Every fastai optimizer: the fused step gives fastai's loop's weights and state bit for bit"
+    "Every fastai optimizer: the fused step gives fastai's loop's weights and state bit for bit (a frozen weight, a bias missing gradients)"
     f,kw = OPTS[name]
-    (ma,oa,_),(mb,ob,_) = _stepped(f, False, **kw),_stepped(f, True, **kw)
-    assert _diffs((ma,oa), (mb,ob)) == []
+    loop,fused = stepped_opt(f, n=10, frozen=True, **kw),stepped_opt(f, engine(), n=10, frozen=True, **kw)
+    assert opt_diffs(loop, fused) == []
 
 def test_cases_covered():
     "The matrix reaches what it claims: both RAdam branches, a bias stepped fewer times than its layer, a weight never stepped"
-    m,opt,_ = _stepped(RAdam, True, lr=1e-2)
-    assert m[4].weight in opt.state  # an entry for every parameter, as fastai's all_params makes them
+    m,opt = stepped_opt(RAdam, engine(), n=10, frozen=True, lr=1e-2)
+    assert m[2].weight in opt.state  # an entry for every parameter, as fastai's all_params makes them
     r = lambda sq, st: 2/(1-sq) - 1 - 2*st*sq**st/(1-sq**st)  # RAdam's SMA length: rectified where above 5
     assert r(.99, 1) <= 5 < r(.99, 10)
     assert opt.state[m[3].bias]['step'] < opt.state[m[3].weight]['step'] == 10
-    assert 'step' not in opt.state[m[4].weight]
+    assert 'step' not in opt.state[m[2].weight]
 
 def test_detects_difference():
     "The comparison can fail: one step with another lr shows"
-    (ma,oa,_),(mb,ob,_) = _stepped(Adam, False, lr=1e-2),_stepped(Adam, True, lr=1e-2)
+    (ma,oa),(mb,ob) = stepped_opt(Adam, lr=1e-2),stepped_opt(Adam, engine(), lr=1e-2)
     ob.hypers[1]['lr'] = 2e-2
     mb(torch.ones(2, 4)).sum().backward(); ob.step()
-    assert _diffs((ma,oa), (mb,ob))
-
-class _Fuse(Callback):
-    "What a precision mode does with fused steps: install at the start of a fit, undo at its end"
-    order = 50
-    def before_fit(self): self.fs = FusedSteps(self.learn.opt); assert self.fs.native, self.fs.reason
-    def after_fit(self): self.fs.undo()
-
-class _DropGrad(Callback):
-    "The last layer's bias gets no gradient in every third batch"
-    order = 40
-    def after_backward(self):
-        if self.iter % 3 == 1: self.learn.model[-1].bias.grad = None
-
-@pytest.mark.parametrize('opt_func', [Adam, partial(SGD, mom=.9, wd=.1), ranger, Lamb, Larc, QHAdam, partial(RMSProp, mom=.9), RAdam],
-                         ids=['adam', 'sgd', 'ranger', 'lamb', 'larc', 'qhadam', 'rmsprop', 'radam'])
-def test_learner_workflow(opt_func):
-    "freeze -> fit -> unfreeze -> fit_one_cycle(slice) -> freeze -> fit with wd_bn_bias=False and train_bn: fastai's results bit for bit"
-    res = []
-    for fused in (False, True):
-        cbs = [_DropGrad()] + [_Fuse()]*fused
-        learn = tiny_learner(cbs=cbs, bn=True, opt_func=opt_func, splitter=tiny_split, wd_bn_bias=False, n_trn=4, wd=.1)
-        learn.freeze(); learn.fit(1, 1e-2)
-        learn.unfreeze(); learn.fit_one_cycle(2, slice(1e-3, 1e-2))
-        learn.freeze(); learn.fit(1, 1e-2)  # frozen weights keep zeroed gradients: fastai steps them, so must we
-        assert 'step' not in vars(learn.opt)
-        res.append((learn.model, learn.opt))
-    assert _diffs(*res) == []
-    assert any(not s['do_wd'] for s in res[1][1].state_dict()['state'] if 'do_wd' in s)
+    assert opt_diffs((ma,oa), (mb,ob))
 
 def test_undo_and_refusals():
     "`undo` is idempotent and leaves fastai's step; a torch optimizer stepped in place is left alone, with a reason; users' step functions are the engine's"
@@ -147,33 +83,9 @@ def test_undo_and_refusals():
 def test_changed_cbs_fall_back():
     "Step functions changed after install (a user's own added): that step runs fastai's loop, same results"
     def mine(p, **kwargs): pass
-    res = []
-    for fused in (False, True):
-        m = _model(); opt = Adam(list(m.parameters()), lr=1e-2)
-        if fused: FusedSteps(opt)
-        opt.cbs = L(opt.cbs) + L([mine])
-        m(torch.ones(2, 4)).sum().backward(); opt.step()
-        res.append((m, opt))
-    assert _diffs(*res) == []
-
-def _chain_ops(opt_func, n, fused, steps):
-    "Ops of the `steps`-th step of `opt_func` on `n` chained `Linear(4, 4)` layers"
-    torch.manual_seed(0)
-    m = nn.Sequential(*[nn.Linear(4, 4) for _ in range(n)])
-    opt = opt_func(list(m.parameters()), lr=1e-3)
-    if fused: FusedSteps(opt)
-    m(torch.randn(2, 4)).sum().backward()
-    for _ in range(steps - 1): opt.step()
-    return count_step_ops(opt)
-
-@pytest.mark.parametrize('name,opt_func,steps', [('sgd', partial(SGD, mom=.9), 2), ('adam', Adam, 2), ('radam', RAdam, 10),
-                                                  ('radam_early', RAdam, 2), ('ranger', ranger, 6), ('ranger', ranger, 5)])
-def test_op_counts(name, opt_func, steps):
-    "Ops a step dispatches: fastai's loop grows linearly with the tensors, the fused step does not (10 vs 100 layers)"
-    loop = [_chain_ops(opt_func, n, False, steps) for n in (10, 100)]
-    fused = [_chain_ops(opt_func, n, True, steps) for n in (10, 100)]
-    assert fused[0] == fused[1] and fused[1] <= 16, fused  # three are fastai's `p.grad.data` (a `detach`: metadata, no kernel)
-    assert loop[1] >= 9*loop[0] and loop[0] >= 5*20, loop
+    def add_mine(opt): opt.cbs = L(opt.cbs) + L([mine])
+    def fused_then_mine(opt): fs = FusedSteps(opt); add_mine(opt); return fs
+    assert opt_diffs(stepped_opt(Adam, add_mine, n=2, lr=1e-2), stepped_opt(Adam, fused_then_mine, n=2, lr=1e-2)) == []
 
 def test_widen_kahan():
     "Bulk widen: `w.float() + c.float()` per tensor, or `w.float()` without compensations"
@@ -243,14 +155,14 @@ def test_bf16_kinds_fused_equal_loop(update, opt_func):
     few elements, and the results do not depend on the windows (stochastic rounding's bits come from each element's index)"""
     (a,dt),(b,_),(c,_),(d,_) = [_bf16_twin(update, opt_func, f, chunk) for f,chunk in ((False, 1<<22), (True, 1<<22), (False, 40), (True, 40))]
     assert dt == {torch.bfloat16, torch.float32}  # the Linear layers in bf16 during the steps, BatchNorm fp32
-    assert _diffs(a, b) == [] and _diffs(c, d) == []
-    assert _diffs(a, d) == []
+    assert opt_diffs(a, b) == [] and opt_diffs(c, d) == []
+    assert opt_diffs(a, d) == []
     assert {p.dtype for p in a[0].parameters()} == {torch.float32}
 
 def test_kept_kind_steps_exactly():
     "A weight kept exact (frozen when the fit began) is stepped in fp32 and rounded to nearest, the same fused or not"
     (a,_),(b,_) = _bf16_twin('kahan', Adam, False, frozen=True),_bf16_twin('kahan', Adam, True, frozen=True)
-    assert _diffs(a, b) == []
+    assert opt_diffs(a, b) == []
 
 @pytest.mark.parametrize('update', ['kahan', 'stochastic'])
 def test_bf16_kinds_ops(update):

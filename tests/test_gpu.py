@@ -5,16 +5,12 @@ import pytest, torch
 from fastai.optimizer import SGD, Adam
 from mpx.all import MixedPrecision
 from mpx.test_utils import (tiny_learner, fit_quiet, replay, InjectGrad, Snapshot, check_skips_change_nothing, DtypeHook,
-                             MASTER_MODES, LossProbe, precision_cb)
+                             MASTER_MODES, LossProbe, precision_cb, needs_mode)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA GPU')
 
 DEV = 'cuda'
 HALF = dict(fp16=torch.float16, bf16=torch.bfloat16)
-
-def needs_mode(mode):
-    "Skip bf16 on GPUs without bfloat16 support"
-    if mode == 'bf16' and not torch.cuda.is_bf16_supported(): pytest.skip('GPU without bf16 support')
 
 @pytest.mark.parametrize('mode', HALF)
 def test_compute_dtype(mode):
@@ -54,7 +50,7 @@ TRAINS = {**{f'master_{k}': f for k,f in MASTER_MODES.items()},
 @pytest.mark.parametrize('mode', TRAINS)
 def test_modes_train_on_cuda(mode):
     "Every master and pure mode trains on CUDA: no step skipped, the loss falls, and the fit hands back the fp32 model on the GPU."
-    needs_mode('bf16' if 'bf16' in mode or 'pure' in mode else 'fp16')
+    needs_mode(mode)
     learn,probe = TRAINS[mode](tiny_learner(lr=1e-2, device=DEV)),LossProbe()
     fit_quiet(learn, 2, cbs=probe)
     cb = precision_cb(learn)

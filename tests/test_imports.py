@@ -8,7 +8,7 @@ import pytest
 # the step engine's pieces (flat, eager, compiled, foreign) sit beside fused, and `warn` beside core
 TIERS = dict(core=0, warn=0, hardware=1, scaler=1, fused=1, flat=1, eager=1, compiled=1, foreign=1, plumbing=1, patches=1, progress=1, parallel=1, callback=2, distributed=4, amp=3, master=3, pure=3, fp8=3, advisor=3,
              learner=4, test_utils=5, all=5)
-MODES = {'amp', 'master', 'pure', 'fp8'}  # no mode imports another mode
+MODE_MODULES = {'amp', 'master', 'pure', 'fp8'}  # no mode imports another mode
 EXTRA = dict(advisor={'fp8'})  # the advisor is no mode: its report says what `to_fp8()` would convert (`fp8_table`, `real_fp8`)
 
 def allowed(mod:str) -> set:
@@ -242,8 +242,8 @@ def test_every_module_listed():
 
 def test_allowed():
     "The arrows as the checks read them: a mode may not load another mode, `core` loads nothing of mpx, `learner` loads the modes."
-    assert allowed('core') == {'core'} and not (allowed('amp') & (MODES - {'amp'})) and 'fp8' not in allowed('pure')
-    assert allowed('learner') >= MODES | {'advisor', 'callback'} and 'learner' not in allowed('advisor')
+    assert allowed('core') == {'core'} and not (allowed('amp') & (MODE_MODULES - {'amp'})) and 'fp8' not in allowed('pure')
+    assert allowed('learner') >= MODE_MODULES | {'advisor', 'callback'} and 'learner' not in allowed('advisor')
 
 @pytest.mark.parametrize('mod', list(USES))
 def test_alone(runs, mod):

@@ -9,6 +9,7 @@ from fastai.callback.core import Callback, CancelFitException
 from fastai.callback.training import GradientAccumulation
 from mpx.all import *
 from mpx.test_utils import (tiny_learner, tiny_model, tiny_dls, fit_quiet, precision_cbs, precision_cb, MODES, BASIC_MODES, InjectGrad, PoisonLoss,
+                            bf16_lstm_runs,
                             Snapshot, check_skips_change_nothing)
 
 DEVICES = ['cpu'] + (['cuda'] if torch.cuda.is_available() else [])
@@ -201,24 +202,28 @@ def test_check_finite_false_lets_nan_through(mode):
     assert precision_cb(learn).skipped_steps == 0
     assert any(p.isnan().any() for p in learn.model.parameters())
 
-CHECK_FINITE = {  # name: a precision callback made with `check_finite=v`
-    'MixedPrecision': lambda v: MixedPrecision('bf16', check_finite=v),
-    'MasterPrecision': lambda v: MasterPrecision('bf16', check_finite=v),
-    'to_fp16': lambda v: precision_cb(tiny_learner(lr=1e-2).to_fp16(check_finite=v)),
-    'to_bf16': lambda v: precision_cb(tiny_learner(lr=1e-2).to_bf16(check_finite=v)),
+CHECK_FINITE = {  # name: (a precision callback made with `check_finite=v`, whether it is fp16: its scaler checks whatever `v` says)
+    'MixedPrecision': (lambda v: MixedPrecision('bf16', check_finite=v), False),
+    'MasterPrecision': (lambda v: MasterPrecision('bf16', check_finite=v), False),
+    'to_fp16': (lambda v: precision_cb(tiny_learner(lr=1e-2).to_fp16(init_scale=2.**8, check_finite=v)), True),
+    'to_bf16': (lambda v: precision_cb(tiny_learner(lr=1e-2).to_bf16(check_finite=v)), False),
 }
 
 @pytest.mark.parametrize('value', [True, False])
 @pytest.mark.parametrize('make', CHECK_FINITE)
 def test_check_finite_accepted(make, value):
-    "`check_finite` is accepted by both callbacks and both patches."
-    assert isinstance(CHECK_FINITE[make](value), (MixedPrecision, MasterPrecision))
+    "`check_finite` is accepted by both callbacks and both patches, and does what it says: a nan step skipped, or (bf16, False) taken."
+    cb,fp16 = CHECK_FINITE[make][0](value),CHECK_FINITE[make][1]
+    learn = fit_quiet(tiny_learner(lr=1e-2, cbs=[cb, PoisonLoss(at=[2], value=math.nan)]))
+    checks = value or fp16
+    assert cb.check_finite is value and cb.skipped_steps == (1 if checks else 0) and cb.total_steps == 10
+    assert all(p.isfinite().all() for p in learn.model.parameters()) == checks, 'a nan step taken where checked, or skipped where not'
 
 @pytest.mark.parametrize('value', ['no', 0, None], ids=repr)
 @pytest.mark.parametrize('make', CHECK_FINITE)
 def test_check_finite_not_bool(make, value):
     "A `check_finite` that is not a bool is a `ValueError`/`TypeError` naming it and echoing the value."
-    with pytest.raises((ValueError, TypeError)) as e: CHECK_FINITE[make](value)
+    with pytest.raises((ValueError, TypeError)) as e: CHECK_FINITE[make][0](value)
     assert f'check_finite={value!r}' in str(e.value), str(e.value)
 
 # A skipped step leaves BatchNorm's statistics alone
@@ -294,20 +299,13 @@ class LSTMRegressor(Module):
     def __init__(self): self.lstm,self.head = nn.LSTM(1, 4, batch_first=True),nn.Linear(4, 1)
     def forward(self, x): return self.head(self.lstm(x[:, None])[0][:, -1])
 
-def _bf16_lstm_runs() -> bool:
-    "Whether this CPU has a bf16 LSTM kernel (oneDNN needs AVX512-BF16 or AMX for it)"
-    try:
-        with torch.autocast('cpu', dtype=torch.bfloat16): LSTMRegressor()(torch.randn(2, 1))
-        return True
-    except RuntimeError: return False
-
 def test_no_kernel_for_the_dtype():
     "An op with no fp16 kernel on the CPU fails with an error naming fp16 and suggesting bf16, leaves nothing behind, and the suggestion (or fp32, on a CPU without a bf16 LSTM either) then trains."
     learn = tiny_learner(lr=1e-2, model=LSTMRegressor()).to_fp16()
     with pytest.raises(RuntimeError) as e: fit_quiet(learn)
     assert 'fp16' in str(e.value) and 'to_bf16' in str(e.value), str(e.value)
     assert_nothing_left(learn, PRISTINE)
-    if _bf16_lstm_runs(): assert precision_cb(fit_quiet(learn.to_bf16())).total_steps == 10
+    if bf16_lstm_runs(): assert precision_cb(fit_quiet(learn.to_bf16())).total_steps == 10
     else:
         with pytest.raises(RuntimeError, match="mpx: under MixedPrecision.amp_mode='bf16'.*learn.to_fp32"): fit_quiet(learn.to_bf16())
         assert_nothing_left(learn, PRISTINE)

@@ -10,8 +10,9 @@ from fastai.callback.tracker import SaveModelCallback
 import fastai.callback.schedule
 from mpx.all import *
 from mpx.pure import *
-from mpx.test_utils import tiny_learner, tiny_split, OPTIMIZERS
-from test_workflows import problems, summary, reference, _diff, SEQUENCES, CLIENTS, FitCheck, Boom, _die_then_fit, _failed_ref, tiny
+from mpx.test_utils import tiny_learner, tiny_split, OPTIMIZERS, learner_problems, fit_quiet, ramp_learner, check_stochastic_rounding
+from planted import biased_stochastic_rounding
+from test_workflows import summary, values, far_from_fp32, _diff, SEQUENCES, check_like_fp32, _die_then_fit, _failed_ref, tiny
 
 pytestmark = pytest.mark.filterwarnings('ignore::UserWarning')
 UPDATES = ('kahan', 'stochastic')
@@ -20,7 +21,7 @@ def pure(learn, update='kahan'): return learn._set_precision(PureBF16(update))
 
 # ---- convergence
 
-def ramp_learner(n, opt_func, cbs=None):
+def one_weight_ramp(n, opt_func, cbs=None):
     "One weight of 1.0 whose loss `w*x` (x = 1) has gradient 1: `n` steps of lr 1e-4 take it to 1 - n*1e-4"
     xs = torch.ones(n, 1)
     dls = DataLoaders(TfmdDL(list(zip(xs, xs)), bs=1), TfmdDL(list(zip(xs[:1], xs[:1])), bs=1))
@@ -31,11 +32,21 @@ def ramp_learner(n, opt_func, cbs=None):
 
 @pytest.mark.parametrize('opt', ['sgd', 'adam'])
 def test_ramp(opt):
-    "1000 steps of 1e-4 take a weight of 1.0 to 0.900 with either update, as in fp32, where plain bf16 rounding keeps it at 1.0."
+    "1000 steps of 1e-4 take a weight of 1.0 to 0.900 with Kahan's update, as in fp32, where plain bf16 rounding keeps it at 1.0."
     opt_func = partial(SGD, mom=0.) if opt == 'sgd' else partial(Adam, eps=1e-12)
-    assert abs(ramp_learner(1000, opt_func) - 0.9) < 1e-3
-    assert abs(ramp_learner(1000, opt_func, PureBF16('kahan')) - 0.9) < 1e-3
-    assert abs(ramp_learner(1000, opt_func, PureBF16('stochastic')) - 0.9) < 2e-2
+    assert abs(one_weight_ramp(1000, opt_func) - 0.9) < 1e-3
+    assert abs(one_weight_ramp(1000, opt_func, PureBF16('kahan')) - 0.9) < 1e-3
+
+@pytest.mark.parametrize('fused', [False, True])
+def test_stochastic_unbiased(fused):
+    "Stochastic rounding (fastai's loop or fused): 4096 weights' 20 steps of a quarter ulp come down as unbiased rounding's Binomial."
+    check_stochastic_rounding(fit_quiet(ramp_learner().to_bf16(pure=True, update='stochastic', fused=fused)))
+
+@pytest.mark.parametrize('bias', [1 << 14, -(1 << 14)], ids=['up', 'down'])
+def test_stochastic_check_sees_a_bias(bias):
+    "Negative control: stochastic rounding biased by a quarter of an ulp, up or down, fails `check_stochastic_rounding`."
+    with biased_stochastic_rounding(bias): learn = fit_quiet(ramp_learner().to_bf16(pure=True, update='stochastic'))
+    with pytest.raises(AssertionError, match='biased'): check_stochastic_rounding(learn)
 
 def test_regression_trains():
     "A tiny regression trains in pure bf16, either update, to within 10% of fp32's validation loss."
@@ -122,7 +133,7 @@ def test_optimizer_trains(opt, update):
     learn = tiny_learner(bn=True, splitter=tiny_split, opt_func=OPTIMIZERS[opt], lr=1e-2, wd=1e-2, cbs=PureBF16(update))
     l0 = learn.validate()[0]; learn.fit(2); l1,r1 = learn.validate()[0],ref.validate()[0]
     assert abs(l1 - r1) < 0.4 * (l0 - r1), (l0, l1, r1)  # within 40% of fp32's progress (Larc moves little in 2 epochs)
-    assert problems(learn) == []
+    assert learner_problems(learn) == []
     s,r = summary(learn),summary(ref)
     for k in r: assert s.get(k) == r[k], f'{k}: {_diff(s.get(k), r[k])}'
 
@@ -163,32 +174,17 @@ def test_stochastic_reproducible():
 
 # ---- workflows
 
-def run_pure(client, seq, update, opt, path):
-    learn = CLIENTS[client](opt)
-    learn.path = path; learn.add_cb(FitCheck())
-    mode = partial(pure, update=update)
-    mode(learn)
-    learn = SEQUENCES[seq](learn, mode)
-    return learn.fit_check.found + problems(learn),summary(learn)
-
 _SEQ_CELLS = [(s, u) for s in SEQUENCES for u in UPDATES if u == 'kahan' or s in ('save_load_opt', 'lrfind_finetune', 'export_nocpu', 'switch')]
 
 @pytest.mark.parametrize('seq,update', _SEQ_CELLS, ids=['-'.join(c) for c in _SEQ_CELLS])
 def test_sequence(seq, update, tmp_path):
     "lr_find then fit_one_cycle, fine_tune, save/load then unfreeze, second fits, export/load_learner, freeze with discriminative lrs, precision switches: as in fp32."
-    found,got = run_pure('tiny', seq, update, 'adam', tmp_path)
-    assert found == [], f'{found}'
-    ref = reference('tiny', seq, 'adam', tmp_path.parent/f'ref-tiny-{seq}-adam')
-    for k in ref: assert got.get(k) == ref[k], f'{k} differs from fp32: {_diff(got.get(k), ref[k])}'
+    check_like_fp32('tiny', seq, f'pure_{update}', 'adam', tmp_path)
 
 @pytest.mark.parametrize('opt', ['ranger', 'torch_adamw'])
 def test_optimizer_sequence(opt, tmp_path):
     "ranger (Lookahead) and torch's AdamW go through save/load and freeze with discriminative lrs as in fp32."
-    for seq in ('save_load_opt', 'freeze_discrim'):
-        found,got = run_pure('tiny', seq, 'kahan', opt, tmp_path/seq)
-        assert found == [], f'{found}'
-        ref = reference('tiny', seq, opt, tmp_path.parent/f'ref-tiny-{seq}-{opt}')
-        for k in ref: assert got.get(k) == ref[k], f'{k} differs from fp32: {_diff(got.get(k), ref[k])}'
+    for seq in ('save_load_opt', 'freeze_discrim'): check_like_fp32('tiny', seq, 'pure_kahan', opt, tmp_path/seq)
 
 _FAILS = [('after_pred', RuntimeError, 0, 3), ('before_step', KeyboardInterrupt, 11, 3), ('after_step', RuntimeError, 11, 3), ('after_batch', CancelFitException, 0, 3)]
 
@@ -198,8 +194,9 @@ def test_failed_fit(event, exc, order, at):
     learn = pure(tiny())
     after_fail,after_next = _die_then_fit(learn, event, exc, order, at)
     assert after_fail == [] and after_next == [], (after_fail, after_next)
-    got,ref = summary(learn),_failed_ref(event, exc, order, at)
+    (ref,ref_vals,start),got = _failed_ref(event, exc, order, at),summary(learn)
     for k in ref: assert got.get(k) == ref[k], f'{k} differs from fp32: {_diff(got.get(k), ref[k])}'
+    assert not (far := far_from_fp32(values(learn), ref_vals, start, 'pure_kahan')), far
 
 def test_dies_inside_step():
     "An exception inside the optimizer's step functions: the window is folded, the model is fp32, and mpx left the step functions as the user made them."
@@ -215,10 +212,10 @@ def test_dies_inside_step():
     learn.create_opt(); cbs = list(learn.opt.cbs)
     with pytest.raises(KeyboardInterrupt): learn.fit(1, cbs=Die())
     got = list(learn.opt.cbs)
-    assert problems(learn) == [] and got[:2] + got[3:] == cbs and got[2].__name__ == 'boom'  # the user's change, and only it
+    assert learner_problems(learn) == [] and got[:2] + got[3:] == cbs and got[2].__name__ == 'boom'  # the user's change, and only it
     learn.opt.cbs = L(cbs)
     learn.fit(1)
-    assert problems(learn) == []
+    assert learner_problems(learn) == []
 
 # ---- arguments
 

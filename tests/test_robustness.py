@@ -1,5 +1,6 @@
 """Classes of failure found by using fastai as users do: calls before the first fit, checkpoints inside a gradient-accumulation
-window, `validate`/`get_preds`/`lr_find` called from a callback mid-fit. Each mode is held to what fp32 fastai does."""
+window, `validate`/`get_preds`/`lr_find` called from a callback mid-fit. Each mode is held to what fp32 fastai does: the same
+steps, and weights as close to fp32's after the call as the mode's are without it."""
 import functools, tempfile
 from pathlib import Path
 import pytest, torch
@@ -8,16 +9,10 @@ from fastai.callback.training import GradientAccumulation
 from fastai.callback.hook import summary  # noqa: F401 (patches `Learner.summary`)
 import fastai.callback.schedule  # noqa: F401 (lr_find)
 from mpx.all import *
-from mpx.test_utils import tiny_learner, tabular_app_learner, ALL_MODES, precision_cb, state_of, state_diffs, fit_quiet
+from mpx.test_utils import tiny_learner, tabular_app_learner, ALL_MODES, precision_cb, state_of, state_diffs, fit_quiet, learner_problems
+from planted import nested_effect_dropped
 
 pytestmark = pytest.mark.filterwarnings('ignore::UserWarning')
-
-def fp32_model(learn) -> bool:
-    "Whether every floating parameter and buffer of the model is fp32 and finite, and the optimizer (if any) holds the model's parameters"
-    ts = list(learn.model.parameters()) + [b for b in learn.model.buffers() if b.is_floating_point()]
-    ok = all(t.dtype == torch.float32 and t.isfinite().all() for t in ts)
-    if learn.opt is None: return ok
-    return ok and {id(p) for pg in learn.opt.param_lists for p in pg} == {id(p) for p in learn.model.parameters()}
 
 # ---- before the first fit, with and without an optimizer
 
@@ -32,8 +27,8 @@ def test_before_first_fit(mode, call, with_opt):
     if with_opt: learn.create_opt()
     ALL_MODES[mode](learn)
     for _ in range(2): BEFORE[call](learn)
-    assert fp32_model(learn)
-    assert fit_quiet(learn).mixed_precision.total_steps == 10 and fp32_model(learn)
+    assert learner_problems(learn) == []
+    assert fit_quiet(learn).mixed_precision.total_steps == 10 and learner_problems(learn) == []
 
 @pytest.mark.parametrize('mode', ['master_fp16_flat', 'master_bf16_flat', 'pure_kahan', 'amp_bf16'])
 def test_app_before_first_fit(mode, tmp_path):
@@ -45,7 +40,7 @@ def test_app_before_first_fit(mode, tmp_path):
     fit_quiet(learn).export('x.pkl')
     new = load_learner(tmp_path/'x.pkl', cpu=False)
     preds,_ = new.get_preds(dl=learn.dls.valid)
-    assert preds.dtype == torch.float32 and preds.isfinite().all() and fp32_model(new)
+    assert preds.dtype == torch.float32 and preds.isfinite().all() and learner_problems(new) == []
 
 # ---- save/load inside a gradient-accumulation window
 
@@ -92,7 +87,7 @@ def test_checkpoint_in_accumulation(mode, event, order, load, tmp_path):
     steps,ref = plain_accumulate(mode)
     learn,got = accumulate(mode, tmp_path, [SaveAt(event, load, order)])
     assert not state_diffs(ref, got), state_diffs(ref, got)[:3]
-    assert precision_cb(learn).total_steps == steps == 6 and fp32_model(learn)
+    assert precision_cb(learn).total_steps == steps == 6 and learner_problems(learn) == []
 
 # ---- validate / get_preds / lr_find called from a callback mid-fit
 
@@ -115,29 +110,55 @@ class CallAt(Callback):
         try: self.call(self.learn)
         finally: self.busy = False
 
-@functools.cache
-def nested_run(mode, event, call):
-    "The final `state_of` and step count of a 2-epoch fit in `mode` (None: fp32) with `call` made at `event`, or the exception"
-    learn = tiny_learner(lr=1e-2, path=Path(tempfile.mkdtemp()), cbs=[CallAt(event, NESTED[call])] if call else None)
+class _Steps(Callback):
+    "Counts the optimizer steps (skipped ones too), the nested call's included"
+    order,n = 50,0
+    def after_step(self): self.n += 1
+
+def _nested_run(mode, event, call):
+    "The final `state_of` and step count of a 2-epoch fit in `mode` (None: fp32) with `call` at `event`; or the exception, the problems"
+    steps = _Steps()
+    learn = tiny_learner(lr=1e-2, path=Path(tempfile.mkdtemp()), cbs=[steps] + ([CallAt(event, NESTED[call])] if call else []))
     if mode: ALL_MODES[mode](learn)
     try: fit_quiet(learn, 2)
-    except Exception as e: return e
-    assert fp32_model(learn)
-    return state_of(learn),(precision_cb(learn).total_steps if mode else None)
+    except Exception as e: return e,learner_problems(learn)
+    assert learner_problems(learn) == []
+    return state_of(learn),steps.n
+
+nested_run = functools.cache(_nested_run)
+
+def _dist(a:dict, b:dict) -> float: return sum(float((x - y).norm()**2) for x,y in zip(a['weights'], b['weights']))**.5
+
+def check_nested(mode, event, call, got):
+    """`got`, a `nested_run` in `mode`, against fp32 fastai making the same call: the same exception where fp32 fails; else the same steps,
+    the mode's own run without the call bit for bit where the call changes nothing in fp32, and where it does, weights as close to fp32's
+    with the call as the mode's are to fp32's without it (three times): a mode dropping the call's effect ends where it was never made"""
+    fp32 = nested_run(None, event, call)
+    if isinstance(fp32[0], Exception):
+        same = type(got[0]) is type(fp32[0]) and str(got[0]).splitlines()[:2] == str(fp32[0]).splitlines()[:2]
+        assert same, f'{mode} failed otherwise: {got[0]!r}'
+        assert got[1] == [], f'{mode} after the failed fit: {got[1]}'
+        return
+    assert not isinstance(got[0], Exception), f'{mode} failed where fp32 works: {got[0]!r}'
+    assert got[1] == fp32[1], f'{mode} made {got[1]} optimizer steps, fp32 {fp32[1]}'
+    plain,fp32_plain = nested_run(mode, None, None),nested_run(None, None, None)
+    if not state_diffs(fp32_plain[0], fp32[0]):  # the call changes nothing in fp32: nothing in the mode either
+        assert not state_diffs(plain[0], got[0]), state_diffs(plain[0], got[0])[:3]
+        return
+    d,noise,effect = _dist(got[0], fp32[0]),_dist(plain[0], fp32_plain[0]),_dist(fp32[0], fp32_plain[0])
+    assert d <= 3 * noise, f'{mode} ends {d:.3g} from fp32 with the call, {noise:.3g} from it without (the call moves fp32 by {effect:.3g})'
 
 @pytest.mark.parametrize('event,call', NEST_CASES, ids=[f'{e}-{c}' for e,c in NEST_CASES])
 @pytest.mark.parametrize('mode', KEY_MODES + ['amp_bf16'])
 def test_nested_call(mode, event, call):
-    "What fp32 fastai allows mid-fit works in every mode: no error, fp32 weights after, and where the call leaves fp32 training bit-identical, it leaves the mode's too."
-    fp32 = nested_run(None, event, call)
-    if isinstance(fp32, Exception): pytest.skip(f'fp32 fastai fails too: {fp32!r}')
-    got = nested_run(mode, event, call)
-    assert not isinstance(got, Exception), f'{mode} failed where fp32 works: {got!r}'
-    if call == 'lr_find': return  # lr_find leaves its last learning rate in the optimizer: the rest of the fit differs in fp32 too
-    if state_diffs(nested_run(None, None, None)[0], fp32[0]): return  # the call changes fp32 training (fastai's own state)
-    ref = nested_run(mode, None, None)
-    assert not state_diffs(ref[0], got[0]), state_diffs(ref[0], got[0])[:3]
-    assert got[1] == ref[1] == 20
+    "A call fastai allows mid-fit does in every mode what it does in fp32 (its effect on the rest of the fit, or its error)."
+    check_nested(mode, event, call, nested_run(mode, event, call))
+
+@pytest.mark.parametrize('event,call', [('after_pred', 'validate'), ('after_epoch', 'lr_find')])
+def test_nested_check_sees_a_dropped_effect(event, call):
+    "Negative control: a mode that undid what a nested `validate` or `lr_find` does to the fit fails `check_nested`."
+    with nested_effect_dropped(): got = _nested_run('master_fp16', event, call)
+    with pytest.raises(AssertionError): check_nested('master_fp16', event, call, got)
 
 # ---- a callback failing in the before_fit of a validation
 
@@ -155,6 +176,6 @@ def test_failed_validation_start(mode, call):
     learn = tiny_learner(bn=True, cbs=FailFirstBeforeFit())
     ALL_MODES[mode](learn)
     with pytest.raises(RuntimeError, match='boom'): BEFORE[call](learn)
-    assert fp32_model(learn)
+    assert learner_problems(learn) == []
     BEFORE[call](learn)
-    assert fit_quiet(learn).mixed_precision.total_steps == 10 and fp32_model(learn)
+    assert fit_quiet(learn).mixed_precision.total_steps == 10 and learner_problems(learn) == []

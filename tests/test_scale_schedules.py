@@ -7,7 +7,7 @@ from fastai.basics import Callback, Adam
 import fastai.callback.schedule  # noqa: F401 (fit_one_cycle)
 from mpx.all import *
 from mpx.scaler import update_scale_
-from mpx.test_utils import tiny_learner, fit_quiet, precision_cb, InjectGrad, replay
+from mpx.test_utils import tiny_learner, fit_quiet, precision_cb, InjectGrad, replay, StepProfile, check_compiled_steps
 
 pytestmark = pytest.mark.filterwarnings('ignore::UserWarning')
 
@@ -63,19 +63,21 @@ def test_update_scale_at_one_is_gradscalers():
         for f in seq: got.append(float(s)); update_scale_(s, t, None, torch.tensor([float(f)]), 2., .5, 3)
         assert got == replay(seq, init_scale=256., growth_interval=3)
 
-def _scales(make, overflow_at, micro=False, n_trn=12):
-    learn = make(tiny_learner(opt_func=Adam, lr=1e-2, n_trn=n_trn))
-    fit_quiet(learn, 1, cbs=InjectGrad(at=overflow_at, micro=micro))
+def _scales(make, overflow_at, micro=False, n_trn=12, compiled=False):
+    "The scales of a fit with overflows at `overflow_at`; `compiled`: every step checked to have run in compiled regions"
+    learn,prof = make(tiny_learner(opt_func=Adam, lr=1e-2, n_trn=n_trn)),StepProfile(wide=True)
+    fit_quiet(learn, 1, cbs=[InjectGrad(at=overflow_at, micro=micro), *(prof.cbs if compiled else [])])
+    if compiled: check_compiled_steps(prof)
     return learn,precision_cb(learn).scales
 
-@pytest.mark.parametrize('fused', [True, 'compile'])
+@pytest.mark.parametrize('fused', [True, pytest.param('compile', marks=pytest.mark.compiled)])
 @pytest.mark.parametrize('mode', ['amp', 'master'])
 def test_fp16_modes_with_hysteresis(mode, fused):
     "`to_fp16(hysteresis=2)` in AMP and in the dynamic master mode: the scale each step used is DeepSpeed's, eager and compiled."
     at = [1, 5, 6, 7]
     make = (lambda l: l.to_fp16(init_scale=2.**8, growth_interval=3, hysteresis=2, fused=fused)) if mode == "amp" else \
            (lambda l: l.to_fp16(loss_scale=2.**8, dynamic=True, growth_interval=3, hysteresis=2, fused=fused))
-    learn,got = _scales(make, at, micro=mode == 'master')
+    learn,got = _scales(make, at, micro=mode == 'master', compiled=fused == 'compile')
     ds,want = DeepSpeedScaler(2.**8, scale_window=3, delayed_shift=2),[]
     for i in range(12): want.append(ds.cur_scale); ds.update_scale(i in at)
     assert got == want and precision_cb(learn).skipped_steps == 4

@@ -1,7 +1,7 @@
 """Every structure fastai allows, in every mode, as a class of cases (issue 26): the optimizer's structure changed from a
 callback mid-fit, an optimizer's own `zero_grad`, a parameter twice in the optimizer (tied weights), sparse gradients and
 fastai's GANs. Each case is compared with fp32 fastai, and fused steps with fastai's loop where both run."""
-import contextlib, functools
+import functools
 from functools import partial
 import pytest, torch
 from torch import nn
@@ -10,27 +10,15 @@ from fastai.basics import Callback, Module, Optimizer, SGD
 from mpx.all import *
 from mpx.test_utils import *
 
-pytestmark = pytest.mark.filterwarnings('ignore::UserWarning')  # slow-dtype and emulated-fp8 warnings on CPUs
+pytestmark = [pytest.mark.filterwarnings('ignore::UserWarning'),  # slow-dtype and emulated-fp8 warnings on CPUs
+              pytest.mark.usefixtures('one_thread')]
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads(); torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-MODES = {**ALL_MODES, 'fp8': lambda learn, **kw: learn.to_fp8(**kw)}
 SIXTEEN = lambda: nn.Sequential(nn.Linear(1, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))  # fp8 takes its middle layer
 EPS = dict(amp_fp16=2e-2, master_fp16=2e-2, master_fp16_dynamic=2e-2, master_fp16_flat=2e-2,  # the change's relative error against fp32
            fp8=.3)  # emulated fp8 matmuls in a 16-wide layer: 3 bits of mantissa
 
-def rel_err(got, ref, start) -> float:
-    "How far `got` is from `ref`, relative to how far `ref` moved from `start` (lists of tensors)"
-    num = sum(float((a - b).float().norm()**2) for a,b in zip(got, ref))
-    den = sum(float((b - s).float().norm()**2) for b,s in zip(ref, start))
-    return (num / den)**.5
-
 def apply_mode(learn, mode, **kw):
-    if mode is not None: MODES[mode](learn, **kw)
+    if mode is not None: ALL_MODES_FP8[mode](learn, **kw)
     return learn
 
 # ---- 1. the optimizer's structure changed from a callback mid-fit
@@ -42,12 +30,7 @@ class ChangeAt(Callback):
     def before_epoch(self):
         if self.epoch != 1: return
         getattr(self.learn, self.what)()
-        with fp32_model(self.learn): self.before = weights(self.learn)
-
-def fp32_model(learn):
-    "While inside, the model in fp32 as the fit under way would leave it (the masters, `w + c`): the mode's fit suspended"
-    cbs = precision_cbs(learn)
-    return cbs[0].suspended() if cbs else contextlib.nullcontext()
+        with suspended(self.learn): self.before = weights(self.learn)  # the fp32 model the fit would leave: the masters, `w + c`
 
 def changed(mode, what, opt):
     "Which parameters the epoch after the change moved, their `requires_grad` after the fit, the weights, the start"
@@ -65,7 +48,7 @@ def changed_fp32(what, opt): return changed(None, what, opt)
 
 @pytest.mark.parametrize('opt', ['adam', 'sgd', 'ranger', 'torch_adamw'])
 @pytest.mark.parametrize('what', ['unfreeze', 'freeze', 'create_opt'])
-@pytest.mark.parametrize('mode', list(MODES))
+@pytest.mark.parametrize('mode', list(ALL_MODES_FP8))
 def test_structure_changed_mid_fit(mode, what, opt):
     "`unfreeze()`, `freeze()` or `create_opt()` from a callback mid-fit: the same layers train after it as in fp32, flags as in fp32."
     moved,flags,ws,start = changed(mode, what, opt)
@@ -101,7 +84,7 @@ def branchy(mode, opt, fused=True):
     return [learn.opt.state[p].get('step') for p in learn.model.parameters()],weights(learn)
 
 @pytest.mark.parametrize('opt', ['adam', 'radam', 'qhadam'])
-@pytest.mark.parametrize('mode', list(MODES))
+@pytest.mark.parametrize('mode', list(ALL_MODES_FP8))
 def test_own_zero_grad_kept(mode, opt):
     "An optimizer subclass's own `zero_grad` (gradients to None) is kept in every mode: the branch is stepped as often as in fp32."
     ref_steps,_ = branchy(None, opt)
@@ -169,7 +152,7 @@ class FirstWeights(Callback):
     def __init__(self): self.ws = None
     def before_fit(self):
         if self.ws is None:
-            with fp32_model(self.learn): self.ws = weights(self.learn)
+            with suspended(self.learn): self.ws = weights(self.learn)
 
 def gan(mode, wgan):
     learn = gan_learner(wgan=wgan)
@@ -181,8 +164,12 @@ def gan(mode, wgan):
 @functools.cache
 def gan_fp32(wgan): return gan(None, wgan)
 
+# Adversarial training amplifies what rounding does. The largest `rel_err` seen: .035 (fp16), .031 (bf16, Kahan), .12 (stochastic rounding),
+# .19 (fp8); no training at all scores 1
+GAN_EPS = dict(pure_stochastic=.25, fp8=.4)
+
 @pytest.mark.parametrize('wgan', [True, False], ids=['wgan', 'gan'])
-@pytest.mark.parametrize('mode', list(MODES))
+@pytest.mark.parametrize('mode', list(ALL_MODES_FP8))
 def test_gan(mode, wgan):
     "A GAN trains in every mode within tolerance of fp32, generator and critic; a clipping WGAN is refused in the master modes before the fit."
     if wgan and mode.startswith('master'):
@@ -195,4 +182,4 @@ def test_gan(mode, wgan):
     ref,_,_ = gan_fp32(wgan)
     moved = [not torch.equal(a, b) for a,b in zip(ws, first)]  # from where the mode started (pure bf16 rounds fp32 weights first)
     assert moved == [not torch.equal(a, b) for a,b in zip(ref, start)] and sum(moved) >= len(moved) - 1, moved  # the layers fp32 trains
-    assert rel_err(ws, ref, start) < 2.5 * EPS.get(mode, .1)  # adversarial training amplifies what rounding does
+    assert rel_err(ws, ref, start) < GAN_EPS.get(mode, .08)

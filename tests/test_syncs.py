@@ -6,7 +6,7 @@ from fastai.basics import Module
 from fastai.callback.training import GradientAccumulation
 from fastai.callback.fp16 import grad_overflow
 import mpx.all  # `Learner.to_fp16`, `to_bf16`
-from mpx.test_utils import tiny_learner, tiny_model, fit_quiet, count_syncs, precision_cb, CountSyncs, MODES
+from mpx.test_utils import tiny_learner, tiny_model, fit_quiet, count_syncs, precision_cb, CountSyncs, MODES, needs_mode
 
 class ManyParams(Module):
     "A regression with `n` parameter tensors: a linear layer and the mean of `n`-2 scalar biases added to its output"
@@ -26,17 +26,13 @@ MODELS = dict(mlp=tiny_model, batchnorm=partial(tiny_model, bn=True),  # BatchNo
               many_params=partial(ManyParams, 200))  # a sync per parameter tensor would show 200 times over
 DEVICES = ['cpu', pytest.param('cuda', marks=pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA GPU'))]
 
-def needs_mode(device, mode):
-    "Skip bf16 on GPUs without bfloat16 support"
-    if device == 'cuda' and 'bf16' in mode and not torch.cuda.is_bf16_supported(): pytest.skip('GPU without bf16 support')
-
 @pytest.mark.parametrize('device', DEVICES)
 @pytest.mark.parametrize('acc', [False, True], ids=['plain', 'grad_acc'])
 @pytest.mark.parametrize('model', MODELS)
 @pytest.mark.parametrize('mode', SYNCS)
 def test_syncs_per_optimizer_step(mode, model, acc, device):
     "The mode adds exactly its syncs per optimizer step (not per micro-batch, not per parameter) to the same fit in fp32."
-    needs_mode(device, mode)
+    needs_mode(mode, device)
     make,per_step = SYNCS[mode]
     def learner(): return tiny_learner(lr=1e-2, model=MODELS[model], n_trn=4, device=device, cbs=GradientAccumulation(n_acc=32) if acc else None)  # 4 batches of 16: 4 steps, or 2 accumulated
     base = count_syncs(learner())
