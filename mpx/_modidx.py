@@ -342,6 +342,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                            'mpx.eager._larc_step': ('eager.html#_larc_step', 'mpx/eager.py'),
                            'mpx.eager._scal': ('eager.html#_scal', 'mpx/eager.py'),
                            'mpx.eager._stepped_param': ('eager.html#_stepped_param', 'mpx/eager.py'),
+                           'mpx.eager._transcendental': ('eager.html#_transcendental', 'mpx/eager.py'),
                            'mpx.eager.base_fn': ('eager.html#base_fn', 'mpx/eager.py'),
                            'mpx.eager.fn_name': ('eager.html#fn_name', 'mpx/eager.py'),
                            'mpx.eager.loop_one': ('eager.html#loop_one', 'mpx/eager.py'),

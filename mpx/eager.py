@@ -63,18 +63,19 @@ class StateWindow:
         "The window's state back into its store (quantised, for a low-bit store)"
         for k,x in self.x.items(): self.b.store.back(self.b, k, self.i, self.j, x)
 
-def run_state(b:Bucket, a:int, c:int, sw:StateWindow) -> dict:
-    "The state of run `a` to `c` of flat bucket `b`: the first parameter's, its state tensors the run's fp32 slices"
-    return {**b.dicts[a], **{k: sw.part(k, a, c) for k in sw.x if k in b.dicts[a]}}
+def run_state(b:Bucket, a:int, c:int, sw:StateWindow, shaped:bool=False) -> dict:
+    "The state of run `a` to `c` of `b`: the first parameter's, its state tensors fp32 slices (`shaped`: one parameter's slot)"
+    cut = (lambda k: sw.slot(k, a)) if shaped else (lambda k: sw.part(k, a, c))
+    return {**b.dicts[a], **{k: cut(k) for k in sw.x if k in b.dicts[a]}}
 
-def put_state(b:Bucket, a:int, c:int, new:dict|None, sw:StateWindow):
+def put_state(b:Bucket, a:int, c:int, new:dict|None, sw:StateWindow, shaped:bool=False):
     "What a step function returned for run `a` to `c`, into the state window and each parameter's dict"
     if not isinstance(new, dict): return
-    n = b.end(c) - b.lo(a)
+    n = b.sizes[a] if shaped else b.end(c) - b.lo(a)
     for k,v in new.items():
-        if isinstance(v, Tensor) and v.dim() == 1 and v.numel() == n and v.is_floating_point():
+        if isinstance(v, Tensor) and v.numel() == n and (shaped or v.dim() == 1) and v.is_floating_point():
             sw.make(k, v.dtype)
-            s = sw.part(k, a, c)
+            s = sw.slot(k, a) if shaped else sw.part(k, a, c)
             if v is not s: s.copy_(v)
             for i in range(a, c): b.dicts[i][k] = b.stv[k][i]
         else:
@@ -186,6 +187,10 @@ def _stepped_param(b:Bucket, k:int, x, g, i:int) -> Tensor:
     return t
 
 # %% ../nbs/01f_eager.ipynb #ea0018
+def _transcendental(cb, hyper:dict) -> bool:
+    "Whether `cb` computes a function whose vectorised and scalar CPU kernels round apart (SAdam's softplus): a parameter a run"
+    return base_fn(cb) is radam_step and bool(hyper.get('beta', cb.keywords.get('beta') if isinstance(cb, partial) else None))
+
 class RunSteps(LoopSteps):
     "A plan of fastai's functions: elementwise ones once a run of a flat bucket, Lamb's and LARC's on each parameter"
     def __init__(self, plan:list): self.plan = plan
@@ -195,7 +200,11 @@ class RunSteps(LoopSteps):
         rs = b.runs(i, j, scalar_keys(b))
         lo,sw = b.lo(i),StateWindow(eng, b, i, j)
         for what in self.plan:
-            if what[0] == 'run':
+            if what[0] == 'run' and _transcendental(what[1], hyper):
+                for a,c in b.runs(i, j, scalar_keys(b), single=True):
+                    it = _Item(b.slot(x, a, lo), b.slot(g, a, lo))
+                    put_state(b, a, c, what[1](it, **{**run_state(b, a, c, sw, True), **hyper}), sw, True)
+            elif what[0] == 'run':
                 for a,c in rs:
                     it = _Item(b.part(x, a, c, lo), b.part(g, a, c, lo))
                     put_state(b, a, c, what[1](it, **{**run_state(b, a, c, sw), **hyper}), sw)

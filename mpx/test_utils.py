@@ -191,9 +191,7 @@ def _crit_loss(real_pred, fake_pred): return real_pred.mean() - fake_pred.mean()
 MASTER_MODES = {
     'fp16': lambda learn, **kw: learn.to_fp16(loss_scale=512, **kw),
     'fp16_dynamic': lambda learn, **kw: learn.to_fp16(loss_scale=512, dynamic=True, **kw),
-    'fp16_flat': lambda learn, **kw: learn.to_fp16(loss_scale=512, flat_master=True, **kw),
     'bf16': lambda learn, **kw: learn.to_bf16(master=True, **kw),
-    'bf16_flat': lambda learn, **kw: learn.to_bf16(master=True, flat_master=True, **kw),
 }
 
 MODES = {

@@ -18,7 +18,6 @@ DistributedDL._broadcast = _cpu_broadcast
 
 DIST_MODES = dict(amp_fp16=lambda l: l.to_fp16(init_scale=2.**8, growth_interval=2), amp_bf16=lambda l: l.to_bf16(),
              master=lambda l: l.to_fp16(loss_scale=2.**8, dynamic=True, growth_interval=2),
-             master_flat=lambda l: l.to_fp16(loss_scale=2.**8, dynamic=True, growth_interval=2, flat_master=True),
              master_bf16=lambda l: l.to_bf16(master=True))
 
 class InjectOnRank(Callback):

@@ -105,11 +105,11 @@ def test_bf16_on_a_gpu_without_it():
         assert precision_cbs(fit_quiet(learn))[0].total_steps == 10
 
 def test_master_with_mixed_dtypes():
-    "MasterPrecision (flat or not) on a model with an fp64 parameter fails before changing anything; after `.float()` it trains."
-    for flat in (False, True):
+    "MasterPrecision (fused or not) on a model with an fp64 parameter fails before changing anything; after `.float()` it trains."
+    for fused in (False, True):
         model = nn.Sequential(nn.Linear(1, 8), nn.ReLU(), nn.Linear(8, 1))
         model[2].double()
-        learn = tiny_learner(lr=1e-2, model=model).to_fp16(flat_master=flat)
+        learn = tiny_learner(lr=1e-2, model=model).to_fp16(loss_scale=512, fused=fused)
         with pytest.raises(ValueError, match="parameter '2.weight' is torch.float64"): fit_quiet(learn)
         assert [p.dtype for p in learn.model.parameters()] == [torch.float32]*2 + [torch.float64]*2
         learn.model.float()

@@ -13,8 +13,8 @@ CKPT_MODES = dict(  # each with a scale that moves in these fits
     amp_fp16    = lambda l: l.to_fp16(init_scale=2.**8, growth_interval=3),
     amp_bf16    = lambda l: l.to_bf16(),
     master      = lambda l: l.to_fp16(loss_scale=8., dynamic=True, growth_interval=3),
-    master_flat = lambda l: l.to_fp16(loss_scale=8., dynamic=True, growth_interval=3, flat_master=True),
-    master_bf16 = lambda l: l.to_bf16(master=True, flat_master=True),
+    master_dynamic = lambda l: l.to_fp16(loss_scale=8., dynamic=True, growth_interval=3),
+    master_bf16 = lambda l: l.to_bf16(master=True),
 )
 
 class SeedEpochs(Callback):
@@ -55,7 +55,7 @@ def test_resume_is_bit_exact(mode, tmp_path):
     assert (precision_cb(resumed).loss_scale, precision_cb(resumed).total_steps) == (precision_cb(whole).loss_scale, 20)
     if 'bf16' not in mode: assert len(set(precision_cb(whole).scales)) > 2  # the scale moved, so restoring it mattered
 
-@pytest.mark.parametrize('mode', ['amp_fp16', 'master_flat'])
+@pytest.mark.parametrize('mode', ['amp_fp16', 'master_dynamic'])
 def test_resume_in_a_new_process(mode, tmp_path):
     "The first half runs in another process; resuming here still matches the uninterrupted run bit for bit."
     code = f"import sys; sys.path.insert(0, {str(TESTS)!r}); from test_checkpoints import first_half; first_half({mode!r}, {str(tmp_path)!r})"
@@ -81,7 +81,7 @@ def plain_fastai(path, action):
     "Run `action` on a plain fastai learner in a process that never imports mpx"
     subprocess.run([sys.executable, '-c', PLAIN.format(path=str(path), action=action)], check=True, capture_output=True, timeout=120)
 
-@pytest.mark.parametrize('mode', ['amp_fp16', 'master_flat'])
+@pytest.mark.parametrize('mode', ['amp_fp16', 'master_dynamic'])
 def test_mpx_checkpoint_loads_in_plain_fastai(mode, tmp_path):
     "A checkpoint written under mpx (mid-fit too) loads with its optimizer state in fastai without mpx, with the fp32 weights."
     learn = learner(mode, tmp_path)

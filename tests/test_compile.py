@@ -7,7 +7,7 @@ from fastai.callback.channelslast import ChannelsLast
 from mpx.all import *
 from mpx.test_utils import tiny_learner, fit_quiet, weights, precision_cb, MODES, BASIC_MODES
 
-COMPILE_MODES = BASIC_MODES + ['master_fp16_flat']
+COMPILE_MODES = BASIC_MODES
 def half(mode): return torch.bfloat16 if mode.endswith('bf16') else torch.float16
 
 class PredDtype(Callback):

@@ -197,7 +197,7 @@ def _workflow(make, mode, tmp_path):
     assert 'step' not in vars(learn.opt) and new.model is not None
     return loss
 
-APPS = [('tabular', tabular_app_learner, 'amp_bf16'), ('collab', partial(collab_app_learner, use_nn=True), 'master_fp16_flat'),
+APPS = [('tabular', tabular_app_learner, 'amp_bf16'), ('collab', partial(collab_app_learner, use_nn=True), 'master_fp16'),
         ('text', text_app_learner, 'pure_kahan')]
 
 @pytest.mark.compiled

@@ -126,7 +126,8 @@ def test_train_fp32(rows):
 @pytest.mark.parametrize('mode', ['bf16', 'fp16'])
 def test_train_mixed(rows, mode):
     r,n_batches = rows[mode],(1797-359)//BS  # fastai drops the last partial training batch
-    assert set(r) == KEYS and r['mode'] == mode and 0 <= r['accuracy'] <= 1
+    assert set(r) == KEYS and r['mode'] == mode
+    assert abs(r['accuracy'] - rows['fp32']['accuracy']) <= .05, 'one epoch in 16 bits learns what fp32 learns (fp32 .755, bf16 .738, fp16 .749)'
     assert r['total_steps'] == n_batches and 0 <= r['skipped_steps'] <= r['total_steps']
     if mode == 'bf16': assert r['loss_scale'] == 1.0 and r['skipped_steps'] == 0
     else: assert r['loss_scale'] > 1.0

@@ -12,7 +12,7 @@ from mpx.test_utils import tiny_learner, fit_quiet, replay, precision_cb, Inject
 
 SCALED = dict(  # fp16 callbacks whose dynamic scale starts at 2**8 in each mode: the diagnosis reports that scale
     amp=lambda: MixedPrecision(init_scale=2.**8), master=lambda: MasterPrecision(loss_scale=2.**8, dynamic=True),
-    master_flat=lambda: MasterPrecision(loss_scale=2.**8, dynamic=True, flat_master=True))
+    master_dynamic=lambda: MasterPrecision(loss_scale=2.**8, dynamic=True))
 
 @pytest.mark.parametrize('mode', SCALED)
 @pytest.mark.parametrize('where', ['loss', 'input'])

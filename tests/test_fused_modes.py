@@ -30,7 +30,7 @@ def run(mode, opt, fused):
     learn.freeze(); fit_quiet(learn, 1)
     return state_of(learn),precision_cb(learn).total_steps
 
-CELLS = [(m, o) for m in ALL_MODES for o in OPTS if m in ('amp_bf16', 'master_fp16_flat', 'pure_kahan') or o in ('adam', 'ranger', 'lamb')]
+CELLS = [(m, o) for m in ALL_MODES for o in OPTS if m in ('amp_bf16', 'master_fp16', 'pure_kahan') or o in ('adam', 'ranger', 'lamb')]
 
 @pytest.mark.parametrize('mode,opt', CELLS, ids=[f'{m}-{o}' for m,o in CELLS])
 def test_fused_equals_loop(mode, opt):
@@ -79,7 +79,7 @@ def step_ops(mode, n_layers, opt, n_trn=2) -> list:
     return start.counts
 
 # every mode with SGD and Adam; RAdam's two branches and ranger's Lookahead sync (both from step 6) in a mode of each storage
-OPS_CELLS = [(m, o, 2) for m in ALL_MODES for o in ('sgd', 'adam')] + [(m, o, 6) for m in ('amp_bf16', 'master_fp16_flat', 'pure_kahan')
+OPS_CELLS = [(m, o, 2) for m in ALL_MODES for o in ('sgd', 'adam')] + [(m, o, 6) for m in ('amp_bf16', 'master_fp16', 'pure_kahan')
                                                                       for o in ('radam', 'ranger')]
 
 @pytest.mark.parametrize('mode,opt,n', OPS_CELLS, ids=[f'{m}-{o}' for m,o,_ in OPS_CELLS])

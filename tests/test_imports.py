@@ -5,8 +5,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 # DESIGN.md's arrows: `learner -> (amp, master, pure, fp8, advisor) -> callback -> (fused, plumbing, scaler, hardware, patches) -> core`;
-# the step engine's pieces (flat, eager, compiled, foreign) sit beside fused, and `warn` beside core
-TIERS = dict(core=0, warn=0, hardware=1, scaler=1, fused=1, flat=1, eager=1, compiled=1, foreign=1, plumbing=1, patches=1, progress=1, parallel=1, callback=2, distributed=4, amp=3, master=3, pure=3, fp8=3, advisor=3,
+# the step engine's pieces (flat, eager, compiled, foreign, lowbit) sit beside fused, and `warn` beside core
+TIERS = dict(core=0, warn=0, hardware=1, scaler=1, fused=1, flat=1, eager=1, compiled=1, foreign=1, lowbit=1, plumbing=1, patches=1, progress=1, parallel=1, callback=2, distributed=4, amp=3, master=3, pure=3, fp8=3, advisor=3,
              learner=4, test_utils=5, all=5)
 MODE_MODULES = {'amp', 'master', 'pure', 'fp8'}  # no mode imports another mode
 EXTRA = dict(advisor={'fp8'})  # the advisor is no mode: its report says what `to_fp8()` would convert (`fp8_table`, `real_fp8`)
@@ -122,6 +122,13 @@ kind = KahanKind()
 steps = FusedSteps(learn.opt, lambda p: kind)
 assert not steps.native and 'step' in vars(learn.opt)  # a torch optimizer steps the widened weights, swapped in
 steps.undo(); assert 'step' not in vars(learn.opt)
+''',
+    lowbit='''
+from mpx.lowbit import *
+x = torch.randn(512)
+c,s = quantize(x, dynamic_map(), 256)
+assert torch.equal(quantize(dequantize(c, s, dynamic_map(), 256), dynamic_map(), 256)[0], c)
+assert state_bytes('8bit') < state_bytes('bf16') < state_bytes('fp32') == 4.
 ''',
     warn='''
 from mpx.warn import *

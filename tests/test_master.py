@@ -1,4 +1,4 @@
-"MasterPrecision matrix: flat vs per-tensor masters, skips, accumulation, freezing, checkpoints, scaler policy (host syncs: `test_syncs.py`)."
+"MasterPrecision matrix: the engine against fastai's loop (fused=False), skips, accumulation, freezing, checkpoints, scaler policy (host syncs: `test_syncs.py`)."
 import math
 from functools import partial
 import pytest, torch
@@ -24,22 +24,22 @@ def multi_splitter(k):
 @settings(max_examples=12, deadline=None)
 @given(shapes=st.lists(st.lists(st.integers(1, 5), min_size=1, max_size=3), min_size=1, max_size=6),
        k=st.integers(1, 3), adam=st.booleans(), wd=st.sampled_from([0., 1e-2]))
-def test_flat_equals_per_tensor(shapes, k, adam, wd):
-    "Flat and per-tensor masters give bit-identical weights on random shapes, groups, optimizers and weight decay."
+def test_fused_equals_loop(shapes, k, adam, wd):
+    "The engine's steps and fastai's loop over the masters give bit-identical weights on random shapes, groups, optimizers, weight decay."
     res = []
-    for flat in (False, True):
-        learn = tiny_learner(lr=1e-2, model=Multi(shapes), splitter=multi_splitter(k), opt_func=Adam if adam else partial(SGD, mom=.9), wd=wd, cbs=MasterPrecision(flat_master=flat))
+    for fused in (False, True):
+        learn = tiny_learner(lr=1e-2, model=Multi(shapes), splitter=multi_splitter(k), opt_func=Adam if adam else partial(SGD, mom=.9), wd=wd, cbs=MasterPrecision(fused=fused))
         res.append(weights(fit_quiet(learn)))
     for a,b in zip(*res): assert torch.equal(a, b)
 
-@pytest.mark.parametrize('flat', [False, True])
+@pytest.mark.parametrize('fused', [False, True])
 @pytest.mark.parametrize('value', [math.inf, math.nan, -math.inf])
 @pytest.mark.parametrize('acc', [False, True])
 @pytest.mark.parametrize('clip', [False, True])
-def test_skipped_steps_change_nothing(flat, value, acc, clip):
+def test_skipped_steps_change_nothing(fused, value, acc, clip):
     "A step whose gradients hold inf or nan leaves weights, masters and optimizer state bit-identical, with accumulation and clipping too."
     snap,inj = Snapshot(),InjectGrad(at=[2, 5], value=value, names=('2.bias',), micro=True)
-    cbs = [MasterPrecision(flat_master=flat, dynamic=True), inj, snap] + ([GradientAccumulation(n_acc=32)] if acc else []) + ([GradientClip(max_norm=.1)] if clip else [])
+    cbs = [MasterPrecision(fused=fused, dynamic=True), inj, snap] + ([GradientAccumulation(n_acc=32)] if acc else []) + ([GradientClip(max_norm=.1)] if clip else [])
     mp = fit_quiet(tiny_learner(lr=1e-2, cbs=cbs)).master_precision
     skipped = [1, 2] if acc else [2, 5]
     assert mp.total_steps == (5 if acc else 10)
@@ -62,10 +62,10 @@ def test_accumulation_is_fp32():
         assert m.dtype == torch.float32
         assert torch.equal(m, (rec.half[2*i].float() + rec.half[2*i+1].float()) / 512.)
 
-@pytest.mark.parametrize('flat', [False, True])
-def test_frozen_groups(flat):
+@pytest.mark.parametrize('fused', [False, True])
+def test_frozen_groups(fused):
     "A frozen group gets no optimizer state and keeps its exact fp32 weights; unfreezing trains it; discriminative lrs hold."
-    learn = tiny_learner(lr=1e-2, model=Multi([[3], [4], [2, 2]]), splitter=multi_splitter(3), cbs=MasterPrecision(flat_master=flat))
+    learn = tiny_learner(lr=1e-2, model=Multi([[3], [4], [2, 2]]), splitter=multi_splitter(3), cbs=MasterPrecision(fused=fused))
     learn.create_opt(); learn.freeze()
     frozen = [p for pg in learn.opt.param_lists[:-1] for p in pg if not p.requires_grad]
     before = [p.detach().clone() for p in frozen]
@@ -115,10 +115,10 @@ def test_masters_not_rounded():
     learn = fit_quiet(tiny_learner(lr=1e-2, cbs=MasterPrecision()), 2)
     assert any((p.half().float() != p).any() for p in learn.model.parameters())
 
-@pytest.mark.parametrize('flat', [False, True])
-def test_save_model_callback(tmp_path, flat):
+@pytest.mark.parametrize('fused', [False, True])
+def test_save_model_callback(tmp_path, fused):
     "SaveModelCallback's mid-fit checkpoints hold fp32 masters, load in plain fastai, and the end-of-fit reload works."
-    learn = tiny_learner(lr=1e-2, path=tmp_path, cbs=MasterPrecision(flat_master=flat))
+    learn = tiny_learner(lr=1e-2, path=tmp_path, cbs=MasterPrecision(fused=fused))
     fit_quiet(learn, 3, cbs=SaveModelCallback(monitor='valid_loss', fname='best', with_opt=True, every_epoch=True))
     plain = tiny_learner(lr=1e-2, path=tmp_path)
     plain.create_opt(); plain.load('best_1', with_opt=True)
@@ -139,7 +139,7 @@ def test_export_and_lr_find(tmp_path):
     fit_quiet(new)
 
 def test_bad_model_fails_before_changing_anything():
-    "An fp64 model or a flat group spanning devices fails with a clear error and nothing is changed."
+    "An fp64 model or a group spanning devices fails with a clear error and nothing is changed."
     learn = tiny_learner(lr=1e-2, model=nn.Sequential(nn.Linear(1, 1)).double(), cbs=MasterPrecision())
     with pytest.raises(ValueError, match="parameter '0.weight' is torch.float64"): fit_quiet(learn)
     assert {p.dtype for p in learn.model.parameters()} == {torch.float64} and 'parameters' not in learn.__dict__

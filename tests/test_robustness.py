@@ -30,7 +30,7 @@ def test_before_first_fit(mode, call, with_opt):
     assert learner_problems(learn) == []
     assert fit_quiet(learn).mixed_precision.total_steps == 10 and learner_problems(learn) == []
 
-@pytest.mark.parametrize('mode', ['master_fp16_flat', 'master_bf16_flat', 'pure_kahan', 'amp_bf16'])
+@pytest.mark.parametrize('mode', ['master_fp16', 'master_bf16', 'pure_kahan', 'amp_bf16'])
 def test_app_before_first_fit(mode, tmp_path):
     "On the tabular application: `predict`, `validate` and `summary` first, and an exported learner loaded with `cpu=False`."
     learn = tabular_app_learner(path=tmp_path)
@@ -77,7 +77,7 @@ def fp32_fails(event, order, load) -> str:
 
 # every event once, a load where fp32 allows it, and the master gradients' two sides of `after_backward`
 CHECKPOINTS = [(e, 11, e in ('before_step', 'after_step', 'after_batch', 'after_epoch')) for e in EVENTS] + [('after_backward', 9, False)]
-KEY_MODES = ['amp_fp16', 'master_fp16', 'master_fp16_flat', 'master_bf16_flat', 'pure_kahan', 'pure_stochastic']
+KEY_MODES = ['amp_fp16', 'master_fp16', 'master_fp16_dynamic', 'master_bf16', 'pure_kahan', 'pure_stochastic']
 
 @pytest.mark.parametrize('event,order,load', CHECKPOINTS, ids=[f'{e}-{o}-{"load" if l else "save"}' for e,o,l in CHECKPOINTS])
 @pytest.mark.parametrize('mode', KEY_MODES)

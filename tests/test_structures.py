@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.filterwarnings('ignore::UserWarning'),  # slow-dtype a
               pytest.mark.usefixtures('one_thread')]
 
 SIXTEEN = lambda: nn.Sequential(nn.Linear(1, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))  # fp8 takes its middle layer
-EPS = dict(amp_fp16=2e-2, master_fp16=2e-2, master_fp16_dynamic=2e-2, master_fp16_flat=2e-2,  # the change's relative error against fp32
+EPS = dict(amp_fp16=2e-2, master_fp16=2e-2, master_fp16_dynamic=2e-2,  # the change's relative error against fp32
            fp8=.3)  # emulated fp8 matmuls in a 16-wide layer: 3 bits of mantissa
 
 def apply_mode(learn, mode, **kw):

@@ -18,7 +18,6 @@ SYNCS = {  # name: (puts a learner in the mode, the host syncs it adds per clean
     'amp_bf16':              (MODES['amp_bf16'], 1),
     'amp_bf16_unchecked':    (partial(MODES['amp_bf16'], check_finite=False), 0),
     'master_fp16':           (MODES['master_fp16'], 1),
-    'master_fp16_flat':      (MODES['master_fp16_flat'], 1),
     'master_bf16':           (MODES['master_bf16'], 1),
     'master_bf16_unchecked': (partial(MODES['master_bf16'], check_finite=False), 0),
 }

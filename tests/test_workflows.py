@@ -240,7 +240,7 @@ def check_like_fp32(client, seq, mode, opt, tmp_path):
     for k in ref: assert got.get(k) == ref[k], f'{k} differs from fp32: {_diff(got.get(k), ref[k])}'
     assert not (far := far_from_fp32(vals, ref_vals, start, mode)), far
 
-@pytest.mark.parametrize('mode', ['fp16', 'fp16_flat', 'bf16'])  # fp16_dynamic and bf16_flat: in the optimizer and application matrices
+@pytest.mark.parametrize('mode', ['fp16', 'fp16_dynamic', 'bf16'])
 @pytest.mark.parametrize('seq', SEQUENCES)
 def test_sequence(seq, mode, tmp_path):
     "Every sequence of fastai calls in every master mode (tiny model with BatchNorm, two groups, Adam with weight decay) leaves what fp32 leaves."
@@ -255,19 +255,19 @@ def test_optimizer_sequence(opt, seq, mode, tmp_path):
     "fastai's optimizers and torch's through OptimWrapper go through the sequences in master modes as they do in fp32."
     check_like_fp32('tiny', seq, mode, opt, tmp_path)
 
-_APP_CELLS = [('tabular', 'lrfind_onecycle', 'fp16'), ('tabular', 'lrfind_finetune', 'bf16_flat'), ('tabular', 'save_load_opt', 'fp16_dynamic'),
-              ('tabular', 'export_cpu', 'fp16'), ('tabular', 'freeze_discrim', 'fp16_flat'), ('tabular', 'save_model_cb', 'bf16'),
-              ('collab', 'lrfind_onecycle', 'bf16'), ('collab', 'fit_fit', 'fp16_flat'), ('collab', 'save_load_opt', 'fp16'),
-              ('collab', 'export_cpu', 'bf16_flat'), ('collab', 'switch', 'fp16_dynamic'),
-              ('tabular', 'validate_first', 'fp16_flat'), ('collab', 'nested_validate', 'bf16'), ('text', 'nested_validate', 'bf16_flat'),
-              ('tabular', 'accumulate_save', 'fp16_flat'),
-              ('text', 'lrfind_finetune', 'fp16'), ('text', 'fit_fit', 'bf16_flat'), ('text', 'save_load_opt', 'bf16'),
-              ('text', 'export_cpu', 'fp16_flat'), ('text', 'freeze_discrim', 'fp16_dynamic'), ('text', 'export_nocpu', 'bf16'),
-              ('tabular', 'unfreeze_cb', 'fp16_flat'), ('text', 'unfreeze_cb', 'bf16'), ('collab', 'create_opt', 'fp16_dynamic'),
-              ('tied', 'lrfind_onecycle', 'fp16'), ('tied', 'save_load_opt', 'bf16_flat'), ('tied', 'unfreeze_cb', 'fp16_dynamic'),
-              ('tied', 'export_cpu', 'bf16'), ('sparse', 'fit_fit', 'fp16'), ('sparse', 'save_model_cb', 'bf16_flat'),
-              ('sparse', 'create_opt', 'fp16_flat'), ('gan', 'fit_fit', 'fp16_dynamic'), ('gan', 'accumulate_save', 'bf16'),
-              ('gan', 'nested_validate', 'fp16_flat'), ('gan', 'fit_fit', 'bf16_flat')]
+_APP_CELLS = [('tabular', 'lrfind_onecycle', 'fp16'), ('tabular', 'lrfind_finetune', 'bf16'), ('tabular', 'save_load_opt', 'fp16_dynamic'),
+              ('tabular', 'export_cpu', 'fp16'), ('tabular', 'freeze_discrim', 'fp16'), ('tabular', 'save_model_cb', 'bf16'),
+              ('collab', 'lrfind_onecycle', 'bf16'), ('collab', 'fit_fit', 'fp16'), ('collab', 'save_load_opt', 'fp16'),
+              ('collab', 'export_cpu', 'bf16'), ('collab', 'switch', 'fp16_dynamic'),
+              ('tabular', 'validate_first', 'fp16'), ('collab', 'nested_validate', 'bf16'), ('text', 'nested_validate', 'bf16'),
+              ('tabular', 'accumulate_save', 'fp16'),
+              ('text', 'lrfind_finetune', 'fp16'), ('text', 'fit_fit', 'bf16'), ('text', 'save_load_opt', 'bf16'),
+              ('text', 'export_cpu', 'fp16'), ('text', 'freeze_discrim', 'fp16_dynamic'), ('text', 'export_nocpu', 'bf16'),
+              ('tabular', 'unfreeze_cb', 'fp16'), ('text', 'unfreeze_cb', 'bf16'), ('collab', 'create_opt', 'fp16_dynamic'),
+              ('tied', 'lrfind_onecycle', 'fp16'), ('tied', 'save_load_opt', 'bf16'), ('tied', 'unfreeze_cb', 'fp16_dynamic'),
+              ('tied', 'export_cpu', 'bf16'), ('sparse', 'fit_fit', 'fp16'), ('sparse', 'save_model_cb', 'bf16'),
+              ('sparse', 'create_opt', 'fp16'), ('gan', 'fit_fit', 'fp16_dynamic'), ('gan', 'accumulate_save', 'bf16'),
+              ('gan', 'nested_validate', 'fp16'), ('gan', 'fit_fit', 'bf16')]
 
 @pytest.mark.parametrize('client,seq,mode', _APP_CELLS, ids=['-'.join(c) for c in _APP_CELLS])
 def test_app_sequence(client, seq, mode, tmp_path):
@@ -287,7 +287,7 @@ def _steps(learn) -> list:
     st = learn.opt.opt.state if isinstance(learn.opt, OptimWrapper) else learn.opt.state
     return [float(st[p]['step']) if 'step' in st.get(p, {}) else None for p in learn.model.parameters()]
 
-@pytest.mark.parametrize('mode', ['fp16', 'bf16_flat'])
+@pytest.mark.parametrize('mode', ['fp16', 'bf16'])
 @pytest.mark.parametrize('opt', OPTIMIZERS)
 def test_state_lives(opt, mode, tmp_path):
     "Optimizer state carries across fits and a with_opt checkpoint: step counts add up (4 per fit), every parameter keeps its state entries."
@@ -344,7 +344,7 @@ def _failed_ref(event, exc, order, at):
     _die_then_fit(ref, event, exc, order, at)
     return summary(ref),values(ref),start
 
-@pytest.mark.parametrize('mode', ['fp16', 'bf16_flat'])
+@pytest.mark.parametrize('mode', ['fp16', 'bf16'])
 @pytest.mark.parametrize('event,exc,order,at', _FAILS, ids=_FAIL_IDS)
 def test_failed_fit(event, exc, order, at, mode):
     "A fit that dies at any event (error, Ctrl-C, Cancel*) leaves an fp32 model from the masters and the optimizer on it; the next fit ends like fp32's."
@@ -357,7 +357,7 @@ def test_failed_fit(event, exc, order, at, mode):
     for k in ref: assert got.get(k) == ref[k], f'{k} differs from fp32: {_diff(got.get(k), ref[k])}'
     assert not (far := far_from_fp32(values(learn), ref_vals, start, mode)), far
 
-@pytest.mark.parametrize('client,mode', [('tabular', 'fp16_flat'), ('text', 'bf16')])
+@pytest.mark.parametrize('client,mode', [('tabular', 'fp16'), ('text', 'bf16')])
 def test_app_failed_fit(client, mode):
     "A Ctrl-C after a step of a real application leaves an fp32 model and the optimizer on it; the next fit ends like fp32's."
     ref = CLIENTS[client]()
