@@ -2,7 +2,8 @@
 same model in 16 bits.
 
 Side by side in one interleaved run, on an MLP 512-2048-2048-10 (5.27M parameters) at batch 256 with Adam:
-- every mpx mode (AMP bf16 and fp16, master bf16 and fp16, pure bf16 kahan and stochastic, fp32), each with `fused=True`
+- every mpx mode (AMP bf16 and fp16, master bf16 and fp16, pure bf16 kahan and stochastic, fp32; AMP bf16 and pure kahan
+  with 8-bit optimizer state, `opt_state='8bit'`), each with `fused=True`
   (eager steps over flat buffers, the default) and, where the installed mpx takes it, `fused='compile'`;
 - a fastai `Learner` on a bf16 model with optimi's `AdamW(kahan_sum=True)` through `OptimWrapper`;
 - raw AMP loops (bf16 autocast, no fastai) with torch's `AdamW(fused=True)` and `AdamW(foreach=True)`, and the foreach
@@ -22,7 +23,7 @@ arms (the fp16 modes are left out by default: fp16 is emulated and slow on CPUs)
 import argparse, os, sys, time, resource
 from pathlib import Path
 
-MPX_NAMES = ['AMP bf16', 'AMP fp16', 'master bf16', 'master fp16', 'pure kahan', 'pure stochastic', 'fp32']
+MPX_NAMES = ['AMP bf16', 'AMP fp16', 'master bf16', 'master fp16', 'pure kahan', 'pure stochastic', 'fp32', 'AMP bf16 8bit', 'pure kahan 8bit']
 OTHER_NAMES = ['optimi kahan', 'raw fused', 'raw foreach', 'raw compiled']
 FP16 = ['AMP fp16', 'master fp16']
 DEFAULT = [n for n in MPX_NAMES + OTHER_NAMES if n not in FP16]
@@ -134,6 +135,8 @@ MODES = {  # mpx modes: name -> a function making learner `l` train in that mode
     'pure kahan':      lambda l,fused: l.to_bf16(pure=True, fused=fused),
     'pure stochastic': lambda l,fused: l.to_bf16(pure=True, update='stochastic', fused=fused),
     'fp32':            lambda l,fused: l.add_cb(Fuse(fused)),
+    'AMP bf16 8bit':   lambda l,fused: l.to_bf16(fused=fused, opt_state='8bit'),  # low-bit optimizer state (issue 35)
+    'pure kahan 8bit': lambda l,fused: l.to_bf16(pure=True, fused=fused, opt_state='8bit'),
 }
 
 class BF16Model(Callback):

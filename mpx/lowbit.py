@@ -8,8 +8,8 @@ from fastai.torch_basics import *
 
 # %% auto #0
 __all__ = ['OPT_STATES', 'MIN_LOWBIT', 'MODE_BYTES', 'dynamic_map', 'root_map', 'quantize', 'dequantize', 'pack4', 'unpack4',
-           'LowBitState', 'DenseStore', 'BF16Store', 'bf16_round', 'QuantStore', 'make_store', 'state_bytes',
-           'param_bytes']
+           'LowBitState', 'DenseStore', 'BF16Store', 'bf16_round', 'Float8Codes', 'MapCodes', 'QuantStore',
+           'make_store', 'state_bytes', 'param_bytes']
 
 # %% ../nbs/01i_lowbit.ipynb #lb0006
 def dynamic_map(signed:bool=True, exp_bits:int=7, bits:int=8) -> Tensor:
@@ -108,18 +108,37 @@ def bf16_round(x:Tensor) -> Tensor:
     b = x.view(torch.int32)
     return ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).view(torch.float32)
 
-# %% ../nbs/01i_lowbit.ipynb #lb0017
+# %% ../nbs/01i_lowbit.ipynb #lb0018
+class Float8Codes:
+    "8-bit codes: each element of a block of 256, over the block's largest magnitude times 256, as an fp8 e4m3 number"
+    bits,block = 8,256
+    def encode(self, x:Tensor, qmap=None) -> tuple:
+        xb = x.view(-1, self.block)
+        scale = xb.abs().amax(-1).clamp_min(1e-12)
+        return (xb * (256 / scale).view(-1, 1)).view(-1).to(torch.float8_e4m3fn).view(torch.uint8),scale
+    def decode(self, codes:Tensor, scale:Tensor, qmap=None) -> Tensor:
+        return (codes.view(torch.float8_e4m3fn).float().view(-1, self.block) * (scale / 256).view(-1, 1)).view(-1)
+
+class MapCodes:
+    "4-bit codes: the nearest value of a 16-value map, in blocks of 128, two a byte"
+    bits,block = 4,128
+    def encode(self, x:Tensor, qmap:Tensor) -> tuple:
+        codes,scale = quantize(x, qmap, self.block)
+        return pack4(codes),scale
+    def decode(self, codes:Tensor, scale:Tensor, qmap:Tensor) -> Tensor: return dequantize(unpack4(codes), scale, qmap, self.block)
+
+# %% ../nbs/01i_lowbit.ipynb #lb0020
 class QuantStore(BF16Store):
-    "State tensors quantised block-wise in `bits` (8 or 4), a fp32 scale a block (`opt_state='8bit'|'4bit'`)"
+    "State tensors quantised block-wise in `bits` (8: fp8 codes; 4: a map), a fp32 scale a block (`opt_state='8bit'|'4bit'`)"
     def __init__(self, bits:int=8):
-        self.bits,self.name,self.block = bits,f'{bits}bit',256 if bits == 8 else 128
-        self.maps = dict(signed=dynamic_map(True, 7, 8) if bits == 8 else dynamic_map(True, 3, 4),
-                         unsigned=dynamic_map(False, 7, 8) if bits == 8 else root_map(4))
-        self.root = bits == 4  # the second moment quantised as its square root
+        self.codes = Float8Codes() if bits == 8 else MapCodes()
+        self.bits,self.name,self.block = bits,f'{bits}bit',self.codes.block
+        self.maps = dict(signed=dynamic_map(True, 3, 4), unsigned=root_map(4))
     def __repr__(self): return f"QuantStore({self.bits})"
     def bytes(self, dtype) -> float: return self.bits / 8 + 4 / self.block
-    def qmap(self, k:str, device) -> Tensor:
-        "The map of key `k` on `device` (kept there)"
+    def qmap(self, k:str, device) -> Tensor|None:
+        "The map of key `k` on `device` (kept there); None for fp8 codes"
+        if self.bits == 8: return None
         key = ('unsigned' if k == 'sqr_avg' else 'signed', str(device))
         if key not in self.maps: self.maps[key] = self.maps[key[0]].to(device)
         return self.maps[key]
@@ -129,20 +148,17 @@ class QuantStore(BF16Store):
         b.scales[k] = torch.zeros(b.n // self.block, device=b.device)
         self.zero(b, k, 0, len(b.params))
         b.stv[k] = [LowBitState(b, k, i) for i in range(len(b.params))]
-    def _codes(self, b, k, lo:int, hi:int) -> Tensor:
-        "The codes of elements `lo` to `hi` of the bucket, unpacked"
-        return b.st[k][lo:hi] if self.bits == 8 else unpack4(b.st[k][lo//2:hi//2])
-    def _enc(self, k, x): return x.clamp_min(0).sqrt() if self.root and k == 'sqr_avg' else x
-    def _dec(self, k, x): return x.square() if self.root and k == 'sqr_avg' else x
+    def _span(self, k, lo:int, hi:int) -> slice: return slice(lo, hi) if self.bits == 8 else slice(lo//2, hi//2)
+    def _enc(self, k, x): return x.clamp_min(0).sqrt() if k == 'sqr_avg' else x  # the second moment as its square root
+    def _dec(self, k, x): return x.square() if k == 'sqr_avg' else x
     def _store(self, b, k, lo:int, hi:int, x:Tensor):
-        "Quantise fp32 `x` into elements `lo` to `hi` of the bucket (block-aligned)"
-        codes,scale = quantize(self._enc(k, x), self.qmap(k, x.device), self.block)
-        if self.bits == 8: b.st[k][lo:hi].copy_(codes)
-        else: b.st[k][lo//2:hi//2].copy_(pack4(codes))
+        "Code fp32 `x` into elements `lo` to `hi` of the bucket (block-aligned)"
+        codes,scale = self.codes.encode(self._enc(k, x), self.qmap(k, x.device))
+        b.st[k][self._span(k, lo, hi)].copy_(codes)
         b.scales[k][lo // self.block:hi // self.block].copy_(scale)
     def _load(self, b, k, lo:int, hi:int) -> Tensor:
         s = b.scales[k][lo // self.block:hi // self.block]
-        return self._dec(k, dequantize(self._codes(b, k, lo, hi), s, self.qmap(k, b.device), self.block))
+        return self._dec(k, self.codes.decode(b.st[k][self._span(k, lo, hi)], s, self.qmap(k, b.device)))
     def zero(self, b, k, a, c):
         lo,hi = b.lo(a),b.end(c)
         self._store(b, k, lo, hi, torch.zeros(hi - lo, device=b.device))
@@ -154,19 +170,17 @@ class QuantStore(BF16Store):
         return b.slot(self._load(b, k, lo, b.end(i+1)), i, lo).clone()
     def window(self, b, k, i, j, ws=None): ws.copy_(self._load(b, k, b.lo(i), b.end(j))); return ws
     def back(self, b, k, i, j, x): self._store(b, k, b.lo(i), b.end(j), x)
-    # ---- compiled: the codes, scales and map in; new codes and scales out, in the same pass
+    # ---- compiled: the codes and scales (and a 4-bit map) in; new codes and scales out, in the same pass
     def kio(self, b, k, a, c):
         lo,hi = b.lo(a),b.end(c)
-        codes = b.st[k][lo:hi] if self.bits == 8 else b.st[k][lo//2:hi//2]
-        return {f'{k}@codes': codes, f'{k}@scale': b.scales[k][lo // self.block:hi // self.block], f'{k}@map': self.qmap(k, b.device)}
-    def kload(self, t, k):
-        c = t[f'{k}@codes']
-        return self._dec(k, dequantize(c if self.bits == 8 else unpack4(c), t[f'{k}@scale'], t[f'{k}@map'], self.block))
+        t = {f'{k}@codes': b.st[k][self._span(k, lo, hi)], f'{k}@scale': b.scales[k][lo // self.block:hi // self.block]}
+        return {**t, f'{k}@map': self.qmap(k, b.device)} if self.bits == 4 else t
+    def kload(self, t, k): return self._dec(k, self.codes.decode(t[f'{k}@codes'], t[f'{k}@scale'], t.get(f'{k}@map')))
     def kstore(self, t, k, x):
-        codes,scale = quantize(self._enc(k, x), t[f'{k}@map'], self.block)
-        return {f'{k}@codes': codes if self.bits == 8 else pack4(codes), f'{k}@scale': scale}
+        codes,scale = self.codes.encode(self._enc(k, x), t.get(f'{k}@map'))
+        return {f'{k}@codes': codes, f'{k}@scale': scale}
 
-# %% ../nbs/01i_lowbit.ipynb #lb0022
+# %% ../nbs/01i_lowbit.ipynb #lb0025
 OPT_STATES = ('fp32', 'bf16', '8bit', '4bit')
 MIN_LOWBIT = 4096  # elements: smaller tensors keep their state in fp32
 
