@@ -114,8 +114,13 @@ def _kernel_body(kind, store, chain:tuple, t:dict, s:dict, q:dict):
     out = kind.kfold(t, s, e['x'])
     for k in ks: out.update(store.kstore(t, k, e[k]))
     keep = s['found'] != 0
-    for k,v in out.items(): t[k].copy_(torch.where(keep, t[k], v.to(t[k].dtype)))
+    for k,v in out.items(): t[k].copy_(_kept(keep, t[k], v.to(t[k].dtype)))
     if 'steps' in t: t['steps'].copy_(torch.where(keep, t['steps'], t['steps'] + 1))
+
+def _kept(keep:Tensor, old:Tensor, new:Tensor) -> Tensor:
+    "`old` where `keep`, else `new`; bytes (low-bit codes) through a mask: inductor's CPU blend of bytes is slow"
+    if old.dtype != torch.uint8: return torch.where(keep, old, new)
+    return old ^ ((old ^ new) & torch.where(keep, 0, 255).to(torch.uint8))
 
 _kernels,_failed = {},{}
 
@@ -266,6 +271,7 @@ class CompiledSteps:
     def _run(self, eng, b:Bucket, a:int, c:int, chain:tuple, hs:dict, phase:int) -> bool:
         "One kernel over parameters `a` to `c` of `b`; False where compiling it failed (nothing changed then)"
         t,extra = b.kind.kio(b, a, c, phase)
+        t = b.store.kshape(t)
         sd = b.kind.sdtype(b)
         for k,f in (('grad_avg', average_grad), ('sqr_avg', average_sqr_grad)):
             if any(g is f for g,_ in chain): t.update(_zeros_state(b, k, a, c, sd))

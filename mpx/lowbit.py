@@ -8,8 +8,8 @@ from fastai.torch_basics import *
 
 # %% auto #0
 __all__ = ['OPT_STATES', 'MIN_LOWBIT', 'MODE_BYTES', 'dynamic_map', 'root_map', 'quantize', 'dequantize', 'pack4', 'unpack4',
-           'LowBitState', 'DenseStore', 'BF16Store', 'bf16_round', 'Float8Codes', 'MapCodes', 'QuantStore',
-           'make_store', 'state_bytes', 'param_bytes']
+           'LowBitState', 'DenseStore', 'BF16Store', 'bf16_round', 'Float8Codes', 'MapCodes', 'static_rows',
+           'QuantStore', 'make_store', 'state_bytes', 'param_bytes']
 
 # %% ../nbs/01i_lowbit.ipynb #lb0006
 def dynamic_map(signed:bool=True, exp_bits:int=7, bits:int=8) -> Tensor:
@@ -34,9 +34,9 @@ def root_map(bits:int=4) -> Tensor:
 # %% ../nbs/01i_lowbit.ipynb #lb0009
 def quantize(x:Tensor, qmap:Tensor, block:int) -> tuple:
     "Flat fp32 `x` (a multiple of `block` long) as codes (int64) of nearest `qmap` values, and fp32 block scales"
-    xb = x.view(-1, block)
+    xb = x.reshape(-1, block)
     scale = xb.abs().amax(-1).clamp_min(1e-12)
-    y = (xb / scale.view(-1, 1)).view(-1)
+    y = (xb / scale.view(-1, 1)).view(x.shape)
     n = qmap.numel()
     codes = torch.where(y >= qmap[n // 2], n // 2, 0)
     step = n // 4
@@ -48,19 +48,19 @@ def quantize(x:Tensor, qmap:Tensor, block:int) -> tuple:
     return torch.where(y - lo >= (hi - lo) * .5, up, codes),scale
 
 def dequantize(codes:Tensor, scale:Tensor, qmap:Tensor, block:int) -> Tensor:
-    "The fp32 values of `codes` (any integer dtype) in blocks of `block`, each times its scale"
-    return (qmap[codes.long()].view(-1, block) * scale.view(-1, 1)).view(-1)
+    "The fp32 values of `codes` (any integer dtype, shaped as the values) in blocks of `block`, each times its scale"
+    return (qmap[codes.long()].reshape(-1, block) * scale.view(-1, 1)).view(codes.shape)
 
 # %% ../nbs/01i_lowbit.ipynb #lb0012
 def pack4(codes:Tensor) -> Tensor:
     "Codes in [0, 16) two a byte (uint8), the even ones high"
-    c = codes.view(-1, 2)
-    return (c[:, 0] * 16 + c[:, 1]).to(torch.uint8)
+    c = codes.unflatten(-1, (-1, 2))
+    return (c[..., 0] * 16 + c[..., 1]).to(torch.uint8)
 
 def unpack4(packed:Tensor) -> Tensor:
     "`pack4`'s codes, as int64"
     p = packed.long()
-    return torch.stack([p // 16, p % 16], -1).view(-1)
+    return torch.stack([p // 16, p % 16], -1).flatten(-2)
 
 # %% ../nbs/01i_lowbit.ipynb #lb0015
 class LowBitState:
@@ -87,6 +87,7 @@ class DenseStore:
     def window(self, b, k:str, i:int, j:int, ws:Tensor|None=None) -> Tensor: return b.part(b.st[k], i, j)
     def back(self, b, k:str, i:int, j:int, x:Tensor): pass
     def kio(self, b, k:str, a:int, c:int) -> dict: return {k: b.part(b.st[k], a, c)}
+    def kshape(self, t:dict) -> dict: return t
     def kload(self, t:dict, k:str) -> Tensor: return t[k]
     def kstore(self, t:dict, k:str, x:Tensor) -> dict: return {k: x}
 
@@ -113,11 +114,12 @@ class Float8Codes:
     "8-bit codes: each element of a block of 256, over the block's largest magnitude times 256, as an fp8 e4m3 number"
     bits,block = 8,256
     def encode(self, x:Tensor, qmap=None) -> tuple:
-        xb = x.view(-1, self.block)
+        xb = x.reshape(-1, self.block)
         scale = xb.abs().amax(-1).clamp_min(1e-12)
-        return (xb * (256 / scale).view(-1, 1)).view(-1).to(torch.float8_e4m3fn).view(torch.uint8),scale
+        return (xb * (256 / scale).view(-1, 1)).view(x.shape).to(torch.float8_e4m3fn).view(torch.uint8),scale
     def decode(self, codes:Tensor, scale:Tensor, qmap=None) -> Tensor:
-        return (codes.view(torch.float8_e4m3fn).float().view(-1, self.block) * (scale / 256).view(-1, 1)).view(-1)
+        x = codes.view(torch.float8_e4m3fn).float()
+        return (x.reshape(-1, self.block) * (scale / 256).view(-1, 1)).view(x.shape)
 
 class MapCodes:
     "4-bit codes: the nearest value of a 16-value map, in blocks of 128, two a byte"
@@ -128,6 +130,11 @@ class MapCodes:
     def decode(self, codes:Tensor, scale:Tensor, qmap:Tensor) -> Tensor: return dequantize(unpack4(codes), scale, qmap, self.block)
 
 # %% ../nbs/01i_lowbit.ipynb #lb0020
+def static_rows(x:Tensor) -> Tensor:
+    "2-d `x`, its row length marked static for `torch.compile` (a symbolic block length makes inductor's loops slow)"
+    torch._dynamo.mark_static(x, 1)
+    return x
+
 class QuantStore(BF16Store):
     "State tensors quantised block-wise in `bits` (8: fp8 codes; 4: a map), a fp32 scale a block (`opt_state='8bit'|'4bit'`)"
     def __init__(self, bits:int=8):
@@ -173,8 +180,12 @@ class QuantStore(BF16Store):
     # ---- compiled: the codes and scales (and a 4-bit map) in; new codes and scales out, in the same pass
     def kio(self, b, k, a, c):
         lo,hi = b.lo(a),b.end(c)
-        t = {f'{k}@codes': b.st[k][self._span(k, lo, hi)], f'{k}@scale': b.scales[k][lo // self.block:hi // self.block]}
+        codes = static_rows(b.st[k][self._span(k, lo, hi)].view(-1, self.block * self.bits // 8))
+        t = {f'{k}@codes': codes, f'{k}@scale': b.scales[k][lo // self.block:hi // self.block]}
         return {**t, f'{k}@map': self.qmap(k, b.device)} if self.bits == 4 else t
+    def kshape(self, t):
+        "The kind's flat tensors as rows of a block, the row's length fixed: the kernel loops a block at a time"
+        return {k: static_rows(v.view(-1, self.block)) for k,v in t.items()}
     def kload(self, t, k): return self._dec(k, self.codes.decode(t[f'{k}@codes'], t[f'{k}@scale'], t.get(f'{k}@map')))
     def kstore(self, t, k, x):
         codes,scale = self.codes.encode(self._enc(k, x), t.get(f'{k}@map'))

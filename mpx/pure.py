@@ -37,7 +37,7 @@ def random_bits16(idx:Tensor, key) -> Tensor:
 
 def round_stochastic(x:Tensor, key, base=0) -> Tensor:
     "fp32 `x` (flat) rounded to a bf16 neighbour, up with probability (dropped bits)/2**16, still fp32"
-    idx = torch.arange(x.numel(), device=x.device, dtype=torch.int32) + base
+    idx = (torch.arange(x.numel(), device=x.device, dtype=torch.int32) + base).view(x.shape)
     return ((x.view(torch.int32) + random_bits16(idx, key)) & _hi).view(torch.float32)
 
 # %% ../nbs/05_pure.ipynb #pb000013
