@@ -15,7 +15,7 @@ urls = {'Source': cfg.get('git_url', ''), 'Documentation': cfg.get('doc_url', ''
 setuptools.setup(
     name=cfg['lib_name'], version=cfg['version'], description=cfg['description'],
     license=licenses[cfg['license']], author=cfg['author'], keywords=cfg['keywords'],
-    url=cfg.get('git_url') or None, project_urls={k: v for k,v in urls.items() if v} or None,
+    url=cfg.get('git_url') or None, project_urls={k: v for k,v in urls.items() if v},
     classifiers=['Development Status :: ' + statuses[int(cfg['status'])],
                  'Intended Audience :: ' + cfg['audience'].title(),
                  'Natural Language :: ' + cfg['language'].title()] +
