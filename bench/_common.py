@@ -165,3 +165,14 @@ def plt_agg():
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
     return plt
+
+def torchao_adamw8bit(**kwargs) -> callable:
+    "An `opt_func` for fastai: torchao's `AdamW8bit` through `OptimWrapper`, its `lr` a tensor again before each step"
+    from torchao.optim import AdamW8bit
+    class FastaiAdamW8bit(AdamW8bit):
+        "`AdamW8bit` under fastai's `OptimWrapper`, which writes `lr` as a number (torchao refuses one: it keeps a tensor)"
+        def step(self, closure=None):
+            for g in self.param_groups:
+                if not isinstance(g['lr'], torch.Tensor): g['lr'] = torch.tensor(float(g['lr']))
+            return super().step(closure)
+    return partial(OptimWrapper, opt=partial(FastaiAdamW8bit, **kwargs))

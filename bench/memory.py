@@ -1,81 +1,236 @@
-"""Peak memory of one training step: fp32 vs mpx bf16 AMP, mpx fp16 AMP and mpx master fp16 (per-tensor and flat), on the CPU.
+"""Memory of training with Adam on the CPU, in bytes a parameter: every mode with each `opt_state`, eager and compiled,
+beside fastai fp32, fastai + optimi's Kahan AdamW (bf16 model) and fastai + torchao's `AdamW8bit`.
 
-The CPU allocator keeps no statistics (`torch.cuda.max_memory_allocated` is CUDA's), so the second step of a fit runs
-under `torch.profiler.profile(profile_memory=True)`: its allocation and free events, summed in time order, give the
-peak the step allocates on top of what lived before it; that (weights, gradients, masters, optimizer state, the last
-step's outputs) is counted storage by storage. MLP with Adam, fastai's default. Run: `.venv/bin/python bench/memory.py`."""
-import time
+The CPU allocator keeps no statistics (`torch.cuda.max_memory_allocated` is CUDA's), so each arm runs under
+`torch.profiler.profile(profile_memory=True)` from the model's creation to the end of its fit (the data is made before,
+so it is not counted): the allocation and free events, summed in time order, give the bytes torch holds at any point.
+"resident" is that sum at the start of the profiled step (`--at`, the second by default): everything that lives between
+steps, whatever holds it (weights, gradients, masters, compensations, optimizer state in the engine's buffers, the
+engine's reused workspaces). "peak" is its maximum during that step, "first-step peak" during the first (which makes
+the optimizer state, and compiles). "activations" is what the forward leaves alive for the backward (the sum at the end
+of the loss less the resident; under AMP it includes autocast's bf16 copies of the weights). "peak less act." subtracts
+it from the forward and backward phases' peaks (the step's phases after the backward hold none). The resident part is
+also counted storage by storage from the learner, the engine's buckets and workspaces, as a check.
+
+Models (`--model`, `MODELS`): 'wide', an MLP of 21.0M parameters, 16.8M of them in one weight, at batch 16; 'deep', 21.0M
+in twenty 1024x1024 layers, none over 1.05M (the eager windows of `chunk` elements then hold several tensors, or one);
+'small', the activation-heavy MLP of the earlier table. fastai's Adam; optimi's and torchao's AdamW with fastai's betas,
+eps and decoupled weight decay. Run: `PYTHONPATH=. .venv/bin/python bench/memory.py` (`--quick` for the fp32-state arms
+alone, `--arms a,b` to pick arms by name, `--model deep`)."""
+import argparse, bisect, gc, itertools, time
 from _common import *
-from torch.profiler import profile, ProfilerActivity
+from torch.profiler import profile, record_function, ProfilerActivity
+from mpx.lowbit import param_bytes, OPT_STATES
+from mpx.patches import is_mpx_precision
 
-N_IN,HIDDEN,BS = 256,256,2048
+ADAM_KW = dict(betas=(.9, .99), eps=1e-5, weight_decay=1e-2)  # fastai's Adam defaults (wd decoupled), for the other optimizers
+PHASES = ('start', 'fwd', 'bwd', 'end')  # marks in each step: its start, the end of the loss, of the backward, of the batch
 
-MODES = {'fp32': lambda l: l, **MPX_MODES}
-PARTS = ['weights', 'grads', 'masters', 'optimizer state', 'other']
+# ---- the arms: name -> (what makes the learner train that way, the `param_bytes` mode, opt_state)
 
-def tensors(x) -> list:
-    "The tensors in `x` (a tensor, or nested lists, tuples and dicts of them)"
-    if isinstance(x, torch.Tensor): return [x]
-    if isinstance(x, dict): x = list(x.values())
-    return [t for o in x for t in tensors(o)] if isinstance(x, (list, tuple, L)) else []
+def deep_mlp(n_in=1024, width=1024, depth=20, n_out=10) -> nn.Module:
+    "`depth` ReLU layers of `width`, then a linear head: parameters of at most `width**2` elements (1M), 21.0M in all"
+    layers = [nn.Linear(n_in if i == 0 else width, width) for i in range(depth)]
+    return nn.Sequential(*[m for l in layers for m in (l, nn.ReLU())], nn.Linear(width, n_out))
 
-def live(learn) -> dict:
-    "Bytes of each part of what lives between steps, each storage counted once, in the first part holding it"
-    model_ps = list(learn.model.parameters())
-    masters = [p for p in learn.parameters() if all(p is not q for q in model_ps)]
-    parts = dict(weights=model_ps + list(learn.model.buffers()), grads=[p.grad for p in model_ps], masters=masters + [m.grad for m in masters],
-                 **{'optimizer state': list(learn.opt.state.values()), 'other': [learn.pred, learn.loss, learn.loss_grad]})
-    seen,res = set(),{}
-    for k,v in parts.items():
-        ss = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors(v)}
-        res[k] = sum(n for p,n in ss.items() if p not in seen); seen |= ss.keys()
+MODELS = {  # name: (the model's maker, its description, the batch size); the input is 1024 wide but in 'small' (256)
+    'wide':  (partial(mlp, 1024, 4096), 'MLP 1024->4096->4096->10 (21.0M parameters, 16.8M of them in one 4096x4096 weight)', 16),
+    'deep':  (deep_mlp, 'MLP 1024->1024 x20->10 (21.0M parameters, at most 1.05M in one tensor)', 16),
+    'small': (partial(mlp, 256, 256), 'MLP 256->256->256->10, the activation-heavy model of the earlier table', 2048),
+}
+
+def _mode(name, memory_mode, opt_state='fp32', fused=True, chunk=None, **kw) -> tuple:
+    "An mpx arm: `learn.to_bf16(**kw)` (or `to_fp16` with `fp16`) with `opt_state` and `fused`, the engine's `chunk` if given"
+    to = kw.pop('to', 'to_bf16')
+    def make(l):
+        getattr(l, to)(opt_state=opt_state, fused=fused, **kw)
+        if chunk: l.add_cb(Chunk(chunk))
+        return l
+    return make,memory_mode,opt_state
+
+class Chunk(Callback):
+    "Set the step engine's `chunk` (most elements a window dequantises or widens at once) for the fit"
+    order = 20  # after the precision callback (10), which makes its engine in `before_fit`
+    def __init__(self, chunk): self.chunk = chunk
+    def before_train(self): first(self.learn.cbs, is_mpx_precision).fused_steps.chunk = self.chunk
+
+class BF16Model(Callback):
+    "A bf16 model without mpx: bf16 inputs in, fp32 predictions out (for the loss), as optimi's low-precision recipe trains"
+    order = 10
+    def before_batch(self): self.learn.xb = tuple(x.bfloat16() for x in self.xb)
+    def after_pred(self): self.learn.pred = self.pred.float()
+
+def _optimi(l):
+    "fastai + optimi (bench/step.py's `optimi_arm`): a bf16 model stepped by `optimi.AdamW(kahan_sum=True)` through `OptimWrapper`"
+    import optimi
+    l.model.bfloat16(); l.opt_func = partial(OptimWrapper, opt=partial(optimi.AdamW, kahan_sum=True, **ADAM_KW))
+    return l.add_cb(BF16Model())
+
+def _torchao(amp=False):
+    "fastai + torchao's `AdamW8bit` through `OptimWrapper` on the fp32 model; mpx's AMP bf16 with `amp`"
+    def make(l):
+        l.opt_func = torchao_adamw8bit(**ADAM_KW)
+        return l.to_bf16() if amp else l
+    return make
+
+MODES = {'AMP bf16': ('amp', {}), 'master bf16': ('master', dict(master=True)),
+         'pure kahan': ('kahan', dict(pure=True)), 'pure stochastic': ('stochastic', dict(pure=True, update='stochastic'))}
+
+def arms(chunk=1<<18) -> dict:
+    "Every arm by name; `default(name)` says whether a plain run measures it"
+    res = {'fastai fp32': (lambda l: l, 'fp32', 'fp32')}
+    for name,(mm,kw) in MODES.items():
+        for st in OPT_STATES:
+            res[f'{name} {st}'] = _mode(name, mm, st, **kw)
+            if st != 'fp32': res[f'{name} {st} compile'] = _mode(name, mm, st, fused='compile', **kw)
+            if st != 'fp32': res[f'{name} {st} chunk {chunk}'] = _mode(name, mm, st, chunk=chunk, **kw)
+    res['AMP fp16 fp32'] = _mode('AMP fp16', 'amp', to='to_fp16')
+    res['master fp16 fp32'] = _mode('master fp16', 'master', to='to_fp16', loss_scale=512)
+    res['fastai + optimi kahan AdamW (bf16 model)'] = (_optimi, None, 'bf16')
+    res['fastai + torchao AdamW8bit (fp32 model)'] = (_torchao(), None, '8bit')
+    res['fastai + torchao AdamW8bit (mpx AMP bf16)'] = (_torchao(True), None, '8bit')
     return res
 
-def peak_allocated(prof) -> int:
-    "The peak of the bytes allocated minus freed, in time order, over the profiled events"
-    evs = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == '[memory]')
-    tot,peak = 0,0
-    for _,n in evs: tot += n; peak = max(peak, tot)
-    return peak
+def default(name:str) -> bool:
+    "The arms of a plain run: bf16 state compiled and the smaller chunk only where a target is (pure 8-bit)"
+    if 'bf16 compile' in name: return False
+    return 'chunk' not in name or (name.startswith('pure') and '8bit' in name)
 
-class PeakMemory(Callback):
-    "Profile the memory of training step `at`: `live` before it in `before`, the peak it allocates on top in `step_peak`"
-    order = -100  # first in before_batch, so the whole step is profiled
-    def __init__(self, at=1): self.at = at
+# ---- measuring
+
+class Marks(Callback):
+    "A profiler mark at each phase of training steps `at` (0-based): its start, the end of the loss, of the backward, of the batch"
+    order = -100  # first at every event: the marks bracket every other callback's work
+    def __init__(self, at): self.at = at
+    def _mark(self, k):
+        if self.iter in self.at:
+            with record_function(f'mark:{self.iter}:{k}'): pass
     def before_batch(self):
-        if self.iter != self.at: return
-        self.before,self.prof = live(self.learn),profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        self.prof.start()
-    def after_batch(self):
-        if self.iter == self.at: self.prof.stop(); self.step_peak = peak_allocated(self.prof)
+        self._mark('start')
+        if self.iter == max(self.at): self.held = held(self.learn)  # what the learner holds between steps, counted
+    def after_loss(self): self._mark('fwd')
+    def after_backward(self): self._mark('bwd')
+    def after_batch(self): self._mark('end')
 
-def measure(make) -> dict:
-    "The parts living before the second step of a fit in mode `make`, and the step's own peak, in bytes"
-    learn = make(learner(mlp(N_IN, HIDDEN), synth_batches((BS, N_IN), n=2), cbs=PeakMemory(), opt_func=Adam))
-    pm = fit_quiet(learn).peak_memory
-    return {**pm.before, 'step': pm.step_peak}
+def flat_tensors(x) -> list:
+    "The plain tensors in `x` (a tensor, a tensor subclass such as torchao's, nested lists, tuples and dicts of them)"
+    if isinstance(x, torch.Tensor):
+        if hasattr(x, '__tensor_flatten__'): return [t for n in x.__tensor_flatten__()[0] for t in flat_tensors(getattr(x, n))]
+        return [x]
+    if isinstance(x, dict): x = list(x.values())
+    return [t for o in x for t in flat_tensors(o)] if isinstance(x, (list, tuple, L)) else []
 
-def mb(n) -> str: return f"{n/2**20:.2f}"
+ENGINE_PARTS = dict(w='weights', g='grads', x='masters', gx='masters', c='compensations', st='optimizer state', scales='optimizer state')
 
-def plot(res):
-    plt = plt_agg()
-    fig,ax = plt.subplots(figsize=(8, 3.8))
-    bottom = [0.]*len(res)
-    for k in PARTS + ['step']:
-        v = [r[k]/2**20 for r in res.values()]
-        ax.bar(list(res), v, bottom=bottom, label='step allocations (peak)' if k == 'step' else k)
-        bottom = [a+b for a,b in zip(bottom, v)]
-    ax.set(ylabel='MiB', title=f"Peak memory of a training step: MLP {N_IN}->{HIDDEN}->{HIDDEN}->10, batch {BS}, Adam (CPU profiler)")
-    ax.tick_params(axis='x', labelsize=8); ax.legend(fontsize=7)
-    savefig(fig, 'memory')
+def held(learn) -> dict:
+    "Bytes of each part of what the learner holds between steps, each storage counted once, in the first part holding it"
+    ps,opt = list(learn.model.parameters()),learn.opt
+    parts = {k: [] for k in ('weights', 'grads', 'masters', 'compensations', 'optimizer state', 'workspaces', 'other')}
+    parts['weights'] += ps + list(learn.model.buffers()); parts['grads'] += [p.grad for p in ps]
+    cb = first(learn.cbs, is_mpx_precision)
+    fs = getattr(cb, 'fused_steps', None)
+    if fs is not None:
+        for b in fs.buckets:
+            for k,v in vars(b).items():
+                if k in ENGINE_PARTS: parts[ENGINE_PARTS[k]] += flat_tensors(v)
+                elif k not in ('params', 'engine'): parts['other'] += flat_tensors(v)
+        parts['workspaces'] += list(fs.ws.values())
+    inner = opt.opt if isinstance(opt, OptimWrapper) else opt
+    parts['optimizer state'] += flat_tensors(list(inner.state.values()))
+    parts['other'] += [learn.pred, learn.loss, learn.loss_grad]
+    seen,res = set(),{}
+    for k,v in parts.items():
+        ss = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in v if isinstance(t, torch.Tensor)}
+        res[k] = sum(n for p,n in ss.items() if p not in seen and p); seen |= ss.keys()
+    return res
 
-def main():
-    header("peak memory of a training step", f"MLP {N_IN}->{HIDDEN}->{HIDDEN}->10, batch {BS}, fastai Adam; the second step of a fit, profiled (torch.profiler, profile_memory=True)")
-    res = {k: measure(f) for k,f in MODES.items()}
-    total = {k: sum(r.values()) for k,r in res.items()}
-    table(['mode'] + [f'{p} MiB:' for p in PARTS] + ['step allocations MiB:', 'peak MiB:', 'vs fp32:'],
-          [[k] + [mb(r[p]) for p in PARTS] + [mb(r['step']), mb(total[k]), f"{total[k]/total['fp32']:.2f}x"] for k,r in res.items()])
-    plot(res)
+def timeline(prof) -> tuple:
+    "The running sum of allocated bytes after each memory event, its times, and the marks' times"
+    evs = list(prof.profiler.kineto_results.events())
+    mem = sorted((e.start_ns(), e.nbytes()) for e in evs if e.name() == '[memory]')
+    marks = {e.name()[5:]: e.start_ns() for e in evs if e.name().startswith('mark:')}
+    ts,tot = [t for t,_ in mem],list(itertools.accumulate(n for _,n in mem))
+    return ts,tot,marks
+
+def at(ts, tot, t) -> int:
+    "The running sum at time `t`"
+    i = bisect.bisect_right(ts, t)
+    return tot[i-1] if i else 0
+
+def peak(ts, tot, a, b) -> int:
+    "The maximum of the running sum between times `a` and `b` (the sum at `a` included)"
+    i,j = bisect.bisect_right(ts, a),bisect.bisect_right(ts, b)
+    return max([at(ts, tot, a)] + tot[i:j])
+
+def measure(make, model='wide', at_step=1) -> dict:
+    "Profile an arm's fit from the model's creation: resident bytes before step `at_step`, its phases' peaks, the first step's"
+    new_model,_,bs = MODELS[model]
+    batches = synth_batches((bs, 256 if model == 'small' else 1024), n=at_step+1)
+    gc.collect()
+    marks = Marks({0, at_step})
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        set_seed(0)
+        learn = make(learner(new_model(), batches, cbs=marks, opt_func=Adam))
+        fit_quiet(learn)
+    ts,tot,mk = timeline(prof)
+    m = lambda k, s=at_step: mk[f'{s}:{k}']
+    res = dict(n=sum(p.numel() for p in learn.model.parameters()), resident=at(ts, tot, m('start')))
+    res['act'] = at(ts, tot, m('fwd')) - res['resident']
+    res.update({f'peak {k}': peak(ts, tot, m(a), m(k)) for a,k in zip(PHASES, PHASES[1:])})
+    res['peak'] = max(res[f'peak {k}'] for k in PHASES[1:])
+    res['peak less act'] = max(res['peak fwd'] - res['act'], res['peak bwd'] - res['act'], res['peak end'])
+    res['first peak'] = peak(ts, tot, m('start', 0), m('end', 0))
+    res['held'] = marks.held
+    return res
+
+# ---- reporting
+
+def bp(x, n) -> str: return f"{x/n:.2f}"
+def mib(x) -> str: return f"{x/2**20:.1f}"
+
+def report(res:dict, specs:dict):
+    parts = list(next(iter(res.values()))['held'])
+    table(['arm', 'param_bytes:', 'resident B/param:', 'peak B/param:', 'peak less act. B/param:', 'first-step peak B/param:',
+           'peak MiB:', 'activations MiB:', 'fwd / bwd / step peak over resident MiB:'],
+          [[k, '-' if specs[k][1] is None else f"{param_bytes(specs[k][1], specs[k][2]):.2f}", bp(r['resident'], r['n']),
+            bp(r['peak'], r['n']), bp(r['peak less act'], r['n']), bp(r['first peak'], r['n']), mib(r['peak']), mib(r['act']),
+            ' / '.join(mib(r[f'peak {p}'] - r['resident']) for p in PHASES[1:])] for k,r in res.items()])
+    print("What lives between steps, counted from the learner (B/param; 'unaccounted' is the profiler's resident less the counted):\n")
+    table(['arm'] + [f'{p}:' for p in parts] + ['unaccounted:'],
+          [[k] + [bp(r['held'][p], r['n']) for p in parts] + [bp(r['resident'] - sum(r['held'].values()), r['n'])] for k,r in res.items()])
+
+def targets(res:dict):
+    "The issue's targets: pure kahan 8-bit at most 8.5 B/param, pure stochastic 8-bit at most 6.5, plus activations"
+    for name,lim in (('pure kahan 8bit', 8.5), ('pure stochastic 8bit', 6.5)):
+        for k,r in res.items():
+            if k == name or k.startswith(name + ' '):
+                v = r['peak less act'] / r['n']
+                print(f"- {k}: peak less activations {v:.2f} B/param (resident {r['resident']/r['n']:.2f}): "
+                      f"{'meets' if v <= lim else 'misses'} the target of {lim}")
+    print()
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    ap.add_argument('--quick', action='store_true', help='the fp32-state arms alone')
+    ap.add_argument('--model', default='wide', choices=list(MODELS), help="'wide' (default), 'deep' or 'small' (see MODELS)")
+    ap.add_argument('--arms', default='', help="comma-separated arm names (default: all but `default`'s exceptions)")
+    ap.add_argument('--chunk', type=int, default=1<<18, help="the smaller engine chunk of the 'chunk' arms")
+    ap.add_argument('--at', type=int, default=1, help='the profiled step (0-based); the first is profiled too')
+    a = ap.parse_args(argv)
+    specs = arms(a.chunk)
+    names = [k for k,v in specs.items() if default(k) and (not a.quick or v[2] == 'fp32')]
+    if a.arms: names = [s.strip() for s in a.arms.split(',')]
+    _,desc,bs = MODELS[a.model]
+    header("memory of training with Adam, bytes a parameter", f"{desc}, batch {bs}; step {a.at} of a fit "
+           "profiled (torch.profiler, profile_memory=True) from the model's creation")
+    res = {}
+    for k in names:
+        s = time.perf_counter()
+        res[k] = measure(specs[k][0], a.model, a.at)
+        print(f"# {k}: {time.perf_counter()-s:.0f} s", flush=True)
+    print()
+    report(res, specs)
+    targets(res)
 
 if __name__ == '__main__':
     s = time.perf_counter(); main(); print(f"# {time.perf_counter()-s:.0f} s")
