@@ -18,7 +18,7 @@ __all__ = ['DeviceSteps', 'compile_plan', 'CompiledSteps']
 _COMPILED = {}
 
 def _compiled_as(f):
-    "Register the class holding the compiled `scalars` and `update` of fastai's step function `f`"
+    "Register a class of compiled `scalars` and `update` for `f`"
     def deco(cls): _COMPILED[f] = cls; return cls
     return deco
 
@@ -73,11 +73,11 @@ class _AdamStep:
 @_compiled_as(radam_step)
 class _RAdamStep:
     def scalars(q, s, kw):
-        "The rectification `v` where the SMA is long enough (`r > 5`), and the two branches' rates"
+        "RAdam's rectification `v`, and the two branches' rates"
         st,sq = q['step'],s['sqr_mom']
         db1 = debias(s['mom'], 1-s['mom'], st)
         r_inf = 2/(1-sq) - 1
-        r = r_inf - 2*st*sq**st/(1-sq**st)
+        r = r_inf - 2*st*sq**st/(1-sq**st)  # the SMA's length: `v` applies where it is long enough (`r > 5`)
         v = (((r-4) * (r-2) * r_inf)/((r_inf-4)*(r_inf-2)*r)).clamp_min(0).sqrt()
         q['on'],q['a_on'],q['a_off'],q['db2'],q['eps'] = (r > 5).float(),s['lr']*v/db1,s['lr']/db1,debias(sq, 1-sq, st),s['eps']
     def update(e, q, kw):
@@ -100,40 +100,41 @@ _STATE = ('grad_avg', 'sqr_avg')  # the state tensors the compiled functions kee
 
 # %% ../nbs/01g_compiled.ipynb #cx0008
 def _scalar_body(chain:tuple, s:dict, steps:Tensor|None) -> dict:
-    "The scalars of `chain` for a run, from the hyper-parameters `s` and the run's step count"
+    "The scalars of `chain` for a run, from `s` and its step count"
     q = dict(step=steps[0] if steps is not None else None)
     for f,kw in chain: _COMPILED[f].scalars(q, s, dict(kw))
     return {k: v for k,v in q.items() if v is not None}
 
 def _kernel_body(kind, store, chain:tuple, t:dict, s:dict, q:dict):
-    "One step of `chain` on a run: the kind's widen, the functions, the kind's fold; nothing changes where `s['found']`"
+    "One step of `chain` on a run: widen, step, fold"
     x,g = kind.kwiden(t, s)
     ks = [k for k in _STATE if any(n == k or n.startswith(k + '@') for n in t)]
     e = dict(x=x, g=g, **{k: store.kload(t, k) for k in ks})  # the state, dequantised where it is low-bit (`mpx.lowbit`)
     for f,kw in chain: _COMPILED[f].update(e, q, dict(kw))
     out = kind.kfold(t, s, e['x'])
     for k in ks: out.update(store.kstore(t, k, e[k]))
-    keep = s['found'] != 0
+    keep = s['found'] != 0  # nothing changes where the finite check found an inf or nan
     for k,v in out.items(): t[k].copy_(_kept(keep, t[k], v.to(t[k].dtype)))
     if 'steps' in t: t['steps'].copy_(torch.where(keep, t['steps'], t['steps'] + 1))
 
 def _kept(keep:Tensor, old:Tensor, new:Tensor) -> Tensor:
-    "`old` where `keep`, else `new`; bytes (low-bit codes) through a mask: inductor's CPU blend of bytes is slow"
+    "`old` where `keep`, else `new`"
     if old.dtype != torch.uint8: return torch.where(keep, old, new)
+    # bytes (low-bit codes) through a mask: inductor's CPU blend of bytes is slow
     return old ^ ((old ^ new) & torch.where(keep, 0, 255).to(torch.uint8))
 
 _kernels,_failed = {},{}
 
 def _own(f, name:str) -> Callable:
-    "`f` with a code object of its own, named `name`: `torch.compile` caches (and counts recompiles of) each apart"
+    "`f` with a code object of its own, named `name`"
     return types.FunctionType(f.__code__.replace(co_name=name), f.__globals__, name, None, f.__closure__)
 
 def _signature(t:dict, s:dict) -> tuple:
-    "What a kernel specialises on: each tensor's name, dtype and whether it holds one element"
+    "What a kernel specialises on"
     return tuple((k, v.dtype, v.numel() == 1) for k,v in sorted(t.items())) + tuple((k, v.dtype) for k,v in sorted(s.items()))
 
 def _kernel(kind, store, chain:tuple, sig:tuple=()) -> tuple:
-    "The compiled scalars and step of `chain` for `kind`'s class, `store`'s and the tensors' `sig`, made once a process"
+    "The compiled scalars and step of `chain`, made once a process"
     key = (type(kind), repr(store), tuple((f, tuple(sorted(kw.items()))) for f,kw in chain), sig)
     if key not in _kernels:
         name = f"mpx_{type(kind).__name__}_{store.name}_{'_'.join(f.__name__ for f,_ in chain)}"
@@ -147,14 +148,14 @@ def _kernel(kind, store, chain:tuple, sig:tuple=()) -> tuple:
 def _step_of(d:dict|None) -> int: return (d or {}).get('step', 0)
 
 class DeviceSteps:
-    "A bucket's step counts on its device, following fastai's `step` in the state dicts"
+    "A bucket's step counts on its device, derived from the dicts"
     def __init__(self, b:Bucket):
         self.dicts,self.host = list(b.dicts),[_step_of(d) for d in b.dicts]
         self.t = torch.tensor([float(v) for v in self.host], device=b.device)
         self.hist = [hash(('at', v)) for v in self.host]
 
     def follow(self, b:Bucket):
-        "Counts changed in the dicts since the last look (new dicts, written counts): onto the device"
+        "Counts that moved in the dicts since the last look, onto the device"
         moved = [i for i,(d,e,h) in enumerate(zip(b.dicts, self.dicts, self.host)) if d is not e or _step_of(d) != h]
         if not moved: return
         for i in moved: self.dicts[i] = b.dicts[i]; self.host[i] = _step_of(b.dicts[i]); self.hist[i] = hash(('at', self.host[i]))
@@ -162,7 +163,7 @@ class DeviceSteps:
         self.t.index_put_((idx,), torch.tensor([float(self.host[i]) for i in moved], device=b.device))
 
     def keys(self, b:Bucket) -> list:
-        "Each parameter's run key: `do_wd`, which state tensors it has, its history"
+        "Each parameter's run key: `do_wd`, its state keys, its history"
         ks = tuple(b.st)
         return [(d.get('do_wd', True), *(k in d for k in ks), h) for d,h in zip(b.dicts, self.hist)]
 
@@ -177,25 +178,26 @@ class DeviceSteps:
 
 # %% ../nbs/01g_compiled.ipynb #cx0013
 def _hypers(chain:tuple, hyper:dict) -> dict:
-    "The scalars the chain reads, as fastai's loop passes them: the hyper-parameter, else the keyword, else the default"
+    "The scalars the chain reads, as fastai's loop passes them"
     res = {}
     for f,kw in chain:
         for k,d in (('lr', None), ('mom', .9), ('sqr_mom', .99), ('eps', 1e-5), ('wd', 0.), ('beta', 0.), ('nu_1', .7), ('nu_2', 1.)):
-            v = hyper.get(k, kw.get(k, d))
+            v = hyper.get(k, kw.get(k, d))  # the hyper-parameter, else the keyword, else the default
             if v is not None: res[k] = float(v)
     return res
 
 def _static_chain(cbs, hyper:dict) -> tuple:
-    "`cbs` as (fastai function, keywords); what must be a number in the kernel (SAdam's `beta`) among the keywords"
+    "`cbs` as `(fastai function, keywords)` pairs"
     res = []
     for cb in cbs:
         f,kw = (cb.func,dict(cb.keywords)) if isinstance(cb, partial) and not cb.args else (cb,{})
+        # what must be a number in the kernel (SAdam's `beta`) goes among the keywords
         if f is radam_step and hyper.get('beta', kw.get('beta')): kw['beta'] = float(hyper.get('beta', kw.get('beta')))
         res.append((f, kw))
     return tuple(res)
 
 def compile_plan(eng, p:list|None):
-    "`CompiledSteps` where `eng`'s chain can be compiled; else the eager stepper, the reason said"
+    "`CompiledSteps`, or the eager stepper and the reason said"
     eager = RunSteps(p) if p is not None else LoopSteps()
     why = _static_why(eng, p)
     if why is None: return CompiledSteps(eager)
@@ -210,7 +212,7 @@ def _static_why(eng, p:list|None) -> str|None:
 
 # %% ../nbs/01g_compiled.ipynb #cx0014
 class CompiledSteps:
-    "One compiled kernel a run of a flat bucket; eager where it cannot, said once"
+    "One compiled kernel a run of a flat bucket; else eager, said once"
     def __init__(self, eager): self.eager,self.dev,self.scal = eager,{},{}
 
     def why_not(self, eng, b:Bucket) -> str|None:
@@ -227,7 +229,7 @@ class CompiledSteps:
     def extra(self, eng, b:Bucket, i:int, n:int, hyper:dict): self._step(eng, b, hyper, [(i, i+1)], n)
 
     def _step(self, eng, b:Bucket, hyper:dict, runs:list, phase:int) -> bool:
-        "Step `runs` of `b` compiled (True), or eagerly where it cannot (False)"
+        "`runs` of `b` compiled (True), or eagerly (False)"
         why = self.why_not(eng, b)
         if why is None:
             chain = _static_chain(eng.inner.cbs, hyper)
@@ -252,24 +254,24 @@ class CompiledSteps:
         return ds
 
     def to_host(self, eng, b:Bucket|None=None):
-        "Each bucket's device counts (or `b`'s) into fastai's dicts; they are read from the dicts again after"
+        "Each bucket's (or `b`'s) device counts into fastai's dicts"
         for bb in ([b] if b is not None else eng.buckets):
-            ds = self.dev.pop(id(bb), None)
+            ds = self.dev.pop(id(bb), None)  # dropped: the counts are read from the dicts again after
             if ds is not None: ds.to_host(bb)
 
     def _scalars(self, device, vals:dict) -> dict:
-        "0-dim tensors on `device` holding `vals`, reused from step to step, filled where a value changed"
+        "Reused 0-dim tensors on `device` holding `vals`"
         res = {}
         for k,v in vals.items():
             key = (device, k)
             t,old = self.scal.get(key, (None, None))
             if t is None: t = torch.zeros((), device=device, dtype=torch.int32 if type(v) is int else torch.float32)
-            if v != old: t.fill_(v)
+            if v != old: t.fill_(v)  # filled only where a value changed
             self.scal[key] = (t, v); res[k] = t
         return res
 
     def _run(self, eng, b:Bucket, a:int, c:int, chain:tuple, hs:dict, phase:int) -> bool:
-        "One kernel over parameters `a` to `c` of `b`; False where compiling it failed (nothing changed then)"
+        "One kernel over `a` to `c` of `b`; False where compiling failed"
         t,extra = b.kind.kio(b, a, c, phase)
         t = b.store.kshape(t)
         sd = b.kind.sdtype(b)
@@ -285,13 +287,13 @@ class CompiledSteps:
         except Exception as e:
             if torch._C._len_torch_dispatch_stack(): raise
             _failed[type(b.kind)] = f"torch.compile failed on this machine ({type(e).__name__}: {str(e).strip().splitlines()[0][:200]})"
-            return False
+            return False  # nothing changed
         return True
 
 def _zeros_state(b:Bucket, k:str, a:int, c:int, dtype) -> dict:
-    "The kernel's tensors of state `k` for run `a` to `c` (its store's), made zero where the run has none yet"
+    "The kernel's tensors of state `k` for run `a` to `c`"
     b.state_new(k, dtype)
-    if k not in b.dicts[a]:
+    if k not in b.dicts[a]:  # the run has none yet: zeros
         b.store.zero(b, k, a, c)
         for i in range(a, c): b.dicts[i][k] = b.stv[k][i]
     return b.store.kio(b, k, a, c)

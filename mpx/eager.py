@@ -17,7 +17,7 @@ __all__ = ['ELEMENTWISE', 'base_fn', 'fn_name', 'plan', 'StateWindow', 'run_stat
 
 # %% ../nbs/01f_eager.ipynb #ea0006
 def base_fn(cb) -> Callable:
-    "The function of step function `cb`: a `partial`'s, or `cb` itself"
+    "Step function `cb`'s function: a `partial`'s, or `cb` itself"
     return cb.func if isinstance(cb, partial) and not cb.args else cb
 
 def fn_name(cb) -> str: return getattr(base_fn(cb), '__name__', repr(cb))
@@ -30,7 +30,7 @@ def _is(f, fns) -> bool:
     except TypeError: return False  # an unhashable callable
 
 def plan(cbs) -> list|None:
-    "Each of `cbs` as `('run', cb)` or `('param', cb, multi-tensor version, keywords)`; None where one is not fastai's"
+    "The engine's plan for `cbs`; None where one is not fastai's"
     res = []
     for cb in cbs:
         f = base_fn(cb)
@@ -41,12 +41,12 @@ def plan(cbs) -> list|None:
 
 # %% ../nbs/01f_eager.ipynb #ea0008
 class _Item:
-    "A run of flat buffers as fastai's step functions see a parameter: `.data` and `.grad`"
+    "A run as fastai's step functions see a parameter"
     __slots__ = ('data', 'grad')
     def __init__(self, data:Tensor, grad:Tensor): self.data,self.grad = data,grad
 
 class StateWindow:
-    "The fp32 state of parameters `i` to `j` of flat bucket `b` while they are stepped: views, or dequantised"
+    "The fp32 state of flat bucket `b`'s parameters `i` to `j`"
     def __init__(self, eng, b:Bucket, i:int, j:int):
         self.eng,self.b,self.i,self.j,self.lo,self.x = eng,b,i,j,b.lo(i),{}
         for k in b.st: self._open(k)
@@ -60,16 +60,16 @@ class StateWindow:
         "State `k`, new to the bucket: its store made, zero, and opened"
         if k not in self.b.st: self.b.state_new(k, dtype); self._open(k)
     def close(self):
-        "The window's state back into its store (quantised, for a low-bit store)"
+        "The window's state back into its store"
         for k,x in self.x.items(): self.b.store.back(self.b, k, self.i, self.j, x)
 
 def run_state(b:Bucket, a:int, c:int, sw:StateWindow, shaped:bool=False) -> dict:
-    "The state of run `a` to `c` of `b`: the first parameter's, its state tensors fp32 slices (`shaped`: one parameter's slot)"
-    cut = (lambda k: sw.slot(k, a)) if shaped else (lambda k: sw.part(k, a, c))
+    "The state dict of run `a` to `c` of `b`"
+    cut = (lambda k: sw.slot(k, a)) if shaped else (lambda k: sw.part(k, a, c))  # `shaped`: one parameter's slot
     return {**b.dicts[a], **{k: cut(k) for k in sw.x if k in b.dicts[a]}}
 
 def put_state(b:Bucket, a:int, c:int, new:dict|None, sw:StateWindow, shaped:bool=False):
-    "What a step function returned for run `a` to `c`, into the state window and each parameter's dict"
+    "Run `a` to `c`'s new state into the window and the dicts"
     if not isinstance(new, dict): return
     n = b.sizes[a] if shaped else b.end(c) - b.lo(a)
     for k,v in new.items():
@@ -83,7 +83,7 @@ def put_state(b:Bucket, a:int, c:int, new:dict|None, sw:StateWindow, shaped:bool
 
 # %% ../nbs/01f_eager.ipynb #ea0011
 class ParamItems:
-    "The live parameters of a window as lists: stepped tensors, gradients, state dicts, with the group's `hyper`"
+    "A window's live parameters as lists, with the group's `hyper`"
     def __init__(self, data:list, grads:list, states:list, hyper:dict, zeros:Callable, tensors:Callable|None=None):
         self.data,self.grads,self.states,self.hyper,self.n,self.memo = data,grads,states,hyper,len(data),{}
         self._zeros,self._tensors = zeros,tensors
@@ -94,28 +94,29 @@ class ParamItems:
         d = kw.get(k, default)
         return [s.get(k, d) for s in self.states]
     def hp(self, k, kw:dict, default=None):
-        "Argument `k` that fastai keeps as a hyper-parameter: one value for the group"
+        "Argument `k`, a hyper-parameter: one value for the group"
         return self.hyper[k] if k in self.hyper else kw.get(k, default)
     def put(self, k, vals):
         for s,v in zip(self.states, vals): s[k] = v
     def zeros(self, k:str) -> list:
-        "State tensor `k` of each item, zeros where missing (a parameter's first step)"
-        return [self._zeros(i, k) for i in range(self.n)]
+        "State tensor `k` of each item, zeros where missing"
+        return [self._zeros(i, k) for i in range(self.n)]  # missing on a parameter's first step
 
 def _scal(vals:list):
-    "One scalar where all `vals` are equal (foreach's Scalar overload), else the list"
+    "One scalar where all `vals` are equal, else the list"
     v = vals[0]
-    return v if all(o == v for o in vals) else vals
+    return v if all(o == v for o in vals) else vals  # a scalar takes foreach's Scalar overload
 
 def _axpy(xs:list, ys:list, alphas):
-    "`xs[i].add_(ys[i], alpha=alphas[i])`, rounded as `add_` rounds (one fused multiply-add)"
+    "`xs[i].add_(ys[i], alpha=alphas[i])`, rounded as `add_` rounds"
     a = _scal(alphas) if isinstance(alphas, list) else alphas
     if not isinstance(a, list): return torch._foreach_add_(xs, ys, alpha=a)
+    # a list of alphas: `addcmul_` by ones, rounded as `add_` rounds (one fused multiply-add)
     torch._foreach_addcmul_(xs, [torch.ones((), dtype=ys[0].dtype, device=ys[0].device)]*len(ys), ys, a)
 
 # %% ../nbs/01f_eager.ipynb #ea0013
 def _larc_layer_lr(c:ParamItems, kw:dict):
-    "`larc_layer_lr`: each `local_lr` from the norms of its weight and gradient, clipped at `lr`"
+    "`larc_layer_lr`: `local_lr` from weight and gradient norms"
     lr,tc,wd,eps,clip = [c.hp(k, kw, d) for k,d in (('lr',None),('trust_coeff',None),('wd',None),('eps',None),('clip',True))]
     pn,gn = torch.stack(torch._foreach_norm(c.data)),torch.stack(torch._foreach_norm(c.grads))
     local = lr*tc * (pn) / (gn + pn * wd + eps)
@@ -139,7 +140,7 @@ def _debiased(mom:float, steps:list) -> list:
     return [d[s] for s in steps]
 
 def _lamb_step(c:ParamItems, kw:dict):
-    "`lamb_step`: Adam's step scaled by the trust ratio `min(|p|/|step|, 10)` of RMS norms"
+    "`lamb_step`: Adam's step times a trust ratio of RMS norms"
     lr,mom,sqr_mom,eps = [c.hp(k, kw) for k in ('lr','mom','sqr_mom','eps')]
     steps = c.arg('step', kw)
     db1,db2 = _debiased(mom, steps),_debiased(sqr_mom, steps)
@@ -159,7 +160,7 @@ _MULTI = {larc_layer_lr: _larc_layer_lr, larc_step: _larc_step, lamb_step: _lamb
 
 # %% ../nbs/01f_eager.ipynb #ea0017
 class LoopSteps:
-    "fastai's loop: each step function on each live parameter's stepped tensor in turn"
+    "fastai's loop, on each live parameter's stepped tensor"
     def bucket(self, eng, b:Bucket, hyper:dict):
         for i,j in b.windows(eng.chunk): self.window(eng, b, i, j, hyper)
     def extra(self, eng, b:Bucket, i:int, n:int, hyper:dict): self.window(eng, b, i, i+1, hyper, n)
@@ -171,15 +172,15 @@ class LoopSteps:
         b.kind.fold(b, i, j, x, phase)
 
 def loop_one(o, b:Bucket, k:int, x, g, i:int, hyper:dict):
-    "fastai's step functions on parameter `k` of `b`; `x` and `g` are what `wide` gave from parameter `i`"
+    "fastai's step functions on parameter `k` of `b`"
     p = b.params[k]
-    t = p if b.kind.in_place else _stepped_param(b, k, x, g, i)
+    t = p if b.kind.in_place else _stepped_param(b, k, x, g, i)  # `x`, `g`: what `wide` gave from parameter `i`
     state = o.state[p]
     for cb in o.cbs: state = _update(state, cb(t, **{**state, **hyper}))
     o.state[p] = state
 
 def _stepped_param(b:Bucket, k:int, x, g, i:int) -> Tensor:
-    "A `Parameter` over parameter `k`'s part of what `wide` gave (from parameter `i`), `.grad` its gradient"
+    "A `Parameter` over parameter `k`'s part of `x`, `.grad` of `g`"
     d,gr = (x[k-i],g[k-i]) if isinstance(x, list) else (b.slot(x, k, b.lo(i)),b.slot(g, k, b.lo(i)))
     if isinstance(d, nn.Parameter) and d.grad is gr: return d
     t = nn.Parameter(d.detach(), requires_grad=False)
@@ -188,11 +189,11 @@ def _stepped_param(b:Bucket, k:int, x, g, i:int) -> Tensor:
 
 # %% ../nbs/01f_eager.ipynb #ea0018
 def _transcendental(cb, hyper:dict) -> bool:
-    "Whether `cb` computes a function whose vectorised and scalar CPU kernels round apart (SAdam's softplus): a parameter a run"
+    "Whether `cb` must step a parameter a run (SAdam's softplus)"
     return base_fn(cb) is radam_step and bool(hyper.get('beta', cb.keywords.get('beta') if isinstance(cb, partial) else None))
 
 class RunSteps(LoopSteps):
-    "A plan of fastai's functions: elementwise ones once a run of a flat bucket, Lamb's and LARC's on each parameter"
+    "A `plan` of fastai's functions, elementwise ones once a run"
     def __init__(self, plan:list): self.plan = plan
     def window(self, eng, b:Bucket, i:int, j:int, hyper:dict, phase:int=0):
         if not any(b.live[i:j]): return

@@ -14,18 +14,18 @@ __all__ = ['slottable', 'set_data', 'Kind', 'merge_writes', 'Bucket', 'scalar_ke
 _align = 64  # elements: every slot starts on 256 bytes of fp32
 
 def _offsets(sizes:list, align:int=_align) -> tuple:
-    "Where each of `sizes` starts in one flat buffer, aligned to `align`; the buffer's length"
+    "Aligned starts of `sizes` in one flat buffer, and its length"
     offs,n = [],0
     for s in sizes: offs.append(n); n += -(-s // align) * align
     return offs,n
 
 def _alias(buf:Tensor, offset:int, shape, stride) -> Tensor:
-    "A tensor of `shape` and `stride` over `buf`'s memory from element `offset`"
+    "A `shape`, `stride` tensor over `buf` from element `offset`"
     return torch.empty(0, dtype=buf.dtype, device=buf.device).set_(buf.untyped_storage(), buf.storage_offset() + offset, shape, stride)
 
 # %% ../nbs/01e_flat.ipynb #fl0009
 def _dense(t:Tensor) -> bool:
-    "Whether `t`'s elements fill its memory exactly, in some order of its dimensions"
+    "Whether `t` fills its memory exactly, in some dimension order"
     n = 1
     for st,sz in sorted((st, sz) for sz,st in zip(t.shape, t.stride()) if sz != 1):
         if st != n: return False
@@ -33,7 +33,7 @@ def _dense(t:Tensor) -> bool:
     return True
 
 def slottable(t:Tensor) -> bool:
-    "Whether `t` can live in a flat buffer: a plain strided tensor whose memory is dense"
+    "Whether `t` can take a slot: plain, strided, dense"
     return type(t) in (Tensor, nn.Parameter) and t.layout is torch.strided and _dense(t)
 
 def set_data(p:Tensor, t:Tensor):
@@ -44,21 +44,21 @@ def set_data(p:Tensor, t:Tensor):
 
 # %% ../nbs/01e_flat.ipynb #fl0012
 class Kind:
-    "How a bucket is held and stepped; this kind: in place, in the parameters' own dtype (AMP, fp32, fp8)"
+    "A bucket's storage kind; this one: in place (AMP, fp32, fp8)"
     widens = False  # steps fp32 values made for the step, a window at a time in the engine's workspace
     takes = False  # keeps gradients of its own, taken from the model's after each backward
     in_place = True  # what is stepped is the parameters themselves
     def sdtype(self, b:Bucket): return b.dtype  # the dtype of what is stepped, and of the optimizer state
     def build(self, b:Bucket):
-        "The weights and gradients into the bucket's flat buffers (a list bucket keeps them)"
-        if b.flat: b.w = b.flat_copy([p.data for p in b.params]); b.point(b.w); b.g = b.zeros(b.dtype)
+        "The weights and gradients into the bucket's flat buffers"
+        if b.flat: b.w = b.flat_copy([p.data for p in b.params]); b.point(b.w); b.g = b.zeros(b.dtype)  # a list bucket keeps them
     def wide(self, b:Bucket, i:int, j:int) -> tuple:
-        "What is stepped for parameters `i` to `j`, and its gradients: a slice each, or lists"
+        "What is stepped for parameters `i` to `j`, and its gradients"
         return (b.part(b.w, i, j), b.part(b.g, i, j)) if b.flat else (b.params[i:j], [p.grad for p in b.params[i:j]])
     def fold(self, b:Bucket, i:int, j:int, x, phase:int=0):
-        "What `wide` gave, stepped, into the model's weights (`phase`: a place stepped before, in the same step)"
+        "What `wide` gave, stepped, into the model's weights"
     def written(self, b:Bucket, idx:list):
-        "Parameters `idx` were written in place since the last step (their versions moved)"
+        "Parameters `idx` were written in place since the last step"
     def checked(self, b:Bucket) -> list:
         "The gradients the finite check reads"
         loose = [b.params[i].grad for i in sorted(b.loose)]
@@ -72,16 +72,16 @@ class Kind:
         if b.flat:
             for p in b.params: p.data = p.data.clone(memory_format=torch.preserve_format)
     def carried(self, b:Bucket) -> dict:
-        "Gradients accumulated since the last step that `finish` would drop, by `id` of parameter"
-        return {}
+        "Gradients accumulated since the last step that `finish` would drop"
+        return {}  # by `id` of parameter
     def restore(self, b:Bucket, grads:dict):
         "Put back what `carried` took from another layout of the same fit"
     def tick(self):
         "Once after each optimizer step"
     # ---- compiled (`mpx.compiled`): the kernel's tensors, and its widen and fold
     def kio(self, b:Bucket, a:int, c:int, phase:int=0) -> tuple:
-        "The kernel's tensors for parameters `a` to `c` (updated in place), and its scalars"
-        return dict(w=b.part(b.w, a, c), g=b.part(b.g, a, c)),{}
+        "The kernel's tensors for parameters `a` to `c`, and its scalars"
+        return dict(w=b.part(b.w, a, c), g=b.part(b.g, a, c)),{}  # the tensors are updated in place
     @staticmethod
     def kwiden(t:dict, s:dict) -> tuple: return t['w'],t['g']
     @staticmethod
@@ -89,12 +89,12 @@ class Kind:
 
 # %% ../nbs/01e_flat.ipynb #fl0014
 def merge_writes(fine:Tensor, coarse:Tensor):
-    "Where half `coarse` is not fp32 `fine` rounded, `fine` takes it: the elements a write changed"
+    "`fine` takes `coarse` where a write changed it"
     fine.copy_(torch.where(coarse != fine.to(coarse.dtype), coarse.float(), fine))
 
 # %% ../nbs/01e_flat.ipynb #fl0017
 class Bucket:
-    "Parameters of one group, kind, device, dtype and `do_wd`: flat buffers a role, or the tensors as they are"
+    "Parameters sharing group, kind, device, dtype and `do_wd`"
     def __init__(self, params:list, kind:Kind, flat:bool, group:int, base:int=0, engine=None, store=None, align:int|None=None):
         self.params,self.kind,self.flat,self.group,self.base,self.engine = params,kind,flat,group,base,engine
         self.store = store or DenseStore()  # how the optimizer's state is held (`mpx.lowbit`)
@@ -102,7 +102,7 @@ class Bucket:
         self.sizes = [p.numel() for p in params]
         self.offs,self.n = _offsets(self.sizes, align or self.store.block)  # slots on the store's blocks
         self.dtype,self.device = params[0].dtype,params[0].device
-        self.st,self.stv = {},{}  # flat state buffers by key, and their per-parameter views
+        self.st,self.stv = {},{}  # flat state buffers by key; `stv[k]`: what each state dict holds for key `k`
         self.dicts = [None]*len(params)  # each parameter's state dict, as last adopted
         self.live = [False]*len(params)  # each parameter has a gradient now
         self.loose = set()  # parameters whose gradient could not be adopted (sparse): stepped one at a time
@@ -117,10 +117,10 @@ class Bucket:
         return f"Bucket(group {self.group}, {type(self.kind).__name__}, {len(self.params)} tensors, {'flat' if self.flat else 'list'})"
     def zeros(self, dtype) -> Tensor: return torch.zeros(self.n, dtype=dtype, device=self.device)
     def views(self, buf:Tensor) -> list:
-        "A tensor per parameter over its slot of flat `buf`, shaped and strided like it"
+        "Each parameter's slot of flat `buf`, shaped and strided like it"
         return [_alias(buf, o, s, st) for o,(s,st) in zip(self.offs, self.specs)]
     def flat_copy(self, ts:list, dtype=None) -> Tensor:
-        "A flat buffer holding `ts` in their slots, in `dtype` (default the bucket's)"
+        "A flat buffer of `ts` in their slots, in `dtype` or the bucket's"
         buf = self.zeros(dtype or self.dtype)
         torch._foreach_copy_(self.views(buf), list(ts))
         return buf
@@ -129,24 +129,24 @@ class Bucket:
         for p,v in zip(self.params, self.views(buf)): set_data(p, v)
     def lo(self, i:int) -> int: return self.offs[i]
     def end(self, j:int) -> int:
-        "Where the span of parameters `i` to `j` ends (spans tile the buffer, padding included)"
-        return self.offs[j] if j < len(self.offs) else self.n
+        "Where the span of parameters `i` to `j` ends"
+        return self.offs[j] if j < len(self.offs) else self.n  # spans tile the buffer, padding included
     def part(self, buf:Tensor|None, i:int, j:int, lo:int=0) -> Tensor|None:
-        "The slice of flat `buf` (from element `lo` of the bucket) holding parameters `i` to `j`"
+        "The slice of flat `buf` holding parameters `i` to `j`"
         if buf is None: return None
-        a,c = self.lo(i)-lo,self.end(j)-lo
+        a,c = self.lo(i)-lo,self.end(j)-lo  # `buf` starts at element `lo` of the bucket
         return buf if a == 0 and c == buf.numel() else buf[a:c]
     def slot(self, buf:Tensor, i:int, lo:int=0) -> Tensor:
-        "Parameter `i`'s slot of flat `buf` (from element `lo` of the bucket), shaped like it"
-        return _alias(buf, self.offs[i]-lo, *self.specs[i])
+        "Parameter `i`'s slot of flat `buf`, shaped like it"
+        return _alias(buf, self.offs[i]-lo, *self.specs[i])  # `buf` starts at element `lo` of the bucket
     def state_new(self, k:str, dtype):
-        "Make the store of state `k` (zeros) where there is none yet; `stv[k]` holds what each state dict holds for it"
+        "Make the store of state `k` (zeros) where there is none yet"
         if k not in self.st: self.store.new(self, k, dtype)
 
 # %% ../nbs/01e_flat.ipynb #fl0020
 @patch
 def adopt_weights(self:Bucket):
-    "Copy back into its slot a parameter whose `data` was pointed elsewhere; tell the kind of in-place writes"
+    "Copy moved `data` back into its slot; tell the kind of writes"
     if self.flat and [p.data_ptr() for p in self.params] != self.ptrs:
         for i,p in enumerate(self.params):
             if p.data_ptr() == self.ptrs[i]: continue
@@ -159,13 +159,13 @@ def adopt_weights(self:Bucket):
 
 @patch
 def adopt_grads(self:Bucket):
-    "Note which parameters have a gradient; in a flat bucket, copy new dense ones into their slots"
+    "Note which parameters have a gradient; adopt new ones"
     gs = [p.grad for p in self.params]
     if self._grads is not None and list(map(id, gs)) == self._grads: return
     if not self.flat or self.g is None:
         self.live = [g is not None for g in gs]
         self.loose = {i for i,g in enumerate(gs) if g is not None and g.layout is not torch.strided}
-    else: self._adopt_flat(gs)
+    else: self._adopt_flat(gs)  # a flat bucket copies new dense ones into their slots
     self._grads = [id(p.grad) for p in self.params]
 
 @patch
@@ -187,8 +187,8 @@ _flat_keys = lambda p,v: isinstance(v, Tensor) and v.layout is torch.strided and
 
 @patch
 def adopt_states(self:Bucket, state:dict, sdtype, same:bool=False):
-    "Take each parameter's state dict from `state` (`same`: none replaced); move its tensors into the state buffers"
-    ds = list(self.dicts) if same and None not in self.dicts else [state[p] for p in self.params]
+    "Take each parameter's state dict; its tensors into the buffers"
+    ds = list(self.dicts) if same and None not in self.dicts else [state[p] for p in self.params]  # `same`: none replaced
     if self._states_same(ds): return
     for i,(p,d) in enumerate(zip(self.params, ds)):
         self.dicts[i] = d
@@ -201,30 +201,30 @@ def adopt_states(self:Bucket, state:dict, sdtype, same:bool=False):
 
 @patch
 def _ids(self:Bucket, ds:list) -> tuple:
-    "The identities of `ds`, of their sizes, and of the state tensors in them: what `_states_same` compares"
+    "The ids of `ds`, of their sizes and of their state tensors"
     return (list(map(id, ds)), list(map(len, ds)), *([id(d.get(k)) for d in ds] for k in self.stv))
 
 @patch
 def _states_same(self:Bucket, ds:list) -> bool:
-    "Whether `ds` are the dicts adopted, each holding the tensors it held then: a few list comparisons in C"
-    return self._seen is not None and self._ids(ds) == self._seen
+    "Whether `ds` are the dicts adopted, with the same tensors"
+    return self._seen is not None and self._ids(ds) == self._seen  # a few list comparisons in C
 
 # %% ../nbs/01e_flat.ipynb #fl0026
 def scalar_keys(b:Bucket) -> list:
-    "Each parameter's scalar state the step functions read: `step`, `do_wd`, which state tensors it has"
+    "Each parameter's scalar state: `step`, `do_wd`, its state keys"
     ds = [d or {} for d in b.dicts]
     has = [[k in d for d in ds] for k in b.st]
     return list(zip([d.get('step', 0) for d in ds], [d.get('do_wd', True) for d in ds], *has))
 
 @patch
 def runs(self:Bucket, i:int, j:int, keys:list, single:bool=False) -> list:
-    "The runs `(a, c)` of live parameters among `i` to `j` with equal `keys`; one a parameter if `single`"
+    "Runs `(a, c)` of live parameters in `i` to `j` with equal `keys`"
     memo = (i, j, single, tuple(self.live), tuple(keys), tuple(sorted(self.loose)))
     if self._runs is not None and self._runs[0] == memo: return self._runs[1]
     res,cur,key = [],None,None
     for k in range(i, j):
         if not self.live[k] or (k in self.loose and self.kind.in_place): cur = None; continue
-        if cur is not None and not single and self.flat and keys[k] == key: cur[1] = k+1; continue
+        if cur is not None and not single and self.flat and keys[k] == key: cur[1] = k+1; continue  # `single`: one a parameter
         cur,key = [k, k+1],keys[k]
         res.append(cur)
     res = [tuple(r) for r in res]
@@ -233,7 +233,7 @@ def runs(self:Bucket, i:int, j:int, keys:list, single:bool=False) -> list:
 
 @patch
 def windows(self:Bucket, chunk:int) -> list:
-    "The `(i, j)` ranges stepped at once: the whole bucket, or spans of at most `chunk` elements (widened weights or state)"
+    "The `(i, j)` ranges stepped at once"
     if not (self.kind.widens or self.store.bits): return [(0, len(self.params))]
     res,start = [],0
     for k in range(1, len(self.params)+1):

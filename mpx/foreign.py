@@ -15,7 +15,7 @@ __all__ = ['ForeignSteps', 'LookaheadSync']
 
 # %% ../nbs/01h_foreign.ipynb #fo0005
 class ForeignSteps:
-    "A step not the engine's own (torch's, a subclass's) on the tensors a mode steps, swapped into the parameters"
+    "A foreign step on the tensors a mode steps, swapped in"
     def __init__(self, eng): self.eng = eng
 
     def install(self, led:Ledger):
@@ -26,10 +26,10 @@ class ForeignSteps:
 
     @torch.no_grad()
     def step(self, step:Callable, windowed:bool, closure=None):
-        "`step` (the optimizer's own) on the stepped tensors, a window at a time where `windowed`"
+        "The optimizer's own `step` on the stepped tensors"
         eng = self.eng
         eng.prelude()
-        if windowed: wins = [[(b, i, j)] for b in eng.buckets for i,j in b.windows(eng.chunk)]
+        if windowed: wins = [[(b, i, j)] for b in eng.buckets for i,j in b.windows(eng.chunk)]  # a window at a time
         else: wins = [[(b, 0, len(b.params)) for b in eng.buckets]]
         for w in wins: self._swapped(step, w, windowed)
         for k in {id(b.kind): b.kind for b in eng.buckets}.values(): k.tick()
@@ -53,7 +53,7 @@ class ForeignSteps:
             b.versions = [p._version for p in b.params]  # the swaps are the engine's, not a write of a callback
 
 def _part(x, b:Bucket, k:int, i:int) -> Tensor:
-    "Parameter `k`'s part of what `wide` gave for the window from parameter `i`"
+    "Parameter `k`'s part of `x`, what `wide` gave from parameter `i`"
     return x[k-i] if isinstance(x, list) else b.slot(x, k, b.lo(i))
 
 def _put(p:Tensor, data:Tensor, grad:Tensor|None):
@@ -62,12 +62,12 @@ def _put(p:Tensor, data:Tensor, grad:Tensor|None):
 
 # %% ../nbs/01h_foreign.ipynb #fo0007
 class LookaheadSync:
-    "`Lookahead`'s step for the engine: its slow weights in flat buffers beside the buckets, synced in bulk"
+    "`Lookahead`'s step, its slow weights synced in bulk"
     def __init__(self, eng): self.eng,self.slow = eng,{}  # id(la) -> (the slow weights adopted, their flat buffers)
 
     @torch.no_grad()
     def step(self, la:Lookahead, closure=None):
-        "`Lookahead.step`: the wrapped step, then every `k` steps the slow weights pulled toward the fast ones"
+        "`Lookahead.step`: the wrapped step; every `k` steps, the sync"
         if closure is not None: raise NotImplementedError("fastai optimizers currently do not support closure")
         if la.slow_weights is None: la.slow_weights = self._copies(la)
         la.opt.step()
@@ -80,11 +80,11 @@ class LookaheadSync:
             for n,p in eng.extras[gi]: self._sync_extra(la, gi, n, p)
 
     def _copies(self, la:Lookahead) -> L:
-        "Copies of what is stepped for each place, as `Lookahead._copy_weights` makes them: a flat bucket's in one buffer"
+        "`Lookahead._copy_weights`, of what is stepped for each place"
         eng,bufs = self.eng,{}
         for b in eng.buckets:
             if not b.flat: continue
-            buf = bufs[id(b)] = b.zeros(b.kind.sdtype(b))
+            buf = bufs[id(b)] = b.zeros(b.kind.sdtype(b))  # a flat bucket's copies in one buffer
             for i,j in b.windows(eng.chunk): b.part(buf, i, j).copy_(b.kind.wide(b, i, j)[0])
         res = []
         for gi,pg in enumerate(eng.lists):
@@ -100,9 +100,9 @@ class LookaheadSync:
         return slow
 
     def _flat(self, la:Lookahead) -> dict:
-        "The slow weights of flat buckets' home places in one buffer a bucket (once a layout, and after a `load`)"
+        "The home places' slow weights, one buffer a flat bucket"
         got = self.slow.get(id(la))
-        if got is not None and got[0] is la.slow_weights: return got[1]
+        if got is not None and got[0] is la.slow_weights: return got[1]  # made once a layout, and after a `load`
         eng,bufs = self.eng,{}
         for b in eng.buckets:
             if not b.flat: continue
@@ -114,7 +114,7 @@ class LookaheadSync:
         return bufs
 
     def _sync(self, la:Lookahead, slow:dict, b:Bucket, i:int, j:int):
-        "Pull the slow weights of parameters `i` to `j` of `b` toward the fast ones, and copy them back"
+        "Sync the slow weights of parameters `i` to `j` of `b`"
         x,_ = b.kind.wide(b, i, j)
         if b.flat:
             s = b.part(slow[id(b)], i, j)
@@ -127,7 +127,7 @@ class LookaheadSync:
         b.kind.fold(b, i, j, x, -1)
 
     def _sync_extra(self, la:Lookahead, gi:int, n:int, p:Tensor):
-        "The sync of one extra place of `p` in group `gi`, with that place's own slow weight"
+        "Sync an extra place of `p`, with its own slow weight"
         eng = self.eng
         b,i = eng.home[id(p)]
         s = la.slow_weights[gi][eng.places[(gi, id(p))][n - (b.group != gi)]]

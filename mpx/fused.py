@@ -22,7 +22,7 @@ __all__ = ['why_not_fused', 'why_not_lowbit', 'FusedSteps']
 
 # %% ../nbs/01a_fused.ipynb #fz0006
 def why_not_fused(opt) -> str|None:
-    "Why `opt`'s step is not the engine's own, in a sentence; None where it is"
+    "Why `opt`'s step is not the engine's own; None where it is"
     las,o = unwrap(opt)
     if isinstance(o, OptimWrapper): return "an OptimWrapper steps a torch optimizer, which has its own foreach and fused implementations"
     if not isinstance(o, Optimizer): return f"{type(o).__name__} is not a fastai Optimizer"
@@ -31,7 +31,7 @@ def why_not_fused(opt) -> str|None:
     if 'step' in vars(o): return "its step is already replaced on the instance"
 
 def why_not_lowbit(opt, fused, opt_state:str) -> str|None:
-    "Why `opt`'s state cannot be held in `opt_state`'s bits when stepped with `fused`, in a sentence; None where it can"
+    "Why `opt_state` cannot hold `opt`'s state; None where it can"
     if opt_state == 'fp32' or opt is None: return None
     why = why_not_fused(opt)
     if why: why = f"{why}, and it keeps its own state in fp32"
@@ -40,13 +40,13 @@ def why_not_lowbit(opt, fused, opt_state:str) -> str|None:
     return f"opt_state={opt_state!r} needs the step engine's own steps: {why}. Use opt_state='fp32'" if why else None
 
 def _own_zero_grad(o) -> bool:
-    "Whether `o` zeroes gradients its own way (a subclass's `zero_grad`, or one set on the instance)"
+    "Whether `o` has a `zero_grad` of its own"
     base = Lookahead if isinstance(o, Lookahead) else Optimizer
     return 'zero_grad' in vars(o) or type(o).zero_grad is not base.zero_grad
 
 # %% ../nbs/01a_fused.ipynb #fz0009
 class FusedSteps:
-    "The optimizer step of one fit: fastai's optimizers over flat buffers, in each mode's storage kinds"
+    "The optimizer step of one fit, over flat buffers"
     def __init__(self,
         opt, # The learner's optimizer: fastai's (maybe inside `Lookahead`s), an `OptimWrapper`, or another
         kind_of:Callable|None=None, # `kind_of(p) -> Kind` for each parameter; None: `Kind()` (in place)
@@ -79,7 +79,7 @@ class FusedSteps:
         return f"FusedSteps({type(self.opt).__name__}, {how}: {len(self.buckets)} buckets{', undone' if self.done else ''})"
 
     def _layout(self):
-        "The buckets of every group, each parameter in the bucket of its first place; its other places are extras"
+        "Lay out every group's buckets and extras"
         self.home,self.places,self.groups,base = {},{},[],0
         st = self.inner.state if self.native else {}
         for gi,pg in enumerate(self.lists):
@@ -104,16 +104,16 @@ class FusedSteps:
         self.refresh()
 
     def _extra_places(self, gi:int) -> list:
-        "The group's extra places as `(n, p)`: `n` counts the places of `p` stepped before this one"
+        "Group `gi`'s extra places, as `(n, p)`"
         seen,res = {},[]
         for p in self.lists[gi]:
             n = seen.get(id(p), 0); seen[id(p)] = n + 1
             away = self.home[id(p)][0].group != gi
-            if n or away: res.append((n + away, p))
+            if n or away: res.append((n + away, p))  # `n`: the places of `p` stepped before this one
         return res
 
     def _choose(self):
-        "Each bucket's stepper, from the optimizer's step functions and `fused`"
+        "Choose each bucket's stepper from `opt.cbs` and `fused`"
         if not self.native: return
         self.cbs = tuple(self.inner.cbs)
         p = plan(self.cbs) if self.path is not Fused.LOOP else None
@@ -122,8 +122,8 @@ class FusedSteps:
         for b in self.buckets: b.stepper = chosen if b.flat else LoopSteps()
 
     def _install(self):
-        "Install, through the ledger, the engine's `step` and `zero_grad`, or a swap around a foreign step"
-        led,o,widened = self.ledger,self.inner,any(not b.kind.in_place for b in self.buckets)
+        "Install `step` and `zero_grad`, or a swap around a foreign step"
+        led,o,widened = self.ledger,self.inner,any(not b.kind.in_place for b in self.buckets)  # all through the ledger
         if not self.native:
             if self.path is Fused.COMPILE: self.say(self.reason)
             if widened: self.foreign.install(led)
@@ -136,25 +136,25 @@ class FusedSteps:
             if not _own_zero_grad(x): led.set(x, 'zero_grad', self.zero_grad)
 
     def stale(self, opt) -> bool:
-        "Whether `opt` is no longer the optimizer laid out: another object (`create_opt`), other parameter lists"
-        if opt is not self.opt: return True
-        pl = unwrap(opt)[1].param_lists
+        "Whether `opt` is no longer the optimizer laid out"
+        if opt is not self.opt: return True  # another object (`create_opt`)
+        pl = unwrap(opt)[1].param_lists  # or other parameter lists
         return len(pl) != len(self.lists) or any(len(a) != len(b) or any(x is not y for x,y in zip(a, b)) for a,b in zip(pl, self.lists))
 
     def refresh(self):
-        "Adopt what changed since the last step: weights, gradients (a taking kind's: in `take`), state dicts"
+        "Adopt what changed since the last step"
         st = self.inner.state if self.native else None
         ids = list(map(id, st.values())) if st is not None else None
         same = st is self._st and ids == self._st_ids  # no state dict replaced (`clear_state`, `load_state_dict` replace them)
         for b in self.buckets:
             b.adopt_weights()
-            if not b.kind.takes: b.adopt_grads()
+            if not b.kind.takes: b.adopt_grads()  # a taking kind's gradients: in `take`
             if self.native: b.adopt_states(st, b.kind.sdtype(b), same)
         self._st,self._st_ids = st,ids
 
     @torch.no_grad()
     def step(self, closure=None):
-        "fastai's `Optimizer.step`: each group's buckets by their steppers, then its extras"
+        "fastai's `Optimizer.step`: each group's buckets, then its extras"
         if closure is not None: raise NotImplementedError("fastai optimizers currently do not support closure")
         self.prelude()
         if tuple(self.inner.cbs) != self.cbs: self._recompose()
@@ -167,36 +167,36 @@ class FusedSteps:
         self.exposed = False
 
     def prelude(self):
-        "Before a step: what changed adopted; the taking kinds take what callbacks wrote into the model's gradients"
+        "Before a step: what changed adopted, callbacks' writes taken"
         self.refresh()
-        for b in self.buckets:
+        for b in self.buckets:  # the taking kinds take what callbacks wrote into the model's gradients
             if b.kind.takes: b.adopt_grads(); b.kind.merge(b, self.exposed)
 
     def will_compile(self) -> bool:
-        "Whether the next step runs compiled kernels on every bucket, so that a bad step can be skipped on the device"
+        "Whether the next step is compiled on every bucket"
         if self.path is not Fused.COMPILE or not self.native: return False
         self.refresh()
         if tuple(self.inner.cbs) != self.cbs: self._recompose()
         return all(isinstance(b.stepper, CompiledSteps) and b.stepper.why_not(self, b) is None for b in self.buckets)
 
     def _state_dict(self) -> dict:
-        "fastai's `state_dict` in fastai's layout: step counts from the device, low-bit state dequantised (fp32)"
-        self.steps_to_host()
+        "fastai's `state_dict`, in fastai's layout"
+        self.steps_to_host()  # the step counts from the device
         sd = type(self.inner).state_dict(self.inner)
         if self.opt_state == 'fp32': return sd
-        wide = lambda v: v.float() if isinstance(v, LowBitState) else v
+        wide = lambda v: v.float() if isinstance(v, LowBitState) else v  # low-bit state dequantised (fp32)
         return {**sd, 'state': [{k: wide(v) for k,v in s.items()} for s in sd['state']]}
 
 
     def _recompose(self):
-        "The step functions changed (a callback edited `opt.cbs`): the compiled step's counts to the host, steppers again"
-        self.steps_to_host()
+        "A callback edited `opt.cbs`: choose the steppers again"
+        self.steps_to_host()  # the compiled step's counts to the host first
         why = why_not_lowbit(self.opt, self.path, self.opt_state)
         if why: raise ValueError(f"opt.cbs changed mid-fit: {why}")
         self._choose()
 
     def workspace(self, device, n:int, i:int=0, dtype=torch.float32) -> Tensor:
-        "The first `n` elements of the `i`-th reused buffer of `dtype` on `device`"
+        "The first `n` elements of reused buffer `i` (`dtype`, `device`)"
         key = (torch.device(device), i, dtype)
         w = self.ws.get(key)
         if w is None or w.numel() < n: w = self.ws[key] = torch.empty(n, device=device, dtype=dtype)
@@ -209,19 +209,19 @@ class FusedSteps:
         warn_user(f"fused='compile' steps eagerly here: {why}")
 
     def steps_to_host(self):
-        "Write the compiled step's device step counts into fastai's state dicts (one host sync); a no-op otherwise"
+        "Device step counts into fastai's state dicts (one host sync)"
         for st in {id(b.stepper): b.stepper for b in self.buckets if hasattr(b, 'stepper')}.values():
-            if hasattr(st, 'to_host'): st.to_host(self)
+            if hasattr(st, 'to_host'): st.to_host(self)  # only a compiled stepper has any: a no-op otherwise
 
     def undo(self):
-        "Give every tensor storage of its own and the optimizer its methods back; a no-op the second time"
+        "Put storage and methods back; a no-op the second time"
         if self.done: return
         self.done = True
         self.ledger.close()
 
     def _finish(self):
-        "The end of the engine's fit: the device's step counts written back, every tensor in storage of its own"
-        self.steps_to_host()
+        "The end of the fit: every tensor in storage of its own"
+        self.steps_to_host()  # the device's step counts written back first
         for b in self.buckets:
             b.kind.finish(b)
             if b.flat and b.gv is not None:
@@ -238,7 +238,7 @@ _in_place = Kind()
 @patch
 @torch.no_grad()
 def zero_grad(self:FusedSteps):
-    "fastai's `zero_grad`: every gradient detached and zeroed, one op a flat bucket"
+    "fastai's `zero_grad`, one op a flat bucket"
     gs = []
     for b in self.buckets:
         if b.flat and b.g is not None: gs.append(b.g)
@@ -256,33 +256,33 @@ def _taking(self:FusedSteps) -> list: return [b for b in self.buckets if b.kind.
 @patch
 @torch.no_grad()
 def take(self:FusedSteps):
-    "After a backward: the model's gradients added into the taking kinds' (copied on a step's first backward)"
+    "After a backward: the taking kinds take the model's gradients"
     for b in self._taking(): b.adopt_grads(); b.kind.take(b, self.fresh)
     self.fresh = self.pending = False
 
 @patch
 @torch.no_grad()
 def before_backward(self:FusedSteps):
-    "Before a backward: in a step's second one, what callbacks wrote into the model's gradients taken, then zeroed"
+    "Before a backward; in a step's second, take callbacks' writes"
     self.pending = True  # the model's gradients will hold a backward not yet taken
     if self.fresh: return
     for b in self._taking(): b.adopt_grads(); b.kind.merge(b, self.exposed); b.kind.clear(b)
 
 @patch
 def checked(self:FusedSteps) -> list:
-    "The gradients the finite check reads (one tensor a flat bucket), what changed adopted first"
-    self.prelude()
+    "The gradients the finite check reads, one a flat bucket"
+    self.prelude()  # what changed adopted first
     return [g for b in self.buckets for g in b.kind.checked(b) if g is not None]
 
 @patch
 @torch.no_grad()
 def publish(self:FusedSteps):
-    "The taking kinds' checked gradients (unscaled) back into the model's"
+    "The taking kinds' checked gradients back into the model's"
     for b in self._taking(): b.kind.publish(b)
 
 @patch
 def named_grads(self:FusedSteps, model:nn.Module) -> list:
-    "`(name, stepped gradient)` of each of `model`'s parameters, for the overflow diagnosis"
+    "`(name, stepped gradient)` of `model`'s parameters"
     res = []
     for n,p in model.named_parameters():
         h = self.home.get(id(p))
@@ -291,20 +291,20 @@ def named_grads(self:FusedSteps, model:nn.Module) -> list:
 
 @patch
 def stepped(self:FusedSteps) -> list:
-    "Each parameter's stepped tensor with its gradient: the masters in a master fit (`learn.parameters()`)"
+    "Each parameter's stepped tensor, with its gradient"
     self.exposed = True  # a caller may write into them: the step asks their version counters
     seen = {id(p): p for pg in self.lists for p in pg}
     return [b.kind.stepped(b, i) for b,i in (self.home[k] for k in seen)]
 
 @patch
 def grads_in_flight(self:FusedSteps) -> dict:
-    "Gradients accumulated since the last step that `undo` would drop, by `id` of parameter, and where the step stands"
+    "Gradients accumulated since the last step that `undo` would drop"
     res = {k: v for b in self.buckets for k,v in b.kind.carried(b).items()}
-    return {**res, 'at': (self.fresh, self.pending)} if res else {}
+    return {**res, 'at': (self.fresh, self.pending)} if res else {}  # by `id` of parameter; 'at': where the step stands
 
 @patch
 def restore_grads(self:FusedSteps, grads:dict):
-    "Put back what `grads_in_flight` took from the engine of an earlier layout of the same fit"
+    "Put back what `grads_in_flight` took from an earlier layout"
     if not grads: return
     for b in self.buckets: b.kind.restore(b, grads)
     self.fresh,self.pending = grads['at']

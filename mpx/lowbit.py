@@ -13,7 +13,7 @@ __all__ = ['OPT_STATES', 'MIN_LOWBIT', 'MODE_BYTES', 'dynamic_map', 'root_map', 
 
 # %% ../nbs/01i_lowbit.ipynb #lb0006
 def dynamic_map(signed:bool=True, exp_bits:int=7, bits:int=8) -> Tensor:
-    "Dettmers' dynamic quantisation map of `2**bits` sorted values on [-1, 1] (signed) or [0, 1], with -1, 0 and 1"
+    "Dettmers' dynamic quantisation map of `2**bits` values"
     vals,free = [],bits - 1  # the bits after the sign (or the indicator bit, unsigned)
     def level(i:int, n:int):
         edges = torch.linspace(0.1, 1, n + 1)
@@ -26,14 +26,14 @@ def dynamic_map(signed:bool=True, exp_bits:int=7, bits:int=8) -> Tensor:
     return torch.tensor(vals)
 
 def root_map(bits:int=4) -> Tensor:
-    "The unsigned dynamic map without zero (half its smallest step instead), for the square root of a second moment"
+    "The unsigned map, zero replaced, for a second moment's root"
     m = dynamic_map(False, 3, bits)
     m[0] = m[1] / 2
     return m
 
 # %% ../nbs/01i_lowbit.ipynb #lb0009
 def quantize(x:Tensor, qmap:Tensor, block:int) -> tuple:
-    "Flat fp32 `x` (a multiple of `block` long) as codes (int64) of nearest `qmap` values, and fp32 block scales"
+    "Flat `x` as codes of nearest `qmap` values, and block scales"
     xb = x.reshape(-1, block)
     scale = xb.abs().amax(-1).clamp_min(1e-12)
     y = (xb / scale.view(-1, 1)).view(x.shape)
@@ -48,7 +48,7 @@ def quantize(x:Tensor, qmap:Tensor, block:int) -> tuple:
     return torch.where(y - lo >= (hi - lo) * .5, up, codes),scale
 
 def dequantize(codes:Tensor, scale:Tensor, qmap:Tensor, block:int) -> Tensor:
-    "The fp32 values of `codes` (any integer dtype, shaped as the values) in blocks of `block`, each times its scale"
+    "The fp32 values of `codes`, each block times its scale"
     return (qmap[codes.long()].reshape(-1, block) * scale.view(-1, 1)).view(codes.shape)
 
 # %% ../nbs/01i_lowbit.ipynb #lb0012
@@ -64,7 +64,7 @@ def unpack4(packed:Tensor) -> Tensor:
 
 # %% ../nbs/01i_lowbit.ipynb #lb0015
 class LowBitState:
-    "What a state dict holds for a state tensor kept in low bits during a fit: `float()` dequantises it"
+    "A state dict's handle on low-bit state: `float()` dequantises"
     __slots__ = ('b', 'k', 'i')
     def __init__(self, b, k:str, i:int): self.b,self.k,self.i = b,k,i
     @property
@@ -73,7 +73,7 @@ class LowBitState:
     def __repr__(self): return f"LowBitState({self.k!r}, {self.b.store.name}, shape={tuple(self.shape)})"
 
 class DenseStore:
-    "State tensors in the stepped dtype, flat, each state dict holding a view of its slot: fastai's layout (`opt_state='fp32'`)"
+    "Flat state in the stepped dtype (`opt_state='fp32'`)"
     name,bits,block = 'fp32',None,64
     def __repr__(self): return f"{type(self).__name__}()"
     def bytes(self, dtype) -> float: return torch.empty((), dtype=dtype).element_size()
@@ -92,7 +92,7 @@ class DenseStore:
     def kstore(self, t:dict, k:str, x:Tensor) -> dict: return {k: x}
 
 class BF16Store(DenseStore):
-    "State tensors rounded to bf16 (`opt_state='bf16'`), stepped in fp32 a window at a time"
+    "State tensors rounded to bf16 (`opt_state='bf16'`)"
     name,bits = 'bf16',16
     def bytes(self, dtype) -> float: return 2.
     def new(self, b, k, dtype): b.st[k] = b.zeros(torch.bfloat16); b.stv[k] = [LowBitState(b, k, i) for i in range(len(b.params))]
@@ -105,13 +105,13 @@ class BF16Store(DenseStore):
     def kstore(self, t, k, x): return {k: bf16_round(x)}
 
 def bf16_round(x:Tensor) -> Tensor:
-    "fp32 `x` rounded to the nearest bf16 (ties to even), still fp32, with integer ops a kernel keeps"
-    b = x.view(torch.int32)
+    "fp32 `x` rounded to bf16 (ties to even), still fp32"
+    b = x.view(torch.int32)  # integer ops, which a kernel keeps
     return ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).view(torch.float32)
 
 # %% ../nbs/01i_lowbit.ipynb #lb0018
 class Float8Codes:
-    "8-bit codes: each element of a block of 256, over the block's largest magnitude times 256, as an fp8 e4m3 number"
+    "8-bit codes: fp8 e4m3 numbers, in blocks of 256"
     bits,block = 8,256
     def encode(self, x:Tensor, qmap=None) -> tuple:
         xb = x.reshape(-1, self.block)
@@ -122,7 +122,7 @@ class Float8Codes:
         return (x.reshape(-1, self.block) * (scale / 256).view(-1, 1)).view(x.shape)
 
 class MapCodes:
-    "4-bit codes: the nearest value of a 16-value map, in blocks of 128, two a byte"
+    "4-bit codes: nearest of a 16-value map, in blocks of 128, two a byte"
     bits,block = 4,128
     def encode(self, x:Tensor, qmap:Tensor) -> tuple:
         codes,scale = quantize(x, qmap, self.block)
@@ -131,12 +131,12 @@ class MapCodes:
 
 # %% ../nbs/01i_lowbit.ipynb #lb0020
 def static_rows(x:Tensor) -> Tensor:
-    "2-d `x`, its row length marked static for `torch.compile` (a symbolic block length makes inductor's loops slow)"
-    torch._dynamo.mark_static(x, 1)
+    "2-d `x`, its row length marked static for `torch.compile`"
+    torch._dynamo.mark_static(x, 1)  # a symbolic block length makes inductor's loops slow
     return x
 
 class QuantStore(BF16Store):
-    "State tensors quantised block-wise in `bits` (8: fp8 codes; 4: a map), a fp32 scale a block (`opt_state='8bit'|'4bit'`)"
+    "State quantised block-wise in `bits` (`opt_state='8bit'|'4bit'`)"
     def __init__(self, bits:int=8):
         self.codes = Float8Codes() if bits == 8 else MapCodes()
         self.bits,self.name,self.block = bits,f'{bits}bit',self.codes.block
@@ -159,7 +159,7 @@ class QuantStore(BF16Store):
     def _enc(self, k, x): return x.clamp_min(0).sqrt() if k == 'sqr_avg' else x  # the second moment as its square root
     def _dec(self, k, x): return x.square() if k == 'sqr_avg' else x
     def _store(self, b, k, lo:int, hi:int, x:Tensor):
-        "Code fp32 `x` into elements `lo` to `hi` of the bucket (block-aligned)"
+        "Code fp32 `x` into elements `lo` to `hi` (block-aligned)"
         codes,scale = self.codes.encode(self._enc(k, x), self.qmap(k, x.device))
         b.st[k][self._span(k, lo, hi)].copy_(codes)
         b.scales[k][lo // self.block:hi // self.block].copy_(scale)
@@ -184,7 +184,7 @@ class QuantStore(BF16Store):
         t = {f'{k}@codes': codes, f'{k}@scale': b.scales[k][lo // self.block:hi // self.block]}
         return {**t, f'{k}@map': self.qmap(k, b.device)} if self.bits == 4 else t
     def kshape(self, t):
-        "The kind's flat tensors as rows of a block, the row's length fixed: the kernel loops a block at a time"
+        "The kind's flat tensors as rows of a block, of static length"
         return {k: static_rows(v.view(-1, self.block)) for k,v in t.items()}
     def kload(self, t, k): return self._dec(k, self.codes.decode(t[f'{k}@codes'], t[f'{k}@scale'], t.get(f'{k}@map')))
     def kstore(self, t, k, x):
@@ -200,11 +200,11 @@ def make_store(opt_state:str='fp32'):
     return dict(fp32=DenseStore, bf16=BF16Store)[opt_state]() if opt_state in ('fp32', 'bf16') else QuantStore(int(opt_state[0]))
 
 def state_bytes(opt_state:str='fp32', dtype=torch.float32) -> float:
-    "Bytes an element of one state tensor takes under `opt_state` (a large tensor's)"
+    "Bytes an element of a large state tensor takes under `opt_state`"
     return make_store(opt_state).bytes(dtype)
 
 MODE_BYTES = dict(fp32=8., amp=8., fp8=8., master=12., kahan=6., stochastic=4.)  # weights, gradients, masters, compensations
 
 def param_bytes(mode:str, opt_state:str='fp32', n_state:int=2) -> float:
-    "Bytes a large parameter holds between steps in `mode` with `n_state` state tensors (Adam: 2) under `opt_state`"
+    "Bytes a large parameter holds between steps"
     return MODE_BYTES[mode] + n_state * state_bytes(opt_state)

@@ -15,58 +15,58 @@ __all__ = ['FitState', 'halvable', 'exact_fp32', 'HalvedRest', 'opt_params', 'un
 
 # %% ../nbs/01b_plumbing.ipynb #d6694c65
 class FitState:
-    "What a mode changes for one fit besides the step engine: `undo()` puts it back; `engine`: the fit's `FusedSteps`"
-    engine = None
-    def undo(self): raise NotImplementedError
+    "What a mode changes for one fit, besides the step engine"
+    engine = None  # the fit's `FusedSteps`
+    def undo(self): raise NotImplementedError  # puts back what the mode changed
     def kind_of(self, p):
-        "The storage kind (a `Kind` of `mpx.flat`) the step engine gives parameter `p`; None: in place"
+        "The `Kind` (`mpx.flat`) the step engine gives `p`; None: in place"
 
 # %% ../nbs/01b_plumbing.ipynb #508cbdd9
 def halvable(model:nn.Module) -> list:
-    "The fp32 parameters and buffers of `model` outside BatchNorm layers, each once: what a half model halves"
+    "`model`'s fp32 tensors to halve: outside BatchNorm, each once"
     ts = (t for m in model.modules() if not isinstance(m, _BatchNorm)
           for t in itertools.chain(m.parameters(recurse=False), m.buffers(recurse=False)))
     return list({id(t): t for t in ts if t.dtype == torch.float32}.values())
 
 def exact_fp32(t:torch.Tensor, kept:torch.Tensor) -> torch.Tensor:
-    "`kept` (`t`'s fp32 value before halving) where `t` still rounds from it, else `t` in fp32"
+    "`kept` where `t` still rounds from it, else `t` in fp32"
     return kept if torch.equal(t, kept.to(t.dtype)) else t.float()
 
 # %% ../nbs/01b_plumbing.ipynb #hr000001
 class HalvedRest:
-    "Tensors a fit halves that no optimizer steps: halved in place, given back exactly unless training changed them"
+    "The tensors a fit halves that no optimizer steps"
     def __init__(self, ts:list, dtype:torch.dtype):
         self.kept = [(t, t.detach().clone()) for t in ts]
         for t in ts: t.grad = None; t.data = t.data.to(dtype)  # an fp32 gradient cannot stay on a half tensor
     def undo(self):
-        "Each tensor back in fp32: its exact value, or its half value widened; a no-op the second time"
-        for t,c in self.kept: t.grad = None; t.data = exact_fp32(t, c)
+        "Each tensor back in fp32; a no-op the second time"
+        for t,c in self.kept: t.grad = None; t.data = exact_fp32(t, c)  # its exact value, or its half value widened
         self.kept = []
 
 # %% ../nbs/01b_plumbing.ipynb #ce970274
 def opt_params(opt) -> list:
-    "The floating parameters `opt` holds, each once, in order; none without an optimizer"
-    if opt is None: return []
+    "`opt`'s floating parameters, each once, in order"
+    if opt is None: return []  # no optimizer: none
     return list({id(p): p for pg in opt.param_lists for p in pg if p.is_floating_point()}.values())
 
 def _wraps(o) -> bool:
-    "Whether `o` wraps another fastai optimizer and steps it (`Lookahead`)"
+    "Whether `o` wraps and steps a fastai optimizer (`Lookahead`)"
     return not isinstance(o, OptimWrapper) and 'cbs' not in vars(o) and isinstance(getattr(o, 'opt', None), _BaseOptimizer)
 
 def unwrap(opt) -> tuple:
-    "The wrappers around `opt` (`Lookahead`s), outermost first, and the optimizer they wrap"
+    "`opt`'s wrappers, outermost first, and the optimizer they wrap"
     wrappers = []
     while opt is not None and _wraps(opt): wrappers.append(opt); opt = opt.opt
     return wrappers,opt
 
 def state_owners(opt) -> list:
-    "The objects of `opt` keeping state by parameter: fastai's optimizer, an `OptimWrapper`'s torch optimizer"
+    "The objects of `opt` that keep state by parameter"
     inner = unwrap(opt)[1]
     return [inner] + ([inner.opt] if isinstance(inner, OptimWrapper) else [])
 
 # %% ../nbs/01b_plumbing.ipynb #lg000002
 class Ledger:
-    "What a fit (or a call) installs: `close` undoes it all, last first, however the fit ends"
+    "What a fit (or a call) installs, undone by `close`"
     def __init__(self): self.log = []
     def set(self, o, name:str, value):
         "Set `o.name = value`, remembering what `o`'s own `__dict__` held"
@@ -79,7 +79,7 @@ class Ledger:
         self.log.append((f,))
         return f
     def close(self):
-        "Undo everything, last first; every undo runs, the first error raised after; a no-op the second time"
+        "Undo everything, last first; a no-op the second time"
         err = None
         while self.log:
             try: self._undo(self.log.pop())
