@@ -1,8 +1,8 @@
 """GPU suite: a ResNet-style CNN (channels_last) and a small GPT in fp32, TF32, mpx bf16 (with and without its finite check)/fp16/master
-fp16 (flat)/pure bf16 (kahan, stochastic), fastai 2.8's `MixedPrecision` fp16/bf16 and raw PyTorch AMP loops: step time, throughput,
+fp16/pure bf16 (kahan, stochastic), fastai 2.8's `MixedPrecision` fp16/bf16 and raw PyTorch AMP loops: step time, throughput,
 MFU against the dense bf16 peak, peak memory. Also, on the same device: the master mode's per-step bookkeeping against fastai's legacy
 helpers (`master_bookkeeping.py`'s steps, fused steps off and on), the host syncs per optimizer step of every mode (`syncs.py`'s count),
-fused against per-parameter steps with fastai's `Adam` (CNN at batch 64, GPT; AMP bf16, master fp16 flat, pure kahan and stochastic),
+fused against per-parameter steps with fastai's `Adam` (CNN at batch 64, GPT; AMP bf16, master fp16, pure kahan and stochastic),
 fp8 (`learn.to_fp8`, tensorwise and rowwise, eager and `torch.compile`d) against bf16 on an MLP-heavy model and the GPT, and the GPT's
 steps under `torch.profiler` (kernels, GPU time, host syncs) for mpx bf16, fastai's bf16 and the raw loop. `--only` picks sections.
 
@@ -217,7 +217,7 @@ def bookkeeping(sizes=(100, 1000), numel=1024, rounds=7, k=5) -> list:
 SYNC_MODES = {  # name: the precision callback whose host syncs per optimizer step are counted
     'mpx AMP fp16': lambda: MixedPrecision('fp16'), 'mpx AMP bf16': lambda: MixedPrecision('bf16'),
     'mpx AMP bf16, check_finite=False': lambda: MixedPrecision('bf16', check_finite=False),
-    'mpx master fp16 per-tensor': lambda: MasterPrecision('fp16'),
+    'mpx master fp16': lambda: MasterPrecision('fp16'),
     'mpx master bf16': lambda: MasterPrecision('bf16'), 'mpx pure bf16 kahan': lambda: PureBF16(update='kahan'),
     'mpx pure bf16 stochastic': lambda: PureBF16(update='stochastic'),
     'fastai AMP fp16': lambda: ffp16.MixedPrecision(), 'fastai AMP bf16': lambda: ffp16.MixedPrecision(amp_mode='bf16'),
