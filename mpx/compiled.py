@@ -141,7 +141,8 @@ def _kernel(kind, store, chain:tuple, sig:tuple=()) -> tuple:
         def scalars(s, steps): return _scalar_body(chain, s, steps)
         def step(t, s, q): return _kernel_body(kind, store, chain, t, s, q)
         opts = dict(dynamic=True, fullgraph=True)
-        _kernels[key] = (torch.compile(_own(scalars, name + '_scalars'), **opts),torch.compile(_own(step, name), **opts))
+        step = torch.compile(_own(step, name), **opts, **({'options': store.kernel_options} if store.kernel_options else {}))
+        _kernels[key] = (torch.compile(_own(scalars, name + '_scalars'), **opts),step)
     return _kernels[key]
 
 # %% ../nbs/01g_compiled.ipynb #cx0010

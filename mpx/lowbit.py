@@ -58,9 +58,9 @@ def pack4(codes:Tensor) -> Tensor:
     return (c[..., 0] * 16 + c[..., 1]).to(torch.uint8)
 
 def unpack4(packed:Tensor) -> Tensor:
-    "`pack4`'s codes, as int64"
-    p = packed.long()
-    return torch.stack([p // 16, p % 16], -1).flatten(-2)
+    "`pack4`'s codes, as int32"
+    shifts = torch.tensor([4, 0], dtype=torch.int32, device=packed.device)  # a broadcast, not a stack: a kernel fuses it
+    return ((packed.to(torch.int32).unsqueeze(-1) >> shifts) & 15).flatten(-2)
 
 # %% ../nbs/01i_lowbit.ipynb #lb0015
 class LowBitState:
@@ -75,6 +75,7 @@ class LowBitState:
 class DenseStore:
     "Flat state in the stepped dtype (`opt_state='fp32'`)"
     name,bits,block = 'fp32',None,64
+    kernel_options = {}  # inductor's settings for a compiled step over this store
     def __repr__(self): return f"{type(self).__name__}()"
     def bytes(self, dtype) -> float: return torch.empty((), dtype=dtype).element_size()
     def new(self, b, k:str, dtype):
@@ -137,6 +138,10 @@ def static_rows(x:Tensor) -> Tensor:
 
 class QuantStore(BF16Store):
     "State quantised block-wise in `bits` (`opt_state='8bit'|'4bit'`)"
+    # a compiled step recomputes a block's new values for its codes, where inductor would store them for the second pass:
+    # two fp32 tensors the size of the run (8 bytes a parameter) at every step's peak
+    kernel_options = {k: 10**4 for k in ('realize_reads_threshold', 'realize_cpu_opcount_threshold', 'realize_acc_reads_threshold',
+                                        'realize_cpu_acc_reads_threshold')}
     def __init__(self, bits:int=8):
         self.codes = Float8Codes() if bits == 8 else MapCodes()
         self.bits,self.name,self.block = bits,f'{bits}bit',self.codes.block
@@ -167,8 +172,10 @@ class QuantStore(BF16Store):
         s = b.scales[k][lo // self.block:hi // self.block]
         return self._dec(k, self.codes.decode(b.st[k][self._span(k, lo, hi)], s, self.qmap(k, b.device)))
     def zero(self, b, k, a, c):
+        "Zeros' codes and scale (every block's the same) filled in: no fp32 tensor of the span"
         lo,hi = b.lo(a),b.end(c)
-        self._store(b, k, lo, hi, torch.zeros(hi - lo, device=b.device))
+        codes,scale = self.codes.encode(self._enc(k, torch.zeros(self.block, device=b.device)), self.qmap(k, b.device))
+        b.st[k][self._span(k, lo, hi)].fill_(codes[0]); b.scales[k][lo // self.block:hi // self.block].fill_(scale[0])
     def put(self, b, k, i, v):
         lo,hi = b.lo(i),b.end(i+1)
         x = self._load(b, k, lo, hi); b.slot(x, i, lo).copy_(v); self._store(b, k, lo, hi, x)
