@@ -354,7 +354,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                           'mpx.flat.Bucket.__init__': ('flat.html#bucket.__init__', 'mpx/flat.py'),
                           'mpx.flat.Bucket.__repr__': ('flat.html#bucket.__repr__', 'mpx/flat.py'),
                           'mpx.flat.Bucket._adopt_flat': ('flat.html#bucket._adopt_flat', 'mpx/flat.py'),
-                          'mpx.flat.Bucket._ids': ('flat.html#bucket._ids', 'mpx/flat.py'),
+                          'mpx.flat.Bucket._held': ('flat.html#bucket._held', 'mpx/flat.py'),
                           'mpx.flat.Bucket._states_same': ('flat.html#bucket._states_same', 'mpx/flat.py'),
                           'mpx.flat.Bucket.adopt_grads': ('flat.html#bucket.adopt_grads', 'mpx/flat.py'),
                           'mpx.flat.Bucket.adopt_states': ('flat.html#bucket.adopt_states', 'mpx/flat.py'),

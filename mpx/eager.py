@@ -77,9 +77,9 @@ def put_state(b:Bucket, a:int, c:int, new:dict|None, sw:StateWindow, shaped:bool
             sw.make(k, v.dtype)
             s = sw.slot(k, a) if shaped else sw.part(k, a, c)
             if v is not s: s.copy_(v)
-            for i in range(a, c): b.dicts[i][k] = b.stv[k][i]
+            for d,t in zip(b.dicts[a:c], b.stv[k][a:c]): d[k] = t
         else:
-            for i in range(a, c): b.dicts[i][k] = v
+            for d in b.dicts[a:c]: d[k] = v
 
 # %% ../nbs/01f_eager.ipynb #ea0011
 class ParamItems:

@@ -4,6 +4,7 @@
 
 # %% ../nbs/01e_flat.ipynb #fl0003
 from __future__ import annotations
+from itertools import repeat
 from fastai.torch_basics import *
 from .lowbit import DenseStore
 
@@ -188,8 +189,9 @@ _flat_keys = lambda p,v: isinstance(v, Tensor) and v.layout is torch.strided and
 @patch
 def adopt_states(self:Bucket, state:dict, sdtype, same:bool=False):
     "Take each parameter's state dict; its tensors into the buffers"
-    ds = list(self.dicts) if same and None not in self.dicts else [state[p] for p in self.params]  # `same`: none replaced
-    if self._states_same(ds): return
+    same = same and self._seen is not None  # `same`: no dict replaced since the last adoption
+    ds = self.dicts if same else [state[p] for p in self.params]
+    if self._states_same(ds, same): return
     for i,(p,d) in enumerate(zip(self.params, ds)):
         self.dicts[i] = d
         if not self.flat: continue
@@ -197,29 +199,32 @@ def adopt_states(self:Bucket, state:dict, sdtype, same:bool=False):
             if not _flat_keys(p, v) or (v.dtype != sdtype and self.store.bits is None): continue
             self.state_new(k, sdtype)
             if v is not self.stv[k][i]: self.store.put(self, k, i, v); d[k] = self.stv[k][i]
-    self._seen = self._ids(ds)
+    self._seen = (list(map(id, ds)), self._held(ds))
 
 @patch
-def _ids(self:Bucket, ds:list) -> tuple:
-    "The ids of `ds`, of their sizes and of their state tensors"
-    return (list(map(id, ds)), list(map(len, ds)), *([id(d.get(k)) for d in ds] for k in self.stv))
+def _held(self:Bucket, ds:list) -> tuple:
+    "The sizes of dicts `ds`, and the ids of their state tensors"
+    return (list(map(len, ds)), *(list(map(id, map(dict.get, ds, repeat(k)))) for k in self.stv))
 
 @patch
-def _states_same(self:Bucket, ds:list) -> bool:
-    "Whether `ds` are the dicts adopted, with the same tensors"
-    return self._seen is not None and self._ids(ds) == self._seen  # a few list comparisons in C
+def _states_same(self:Bucket, ds:list, same:bool=False) -> bool:
+    "Whether `ds` are the dicts adopted (known when `same`), with the same tensors"
+    if self._seen is None or not (same or list(map(id, ds)) == self._seen[0]): return False
+    return self._held(ds) == self._seen[1]  # a few list comparisons in C
 
 # %% ../nbs/01e_flat.ipynb #fl0026
 def scalar_keys(b:Bucket) -> list:
     "Each parameter's scalar state: `step`, `do_wd`, its state keys"
     ds = [d or {} for d in b.dicts]
-    has = [[k in d for d in ds] for k in b.st]
-    return list(zip([d.get('step', 0) for d in ds], [d.get('do_wd', True) for d in ds], *has))
+    cols = [[d.get('step', 0) for d in ds], [d.get('do_wd', True) for d in ds], *([k in d for d in ds] for k in b.st)]
+    if all(c.count(c[0]) == len(c) for c in cols): return [tuple(c[0] for c in cols)]*len(ds)  # one key: `runs` sees it at once
+    return list(zip(*cols))
 
 @patch
 def runs(self:Bucket, i:int, j:int, keys:list, single:bool=False) -> list:
     "Runs `(a, c)` of live parameters in `i` to `j` with equal `keys`"
-    memo = (i, j, single, tuple(self.live), tuple(keys), tuple(sorted(self.loose)))
+    one = keys.count(keys[0]) == len(keys)  # one key for all (the usual): the runs follow the live parameters alone
+    memo = (i, j, single, tuple(self.live), None if one else tuple(keys), tuple(sorted(self.loose)))
     if self._runs is not None and self._runs[0] == memo: return self._runs[1]
     res,cur,key = [],None,None
     for k in range(i, j):

@@ -4,7 +4,7 @@
 
 # %% ../nbs/01a_fused.ipynb #fz0003
 from __future__ import annotations
-import warnings
+import warnings, operator
 from functools import partial
 from fastai.torch_basics import *
 from fastai.optimizer import *
@@ -166,11 +166,12 @@ class FusedSteps:
         for k in {id(b.kind): b.kind for b in self.buckets}.values(): k.tick()
         self.exposed = False
 
-    def prelude(self):
-        "Before a step: what changed adopted, callbacks' writes taken"
-        self.refresh()
+    def prelude(self, full:bool=True):
+        "Before a step (`full`) or a finite check: what changed adopted"
+        if full: self.refresh()  # the finite check reads only gradients: weights and state wait for the step
         for b in self.buckets:  # the taking kinds take what callbacks wrote into the model's gradients
             if b.kind.takes: b.adopt_grads(); b.kind.merge(b, self.exposed)
+            elif not full: b.adopt_grads()
 
     def will_compile(self) -> bool:
         "Whether the next step is compiled on every bucket"
@@ -235,6 +236,8 @@ class FusedSteps:
 _in_place = Kind()
 
 # %% ../nbs/01a_fused.ipynb #fz0011
+_grad = operator.attrgetter('grad')
+
 @patch
 @torch.no_grad()
 def zero_grad(self:FusedSteps):
@@ -242,8 +245,9 @@ def zero_grad(self:FusedSteps):
     gs = []
     for b in self.buckets:
         if b.flat and b.g is not None: gs.append(b.g)
-        for i,p in enumerate(b.params):
-            g = p.grad
+        own = list(map(_grad, b.params))
+        if b.gv is not None and all(map(operator.is_, own, b.gv)): continue  # all in the flat buffer: its one op
+        for i,g in enumerate(own):
             if g is None or (b.gv is not None and g is b.gv[i]): continue
             if g.grad_fn is not None or g.requires_grad: g.detach_()  # only a `create_graph` backward leaves such a gradient
             gs.append(g)
@@ -271,7 +275,7 @@ def before_backward(self:FusedSteps):
 @patch
 def checked(self:FusedSteps) -> list:
     "The gradients the finite check reads, one a flat bucket"
-    self.prelude()  # what changed adopted first
+    self.prelude(full=False)  # the gradients adopted first
     return [g for b in self.buckets for g in b.kind.checked(b) if g is not None]
 
 @patch
