@@ -17,7 +17,7 @@ allocations made in the step and still held there; `--plot` draws `bench/plots/m
 `memory_<model>.png`.
 
 Models (`--model`, `MODELS`): 'wide', an MLP of 21.0M parameters, 16.8M of them in one weight, at batch 16; 'deep', 21.0M
-in twenty 1024x1024 layers, none over 1.05M (the eager windows of `chunk` elements then hold several tensors, or one);
+in twenty 1024x1024 layers, none over 1.05M (the eager windows: `chunk` elements, a larger parameter in pieces);
 'small', the activation-heavy MLP of the earlier table. fastai's Adam; optimi's and torchao's AdamW with fastai's betas,
 eps and decoupled weight decay. Run: `PYTHONPATH=. .venv/bin/python bench/memory.py` (`--quick` for the fp32-state arms
 alone, `--arms a,b` to pick arms by name, `--model deep`, `--explain`, `--plot`)."""
@@ -80,7 +80,7 @@ def _torchao(amp=False):
 MODES = {'AMP bf16': ('amp', {}), 'master bf16': ('master', dict(master=True)),
          'pure kahan': ('kahan', dict(pure=True)), 'pure stochastic': ('stochastic', dict(pure=True, update='stochastic'))}
 
-def arms(chunk=1<<18) -> dict:
+def arms(chunk=1<<22) -> dict:
     "Every arm by name; `default(name)` says whether a plain run measures it"
     res = {'fastai fp32': (lambda l: l, 'fp32', 'fp32')}
     for name,(mm,kw) in MODES.items():
@@ -96,7 +96,7 @@ def arms(chunk=1<<18) -> dict:
     return res
 
 def default(name:str) -> bool:
-    "The arms of a plain run: bf16 state compiled and the smaller chunk only where a target is (pure 8-bit)"
+    "The arms of a plain run: bf16 state compiled and the other chunk only where a target is (pure 8-bit)"
     if 'bf16 compile' in name: return False
     return 'chunk' not in name or (name.startswith('pure') and '8bit' in name)
 
@@ -290,7 +290,7 @@ def main(argv=None):
     ap.add_argument('--quick', action='store_true', help='the fp32-state arms alone')
     ap.add_argument('--model', default='wide', choices=list(MODELS), help="'wide' (default), 'deep' or 'small' (see MODELS)")
     ap.add_argument('--arms', default='', help="comma-separated arm names (default: all but `default`'s exceptions)")
-    ap.add_argument('--chunk', type=int, default=1<<18, help="the smaller engine chunk of the 'chunk' arms")
+    ap.add_argument('--chunk', type=int, default=1<<22, help="the engine chunk of the 'chunk' arms (default: a GPU's; the CPU's is 131,072)")
     ap.add_argument('--at', type=int, default=1, help='the profiled step (0-based); the first is profiled too')
     ap.add_argument('--explain', action='store_true', help="print the sites of what each peak holds on top of the resident (profiles the stacks: slower)")
     ap.add_argument('--plot', action='store_true', help="write bench/plots/memory.png ('wide'), memory_<model>.png otherwise")

@@ -162,7 +162,7 @@ _MULTI = {larc_layer_lr: _larc_layer_lr, larc_step: _larc_step, lamb_step: _lamb
 class LoopSteps:
     "fastai's loop, on each live parameter's stepped tensor"
     def bucket(self, eng, b:Bucket, hyper:dict):
-        for i,j in b.windows(eng.chunk): self.window(eng, b, i, j, hyper)
+        for i,j,_,_ in b.windows(eng.chunk): self.window(eng, b, i, j, hyper)
     def extra(self, eng, b:Bucket, i:int, n:int, hyper:dict): self.window(eng, b, i, i+1, hyper, n)
     def window(self, eng, b:Bucket, i:int, j:int, hyper:dict, phase:int=0):
         if not any(b.live[i:j]): return
@@ -188,6 +188,12 @@ def _stepped_param(b:Bucket, k:int, x, g, i:int) -> Tensor:
     return t
 
 # %% ../nbs/01f_eager.ipynb #ea0018
+def _as_before(b:Bucket, i:int, d:dict):
+    "Parameter `i`'s dict as `d`, but with its state tensors as now"
+    now = b.dicts[i]
+    held = {k: now[k] for k in b.st if k in now}
+    now.clear(); now.update(d); now.update(held)
+
 def _transcendental(cb, hyper:dict) -> bool:
     "Whether `cb` must step a parameter a run (SAdam's softplus)"
     return base_fn(cb) is radam_step and bool(hyper.get('beta', cb.keywords.get('beta') if isinstance(cb, partial) else None))
@@ -195,6 +201,16 @@ def _transcendental(cb, hyper:dict) -> bool:
 class RunSteps(LoopSteps):
     "A `plan` of fastai's functions, elementwise ones once a run"
     def __init__(self, plan:list): self.plan = plan
+    def bucket(self, eng, b:Bucket, hyper:dict):
+        "Each window; a large parameter in pieces where the plan allows"
+        split = all(w[0] == 'run' and not _transcendental(w[1], hyper) for w in self.plan)  # elementwise, a run at a time
+        before = {}  # a parameter stepped in pieces: its dict as the step found it
+        for i,j,lo,hi in b.windows(eng.chunk, split):
+            if (lo, hi) == (b.lo(i), b.end(j)): self.window(eng, b, i, j, hyper); continue
+            if i in before: _as_before(b, i, before[i])  # each piece reads the scalars (`step`) the step began with
+            else: before[i] = dict(b.dicts[i])
+            with b.clipped(lo, hi): self.window(eng, b, i, j, hyper)
+
     def window(self, eng, b:Bucket, i:int, j:int, hyper:dict, phase:int=0):
         if not any(b.live[i:j]): return
         x,g = b.kind.wide(b, i, j)

@@ -5,6 +5,7 @@
 # %% ../nbs/01e_flat.ipynb #fl0003
 from __future__ import annotations
 from itertools import repeat
+from contextlib import contextmanager
 from fastai.torch_basics import *
 from .lowbit import DenseStore
 
@@ -109,6 +110,7 @@ class Bucket:
         self.loose = set()  # parameters whose gradient could not be adopted (sparse): stepped one at a time
         self.g = self.gv = None
         self._grads,self._runs,self._seen = None,None,None
+        self.clip = None  # `(lo, hi)`: `lo`, `end` and `part` confined to these elements (`clipped`)
         kind.build(self)
         if flat and self.g is not None: self.gv = self.views(self.g)
         self.ptrs = [p.data_ptr() for p in params] if flat else None
@@ -128,10 +130,17 @@ class Bucket:
     def point(self, buf:Tensor):
         "Make each parameter's data its slot of `buf`"
         for p,v in zip(self.params, self.views(buf)): set_data(p, v)
-    def lo(self, i:int) -> int: return self.offs[i]
+    def lo(self, i:int) -> int: return self.offs[i] if self.clip is None else max(self.offs[i], self.clip[0])
     def end(self, j:int) -> int:
         "Where the span of parameters `i` to `j` ends"
-        return self.offs[j] if j < len(self.offs) else self.n  # spans tile the buffer, padding included
+        e = self.offs[j] if j < len(self.offs) else self.n  # spans tile the buffer, padding included
+        return e if self.clip is None else min(e, self.clip[1])
+    @contextmanager
+    def clipped(self, lo:int, hi:int):
+        "Within: spans confined to elements `lo` to `hi` (a window)"
+        old,self.clip = self.clip,(lo, hi)
+        try: yield self
+        finally: self.clip = old
     def part(self, buf:Tensor|None, i:int, j:int, lo:int=0) -> Tensor|None:
         "The slice of flat `buf` holding parameters `i` to `j`"
         if buf is None: return None
@@ -237,10 +246,17 @@ def runs(self:Bucket, i:int, j:int, keys:list, single:bool=False) -> list:
     return res
 
 @patch
-def windows(self:Bucket, chunk:int) -> list:
-    "The `(i, j)` ranges stepped at once"
-    if not (self.kind.widens or self.store.bits): return [(0, len(self.params))]
+def windows(self:Bucket, chunk:int, split:bool=False) -> list:
+    "`(i, j, lo, hi)`: parameters `i` to `j`, elements `lo` to `hi`"
+    n = len(self.params)
+    if not (self.kind.widens or self.store.bits): return [(0, n, 0, self.n)]
     res,start = [],0
-    for k in range(1, len(self.params)+1):
-        if k == len(self.params) or self.end(k+1) - self.lo(start) > chunk: res.append((start, k)); start = k
-    return res
+    for k in range(1, n+1):
+        if k == n or self.end(k+1) - self.lo(start) > chunk: res.append((start, k, self.lo(start), self.end(k))); start = k
+    if not split: return res
+    step = max(chunk // self.store.block, 1) * self.store.block  # pieces begin on the store's blocks
+    out = []
+    for i,j,lo,hi in res:
+        whole = j > i+1 or i in self.loose  # several parameters, or a sparse gradient's: never cut
+        out += [(i, j, lo, hi)] if whole else [(i, j, a, min(a+step, hi)) for a in range(lo, hi, step)]
+    return out

@@ -29,7 +29,7 @@ class ForeignSteps:
         "The optimizer's own `step` on the stepped tensors"
         eng = self.eng
         eng.prelude()
-        if windowed: wins = [[(b, i, j)] for b in eng.buckets for i,j in b.windows(eng.chunk)]  # a window at a time
+        if windowed: wins = [[(b, i, j)] for b in eng.buckets for i,j,_,_ in b.windows(eng.chunk)]  # a window at a time
         else: wins = [[(b, 0, len(b.params)) for b in eng.buckets]]
         for w in wins: self._swapped(step, w, windowed)
         for k in {id(b.kind): b.kind for b in eng.buckets}.values(): k.tick()
@@ -76,7 +76,7 @@ class LookaheadSync:
         slow,eng = self._flat(la),self.eng
         for gi in range(len(eng.lists)):
             for b in eng.groups[gi]:
-                for i,j in b.windows(eng.chunk): self._sync(la, slow, b, i, j)
+                for i,j,_,_ in b.windows(eng.chunk): self._sync(la, slow, b, i, j)
             for n,p in eng.extras[gi]: self._sync_extra(la, gi, n, p)
 
     def _copies(self, la:Lookahead) -> L:
@@ -85,7 +85,7 @@ class LookaheadSync:
         for b in eng.buckets:
             if not b.flat: continue
             buf = bufs[id(b)] = b.zeros(b.kind.sdtype(b))  # a flat bucket's copies in one buffer
-            for i,j in b.windows(eng.chunk): b.part(buf, i, j).copy_(b.kind.wide(b, i, j)[0])
+            for i,j,_,_ in b.windows(eng.chunk): b.part(buf, i, j).copy_(b.kind.wide(b, i, j)[0])
         res = []
         for gi,pg in enumerate(eng.lists):
             row = []

@@ -18,7 +18,7 @@ from .foreign import ForeignSteps, LookaheadSync
 from .lowbit import DenseStore, LowBitState, make_store, MIN_LOWBIT
 
 # %% auto #0
-__all__ = ['why_not_fused', 'why_not_lowbit', 'FusedSteps']
+__all__ = ['why_not_fused', 'why_not_lowbit', 'default_chunk', 'FusedSteps']
 
 # %% ../nbs/01a_fused.ipynb #fz0006
 def why_not_fused(opt) -> str|None:
@@ -44,7 +44,12 @@ def _own_zero_grad(o) -> bool:
     base = Lookahead if isinstance(o, Lookahead) else Optimizer
     return 'zero_grad' in vars(o) or type(o).zero_grad is not base.zero_grad
 
-# %% ../nbs/01a_fused.ipynb #fz0009
+# %% ../nbs/01a_fused.ipynb #fz0010
+def default_chunk(device) -> int:
+    "Elements a window holds on `device`: cache-sized on a CPU"
+    return 1<<17 if torch.device(device).type == 'cpu' else 1<<22
+
+# %% ../nbs/01a_fused.ipynb #fz0012
 class FusedSteps:
     "The optimizer step of one fit, over flat buffers"
     def __init__(self,
@@ -52,7 +57,7 @@ class FusedSteps:
         kind_of:Callable|None=None, # `kind_of(p) -> Kind` for each parameter; None: `Kind()` (in place)
         fused:bool|str|Fused=True, # How it steps (see `Fused`): True, False or 'compile'
         ledger:Ledger|None=None, # The fit's ledger, where the engine's undo is recorded; None: its own
-        chunk:int=1<<22, # Most elements a window widens at once (a larger parameter alone)
+        chunk:int|None=None, # Most elements a window holds; None: `default_chunk` of the device
         opt_state:str='fp32', # How the optimizer's state is held: 'fp32', 'bf16', '8bit' or '4bit' (`mpx.lowbit`)
     ):
         self.opt,self.path,self.chunk,self.opt_state = opt,Fused.of(fused),chunk,opt_state
@@ -70,6 +75,7 @@ class FusedSteps:
         why = why_not_lowbit(opt, self.path, opt_state)
         if why: raise ValueError(why)
         self._layout()
+        self.chunk = chunk or default_chunk(self.buckets[0].device if self.buckets else 'cpu')
         self.ledger.defer(self._finish)
         self._choose()
         self._install()
@@ -235,7 +241,7 @@ class FusedSteps:
 
 _in_place = Kind()
 
-# %% ../nbs/01a_fused.ipynb #fz0011
+# %% ../nbs/01a_fused.ipynb #fz0014
 _grad = operator.attrgetter('grad')
 
 @patch
