@@ -76,7 +76,8 @@ def put_state(b:Bucket, a:int, c:int, new:dict|None, sw:StateWindow, shaped:bool
         if isinstance(v, Tensor) and v.numel() == n and (shaped or v.dim() == 1) and v.is_floating_point():
             sw.make(k, v.dtype)
             s = sw.slot(k, a) if shaped else sw.part(k, a, c)
-            if v is not s: s.copy_(v)
+            if v is s or (v.data_ptr() == s.data_ptr() and v.shape == s.shape): continue  # stepped in place: the dicts hold it
+            s.copy_(v)
             for d,t in zip(b.dicts[a:c], b.stv[k][a:c]): d[k] = t
         else:
             for d in b.dicts[a:c]: d[k] = v
