@@ -249,7 +249,7 @@ def runs(self:Bucket, i:int, j:int, keys:list, single:bool=False) -> list:
 def windows(self:Bucket, chunk:int, split:bool=False) -> list:
     "`(i, j, lo, hi)`: parameters `i` to `j`, elements `lo` to `hi`"
     n = len(self.params)
-    if not (self.kind.widens or self.store.bits): return [(0, n, 0, self.n)]
+    if not (self.kind.widens or self.store.bits) and self.n <= 8*chunk: return [(0, n, 0, self.n)]  # nothing widened: whole, if small
     res,start = [],0
     for k in range(1, n+1):
         if k == n or self.end(k+1) - self.lo(start) > chunk: res.append((start, k, self.lo(start), self.end(k))); start = k
