@@ -215,11 +215,12 @@ class RunSteps(LoopSteps):
     def window(self, eng, b:Bucket, i:int, j:int, hyper:dict, phase:int=0):
         if not any(b.live[i:j]): return
         x,g = b.kind.wide(b, i, j)
-        rs = b.runs(i, j, scalar_keys(b))
+        ks = scalar_keys(b, i, j)  # the window's own: a bucket's would be read again in each window
+        rs = b.runs(i, j, ks)
         lo,sw = b.lo(i),StateWindow(eng, b, i, j)
         for what in self.plan:
             if what[0] == 'run' and _transcendental(what[1], hyper):
-                for a,c in b.runs(i, j, scalar_keys(b), single=True):
+                for a,c in b.runs(i, j, ks, single=True):
                     it = _Item(b.slot(x, a, lo), b.slot(g, a, lo))
                     put_state(b, a, c, what[1](it, **{**run_state(b, a, c, sw, True), **hyper}), sw, True)
             elif what[0] == 'run':

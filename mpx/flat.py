@@ -222,24 +222,24 @@ def _states_same(self:Bucket, ds:list, same:bool=False) -> bool:
     return self._held(ds) == self._seen[1]  # a few list comparisons in C
 
 # %% ../nbs/01e_flat.ipynb #fl0026
-def scalar_keys(b:Bucket) -> list:
-    "Each parameter's scalar state: `step`, `do_wd`, its state keys"
-    ds = [d or {} for d in b.dicts]
+def scalar_keys(b:Bucket, i:int=0, j:int|None=None) -> list:
+    "Parameters `i` to `j`'s scalar state: `step`, `do_wd`, state keys"
+    ds = [d or {} for d in b.dicts[i:j]]
     cols = [[d.get('step', 0) for d in ds], [d.get('do_wd', True) for d in ds], *([k in d for d in ds] for k in b.st)]
     if all(c.count(c[0]) == len(c) for c in cols): return [tuple(c[0] for c in cols)]*len(ds)  # one key: `runs` sees it at once
     return list(zip(*cols))
 
 @patch
 def runs(self:Bucket, i:int, j:int, keys:list, single:bool=False) -> list:
-    "Runs `(a, c)` of live parameters in `i` to `j` with equal `keys`"
+    "Runs `(a, c)` of live parameters in `i` to `j` with equal `keys` (theirs)"
     one = keys.count(keys[0]) == len(keys)  # one key for all (the usual): the runs follow the live parameters alone
     memo = (i, j, single, tuple(self.live), None if one else tuple(keys), tuple(sorted(self.loose)))
     if self._runs is not None and self._runs[0] == memo: return self._runs[1]
     res,cur,key = [],None,None
     for k in range(i, j):
         if not self.live[k] or (k in self.loose and self.kind.in_place): cur = None; continue
-        if cur is not None and not single and self.flat and keys[k] == key: cur[1] = k+1; continue  # `single`: one a parameter
-        cur,key = [k, k+1],keys[k]
+        if cur is not None and not single and self.flat and keys[k-i] == key: cur[1] = k+1; continue  # `single`: one a parameter
+        cur,key = [k, k+1],keys[k-i]
         res.append(cur)
     res = [tuple(r) for r in res]
     self._runs = (memo, res)
@@ -249,7 +249,8 @@ def runs(self:Bucket, i:int, j:int, keys:list, single:bool=False) -> list:
 def windows(self:Bucket, chunk:int, split:bool=False) -> list:
     "`(i, j, lo, hi)`: parameters `i` to `j`, elements `lo` to `hi`"
     n = len(self.params)
-    if not (self.kind.widens or self.store.bits) and self.n <= 8*chunk: return [(0, n, 0, self.n)]  # nothing widened: whole, if small
+    if not (self.kind.widens or self.store.bits): chunk *= 8  # nothing widened: only the step functions' temporaries
+    if self.n <= chunk: return [(0, n, 0, self.n)]
     res,start = [],0
     for k in range(1, n+1):
         if k == n or self.end(k+1) - self.lo(start) > chunk: res.append((start, k, self.lo(start), self.end(k))); start = k
