@@ -10,6 +10,7 @@ from fastai.torch_basics import *
 from fastai.optimizer import *
 from .flat import *
 from .eager import base_fn, fn_name, RunSteps, LoopSteps
+from .lowbit import kept
 
 # %% auto #0
 __all__ = ['DeviceSteps', 'compile_plan', 'CompiledSteps']
@@ -111,17 +112,11 @@ def _kernel_body(kind, store, chain:tuple, t:dict, s:dict, q:dict):
     ks = [k for k in _STATE if any(n == k or n.startswith(k + '@') for n in t)]
     e = dict(x=x, g=g, **{k: store.kload(t, k) for k in ks})  # the state, dequantised where it is low-bit (`mpx.lowbit`)
     for f,kw in chain: _COMPILED[f].update(e, q, dict(kw))
-    out = kind.kfold(t, s, e['x'])
-    for k in ks: out.update(store.kstore(t, k, e[k]))
     keep = s['found'] != 0  # nothing changes where the finite check found an inf or nan
-    for k,v in out.items(): t[k].copy_(_kept(keep, t[k], v.to(t[k].dtype)))
+    out = {k: kept(keep, t[k], v) for k,v in kind.kfold(t, s, e['x']).items()}
+    for k in ks: out.update(store.kstore(t, k, e[k], keep))
+    for k,v in out.items(): t[k].copy_(v)
     if 'steps' in t: t['steps'].copy_(torch.where(keep, t['steps'], t['steps'] + 1))
-
-def _kept(keep:Tensor, old:Tensor, new:Tensor) -> Tensor:
-    "`old` where `keep`, else `new`"
-    if old.dtype != torch.uint8: return torch.where(keep, old, new)
-    # bytes (low-bit codes) through a mask: inductor's CPU blend of bytes is slow
-    return old ^ ((old ^ new) & torch.where(keep, 0, 255).to(torch.uint8))
 
 _kernels,_failed = {},{}
 

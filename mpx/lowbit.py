@@ -8,7 +8,7 @@ from fastai.torch_basics import *
 
 # %% auto #0
 __all__ = ['OPT_STATES', 'MIN_LOWBIT', 'MODE_BYTES', 'dynamic_map', 'root_map', 'quantize', 'dequantize', 'pack4', 'unpack4',
-           'LowBitState', 'DenseStore', 'BF16Store', 'bf16_round', 'Float8Codes', 'MapCodes', 'static_rows',
+           'LowBitState', 'DenseStore', 'BF16Store', 'kept', 'bf16_round', 'Float8Codes', 'MapCodes', 'static_rows',
            'QuantStore', 'make_store', 'state_bytes', 'param_bytes']
 
 # %% ../nbs/01i_lowbit.ipynb #lb0006
@@ -90,7 +90,7 @@ class DenseStore:
     def kio(self, b, k:str, a:int, c:int) -> dict: return {k: b.part(b.st[k], a, c)}
     def kshape(self, t:dict) -> dict: return t
     def kload(self, t:dict, k:str) -> Tensor: return t[k]
-    def kstore(self, t:dict, k:str, x:Tensor) -> dict: return {k: x}
+    def kstore(self, t:dict, k:str, x:Tensor, keep:Tensor) -> dict: return {k: kept(keep, t[k], x)}
 
 class BF16Store(DenseStore):
     "State tensors rounded to bf16 (`opt_state='bf16'`)"
@@ -103,7 +103,13 @@ class BF16Store(DenseStore):
     def window(self, b, k, i, j, ws=None): ws.copy_(b.part(b.st[k], i, j)); return ws
     def back(self, b, k, i, j, x): b.part(b.st[k], i, j).copy_(x)
     def kload(self, t, k): return t[k].float()
-    def kstore(self, t, k, x): return {k: bf16_round(x)}
+    def kstore(self, t, k, x, keep): return {k: kept(keep, t[k], bf16_round(x))}
+
+def kept(keep:Tensor, old:Tensor, new:Tensor) -> Tensor:
+    "A kernel's `old` where `keep` (a skipped step), else `new`, in `old`'s dtype"
+    if old.dtype != torch.uint8: return torch.where(keep, old, new.to(old.dtype))
+    # bytes (4-bit codes) through a mask: inductor's CPU blend of bytes is slow
+    return old ^ ((old ^ new) & torch.where(keep, 0, 255).to(torch.uint8))
 
 def bf16_round(x:Tensor) -> Tensor:
     "fp32 `x` rounded to bf16 (ties to even), still fp32"
@@ -114,13 +120,23 @@ def bf16_round(x:Tensor) -> Tensor:
 class Float8Codes:
     "8-bit codes: fp8 e4m3 numbers, in blocks of 256"
     bits,block = 8,256
-    def encode(self, x:Tensor, qmap=None) -> tuple:
+    def scaled(self, x:Tensor) -> tuple:
+        "`x` over its block's largest magnitude, times 256 (the codes' values), and the block scales"
         xb = x.reshape(-1, self.block)
         scale = xb.abs().amax(-1).clamp_min(1e-12)
-        return (xb * (256 / scale).view(-1, 1)).view(x.shape).to(torch.float8_e4m3fn).view(torch.uint8),scale
+        return (xb * (256 / scale).view(-1, 1)).view(x.shape),scale
+    def encode(self, x:Tensor, qmap=None) -> tuple:
+        y,scale = self.scaled(x)
+        return y.to(torch.float8_e4m3fn).view(torch.uint8),scale
     def decode(self, codes:Tensor, scale:Tensor, qmap=None) -> Tensor:
-        x = codes.view(torch.float8_e4m3fn).float()
+        x = codes.view(torch.float8_e4m3fn).float()  # in a kernel the codes come typed e4m3, and this view is no bit cast
         return (x.reshape(-1, self.block) * (scale / 256).view(-1, 1)).view(x.shape)
+    # ---- compiled
+    def typed(self, codes:Tensor) -> Tensor: return codes.view(torch.float8_e4m3fn)
+    def kcode(self, old:Tensor, x:Tensor, keep:Tensor, qmap=None) -> tuple:
+        "New codes of `x` (`old` where `keep`), typed e4m3, and the block scales"
+        y,scale = self.scaled(x)
+        return torch.where(keep, old.float(), y).to(torch.float8_e4m3fn),scale  # an e4m3 number casts back to itself
 
 class MapCodes:
     "4-bit codes: nearest of a 16-value map, in blocks of 128, two a byte"
@@ -129,6 +145,10 @@ class MapCodes:
         codes,scale = quantize(x, qmap, self.block)
         return pack4(codes),scale
     def decode(self, codes:Tensor, scale:Tensor, qmap:Tensor) -> Tensor: return dequantize(unpack4(codes), scale, qmap, self.block)
+    def typed(self, codes:Tensor) -> Tensor: return codes
+    def kcode(self, old:Tensor, x:Tensor, keep:Tensor, qmap:Tensor) -> tuple:
+        codes,scale = self.encode(x, qmap)
+        return kept(keep, old, codes),scale
 
 # %% ../nbs/01i_lowbit.ipynb #lb0020
 def static_rows(x:Tensor) -> Tensor:
@@ -187,16 +207,17 @@ class QuantStore(BF16Store):
     # ---- compiled: the codes and scales (and a 4-bit map) in; new codes and scales out, in the same pass
     def kio(self, b, k, a, c):
         lo,hi = b.lo(a),b.end(c)
-        codes = static_rows(b.st[k][self._span(k, lo, hi)].view(-1, self.block * self.bits // 8))
+        codes = static_rows(self.codes.typed(b.st[k][self._span(k, lo, hi)]).view(-1, self.block * self.bits // 8))
         t = {f'{k}@codes': codes, f'{k}@scale': b.scales[k][lo // self.block:hi // self.block]}
         return {**t, f'{k}@map': self.qmap(k, b.device)} if self.bits == 4 else t
     def kshape(self, t):
         "The kind's flat tensors as rows of a block, of static length"
         return {k: static_rows(v.view(-1, self.block)) for k,v in t.items()}
     def kload(self, t, k): return self._dec(k, self.codes.decode(t[f'{k}@codes'], t[f'{k}@scale'], t.get(f'{k}@map')))
-    def kstore(self, t, k, x):
-        codes,scale = self.codes.encode(self._enc(k, x), t.get(f'{k}@map'))
-        return {f'{k}@codes': codes, f'{k}@scale': scale}
+    def kstore(self, t, k, x, keep):
+        c,s = f'{k}@codes',f'{k}@scale'
+        codes,scale = self.codes.kcode(t[c], self._enc(k, x), keep, t.get(f'{k}@map'))
+        return {c: codes, s: kept(keep, t[s], scale)}
 
 # %% ../nbs/01i_lowbit.ipynb #lb0025
 OPT_STATES = ('fp32', 'bf16', '8bit', '4bit')
