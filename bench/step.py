@@ -345,6 +345,8 @@ TARGETS = [  # (target, arm, reference arm, at least)
     ("fused='compile': pure kahan >= 1.1x fastai + optimi Kahan AdamW", 'pure kahan compile', 'optimi kahan', 1.1),
     ("fused='compile': AMP bf16 >= 0.9x the raw loop with torch's fused AdamW", 'AMP bf16 compile', 'raw fused', 0.9),
     ('eager default: pure kahan >= 0.8x AMP bf16', 'pure kahan', 'AMP bf16', 0.8),
+    ("fused='compile' (issue 35): AMP bf16 with 8-bit state >= 0.9x its fp32 state", 'AMP bf16 8bit compile', 'AMP bf16 compile', 0.9),
+    ("fused='compile' (issue 35): pure kahan with 8-bit state >= 0.9x its fp32 state", 'pure kahan 8bit compile', 'pure kahan compile', 0.9),
 ]
 
 def target_table(res, cnt):
