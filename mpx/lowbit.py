@@ -150,7 +150,7 @@ class MapCodes:
         codes,scale = self.encode(x, qmap)
         return kept(keep, old, codes),scale
 
-# %% ../nbs/01i_lowbit.ipynb #lb0020
+# %% ../nbs/01i_lowbit.ipynb #lb0022
 def static_rows(x:Tensor) -> Tensor:
     "2-d `x`, its row length marked static for `torch.compile`"
     torch._dynamo.mark_static(x, 1)  # a symbolic block length makes inductor's loops slow
@@ -219,7 +219,7 @@ class QuantStore(BF16Store):
         codes,scale = self.codes.kcode(t[c], self._enc(k, x), keep, t.get(f'{k}@map'))
         return {c: codes, s: kept(keep, t[s], scale)}
 
-# %% ../nbs/01i_lowbit.ipynb #lb0025
+# %% ../nbs/01i_lowbit.ipynb #lb0027
 OPT_STATES = ('fp32', 'bf16', '8bit', '4bit')
 MIN_LOWBIT = 4096  # elements: smaller tensors keep their state in fp32
 
