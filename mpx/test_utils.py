@@ -23,6 +23,7 @@ from torch.utils.data import TensorDataset
 from torch.utils._python_dispatch import TorchDispatchMode
 import mpx.learner  # `Learner.to_fp16`, `to_bf16`, `to_fp32` for the mode tables
 from .callback import PrecisionCallback
+from .lowbit import LowBitState
 
 # %% ../nbs/99_test_utils.ipynb #9879deb7
 class _ExportableDS(TensorDataset):
@@ -325,7 +326,9 @@ class PoisonInput(Callback):
         self.i += 1
 
 # %% ../nbs/99_test_utils.ipynb #749ac10b
-def _clone(v): return v.detach().clone() if isinstance(v, Tensor) else v
+def _clone(v):
+    "A copy of tensor `v`; of low-bit state held mid-fit (`LowBitState`), its fp32 values"
+    return v.detach().clone() if isinstance(v, Tensor) else v.float() if isinstance(v, LowBitState) else v
 
 def weights(learn:Learner) -> list:
     "Copies of the model's parameters"
