@@ -227,9 +227,10 @@ class FusedSteps:
         self.ledger.close()
 
     def _finish(self):
-        "The end of the fit: every tensor in storage of its own"
+        "The end of the fit: every tensor in storage of its own, holding what callbacks wrote since the last step"
         self.steps_to_host()  # the device's step counts written back first
         for b in self.buckets:
+            b.adopt_weights()  # a write after the last step, or before a mid-fit save, reaches the masters (or resets a compensation)
             b.kind.finish(b)
             if b.flat and b.gv is not None:
                 for p,v in zip(b.params, b.gv):

@@ -157,6 +157,28 @@ def test_weight_write_reaches_the_step(mode, event, order, fused):
     expected = .25 - 1e-2 * avg  # SGD with momentum: the step from the written weight
     assert (x - expected).abs().max() <= TOL.get(mode, 1e-6), (x - expected).abs().max()
 
+class WriteUnstepped(Callback):
+    "Write 0.25 into the first layer's weight in place (`no_grad`) after the fit's last step, or just before a `learn.save` mid-fit"
+    order = 60
+    def __init__(self, save:bool): self.save = save
+    def after_epoch(self):
+        if not self.save: self._write()
+    def after_batch(self):
+        if self.save and self.training and self.iter == 1: self._write(); self.learn.save('mid')
+    def _write(self):
+        with torch.no_grad(): self.learn.model[0].weight.fill_(.25)
+
+@pytest.mark.parametrize('fused', FUSED)
+@pytest.mark.parametrize('save', [False, True], ids=['after_the_last_step', 'before_a_save'])
+@pytest.mark.parametrize('mode', MODES)
+def test_weight_write_with_no_step_after_it(mode, save, fused, tmp_path):
+    "A weight written after the last step, or just before a save mid-fit, is what the fit leaves, or saves, exactly: not the master's old value."
+    learn = tiny_learner(opt_func=partial(SGD, mom=.9), lr=1e-2, wd=0., n_trn=4, path=tmp_path, cbs=WriteUnstepped(save))
+    ALL_MODES[mode](learn, fused=fused)
+    fit_quiet(learn)
+    got = torch.load(tmp_path/'models'/'mid.pth', weights_only=False)['model']['0.weight'] if save else learn.model[0].weight.detach()
+    assert got.dtype == torch.float32 and torch.equal(got, torch.full_like(got, .25)), got.flatten()[:3]
+
 @pytest.mark.parametrize('fused', FUSED)
 @pytest.mark.parametrize('mode', MODES)
 def test_load_state_dict_mid_fit(mode, fused):
