@@ -140,12 +140,15 @@ def build(name, model, batches, loss_func):
 
 def peak_memory(name, model, batches, loss_func) -> float:
     "GiB at the peak of one fit of mode `name` run alone, less what was allocated before (the data); nan off CUDA"
+    return peak_of(lambda: build(name, model, batches, loss_func)[0])  # the timing function holds the learner
+
+def peak_of(make) -> float:
+    "GiB at the peak of one timed fit of the timer `make` builds, run alone, less what was allocated before; nan off CUDA"
     cuda = DEV == 'cuda'
     if cuda: gc.collect(); torch.cuda.empty_cache(); torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated() if cuda else 0
-    run,learn = build(name, model, batches, loss_func)
-    run(); res = (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else float('nan')
-    del run, learn; gc.collect()
+    run = make(); run(); res = (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else float('nan')
+    del run; gc.collect()
     if cuda: torch.cuda.empty_cache()
     return res
 
@@ -329,16 +332,6 @@ LOWBIT_MODES = {  # name: what makes a learner train in that mode with optimizer
     'mpx pure bf16 kahan': lambda l,s: l.to_bf16(pure=True, opt_state=s, fused='compile'),
 }
 LOWBIT_STATES = ('fp32', 'bf16', '8bit', '4bit')
-
-def peak_of(make) -> float:
-    "GiB at the peak of one timed fit of the timer `make` builds, run alone, less what was allocated before; nan off CUDA"
-    cuda = DEV == 'cuda'
-    if cuda: gc.collect(); torch.cuda.empty_cache(); torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated() if cuda else 0
-    run = make(); run(); res = (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else float('nan')
-    del run; gc.collect()
-    if cuda: torch.cuda.empty_cache()
-    return res
 
 def lowbit_rows(cases, rounds) -> list:
     "Each mode with fastai's `Adam`, compiled, its state in fp32, bf16, 8 and 4 bits, and eager with 8-bit state: table rows, failures"
