@@ -538,6 +538,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                             'mpx.lowbit.Float8Codes.scaled': ('lowbit.html#float8codes.scaled', 'mpx/lowbit.py'),
                             'mpx.lowbit.Float8Codes.typed': ('lowbit.html#float8codes.typed', 'mpx/lowbit.py'),
                             'mpx.lowbit.LowBitState': ('lowbit.html#lowbitstate', 'mpx/lowbit.py'),
+                            'mpx.lowbit.LowBitState.__getattr__': ('lowbit.html#lowbitstate.__getattr__', 'mpx/lowbit.py'),
                             'mpx.lowbit.LowBitState.__init__': ('lowbit.html#lowbitstate.__init__', 'mpx/lowbit.py'),
                             'mpx.lowbit.LowBitState.__repr__': ('lowbit.html#lowbitstate.__repr__', 'mpx/lowbit.py'),
                             'mpx.lowbit.LowBitState.float': ('lowbit.html#lowbitstate.float', 'mpx/lowbit.py'),

@@ -71,6 +71,12 @@ class LowBitState:
     def shape(self): return self.b.specs[self.i][0]
     def float(self) -> Tensor: return self.b.store.value(self.b, self.k, self.i)
     def __repr__(self): return f"LowBitState({self.k!r}, {self.b.store.name}, shape={tuple(self.shape)})"
+    def __getattr__(self, name:str):
+        "A tensor's method or attribute asked of the handle: how to read and write the state instead"
+        if name.startswith('__') or name in LowBitState.__slots__: raise AttributeError(name)  # a copy's reads, an unset slot
+        raise AttributeError(f"{self!r} has no `{name}`: with opt_state='{self.b.store.name}' the optimizer's state is held in "
+                             f"{self.b.store.name} during a fit, and its state dicts hold this handle. Read the fp32 values with `.float()`, "
+                             f"and write by assigning a tensor (`opt.state[p]['{self.k}'] = t`), which the next step takes")
 
 class DenseStore:
     "Flat state in the stepped dtype (`opt_state='fp32'`)"
@@ -219,7 +225,7 @@ class QuantStore(BF16Store):
         codes,scale = self.codes.kcode(t[c], self._enc(k, x), keep, t.get(f'{k}@map'))
         return {c: codes, s: kept(keep, t[s], scale)}
 
-# %% ../nbs/01i_lowbit.ipynb #lb0027
+# %% ../nbs/01i_lowbit.ipynb #lb0029
 OPT_STATES = ('fp32', 'bf16', '8bit', '4bit')
 MIN_LOWBIT = 4096  # elements: smaller tensors keep their state in fp32
 

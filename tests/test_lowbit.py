@@ -134,6 +134,32 @@ def test_bad_values(bad, exc, msg):
                lambda l: l.to_fp16(loss_scale=512, opt_state=bad)):
         with pytest.raises(exc, match=msg.replace('(', r'\(')): to(tiny_learner())
 
+class EditState(Callback):
+    "At the second step: zero `grad_avg` in place (`how='zero_'`), or assign it zeros (`how='assign'`); record it after the next step"
+    order = 100
+    def __init__(self, how): self.how,self.n,self.after = how,0,None
+    def before_step(self):
+        if self.n == 2: self.g = self.learn.model[2].weight.grad.float().clone()  # the next step's gradient
+    def after_step(self):
+        self.n += 1
+        p = self.learn.model[2].weight
+        if self.n == 2:
+            if self.how == 'zero_': self.learn.opt.state[p]['grad_avg'].zero_()
+            else: self.learn.opt.state[p]['grad_avg'] = torch.zeros(p.shape)
+        if self.n == 3: self.after = self.learn.opt.state[p]['grad_avg'].float()
+
+@pytest.mark.parametrize('opt_state', STATES)
+def test_state_handle_says_how_to_write(opt_state):
+    "An in-place tensor op on a low-bit state handle is refused naming `.float()` and assignment; an assigned tensor is what the next step takes."
+    learn = learner('pure_kahan', opt_state)
+    with pytest.raises(AttributeError, match=r"has no `zero_`: with opt_state='%s'.*Read the fp32 values with `\.float\(\)`, and write by assigning" % opt_state):
+        fit_quiet(learn, 1, cbs=EditState('zero_'))
+    assert {p.dtype for p in learn.model.parameters()} == {torch.float32}
+    learn,cb = learner('pure_kahan', opt_state),EditState('assign')
+    fit_quiet(learn, 1, cbs=cb)
+    want = .1 * cb.g  # Adam's `grad_avg` one step from zeros: (1 - 0.9) g; not taken, it would hold 0.9 times the old one too
+    assert want.norm() > 0 and (cb.after - want).norm() / want.norm() < dict(bf16=.01, **{'8bit': .05, '4bit': .25})[opt_state]
+
 def test_repr_says_bytes():
     "The callback's repr says the state kind and the bytes a parameter holds with Adam."
     assert "opt_state='8bit' (8.03 B/param with Adam)" in repr(tiny_learner().to_bf16(pure=True, opt_state='8bit').pure_bf16)
