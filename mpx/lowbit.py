@@ -74,9 +74,10 @@ class LowBitState:
     def __getattr__(self, name:str):
         "A tensor's method or attribute asked of the handle: how to read and write the state instead"
         if name.startswith('__') or name in LowBitState.__slots__: raise AttributeError(name)  # a copy's reads, an unset slot
-        raise AttributeError(f"{self!r} has no `{name}`: with opt_state='{self.b.store.name}' the optimizer's state is held in "
-                             f"{self.b.store.name} during a fit, and its state dicts hold this handle. Read the fp32 values with `.float()`, "
-                             f"and write by assigning a tensor (`opt.state[p]['{self.k}'] = t`), which the next step takes")
+        s = self.b.store.name
+        raise AttributeError(f"{self!r} has no `{name}`: with opt_state='{s}' the optimizer's state is held in {s} during a fit, "
+                             "and its state dicts hold this handle. Read the fp32 values with `.float()`, and write by assigning "
+                             f"a tensor (`opt.state[p]['{self.k}'] = t`), which the next step takes")
 
 class DenseStore:
     "Flat state in the stepped dtype (`opt_state='fp32'`)"
