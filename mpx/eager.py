@@ -47,12 +47,12 @@ class _Item:
 
 class StateWindow:
     "The fp32 state of flat bucket `b`'s parameters `i` to `j`"
-    def __init__(self, eng, b:Bucket, i:int, j:int):
-        self.eng,self.b,self.i,self.j,self.lo,self.x = eng,b,i,j,b.lo(i),{}
+    def __init__(self, b:Bucket, i:int, j:int):
+        self.b,self.i,self.j,self.lo,self.x = b,i,j,b.lo(i),{}
         for k in b.st: self._open(k)
     def _open(self, k:str):
         b = self.b
-        ws = None if b.store.bits is None else self.eng.workspace(b.device, b.end(self.j) - self.lo, 50 + len(self.x))
+        ws = None if b.store.bits is None else b.ws(b.device, b.end(self.j) - self.lo, 50 + len(self.x))
         self.x[k] = b.store.window(b, k, self.i, self.j, ws)
     def part(self, k:str, a:int, c:int) -> Tensor: return self.b.part(self.x[k], a, c, self.lo)
     def slot(self, k:str, i:int) -> Tensor: return self.b.slot(self.x[k], i, self.lo)
@@ -217,7 +217,7 @@ class RunSteps(LoopSteps):
         x,g = b.kind.wide(b, i, j)
         ks = scalar_keys(b, i, j)  # the window's own: a bucket's would be read again in each window
         rs = b.runs(i, j, ks)
-        lo,sw = b.lo(i),StateWindow(eng, b, i, j)
+        lo,sw = b.lo(i),StateWindow(b, i, j)
         for what in self.plan:
             if what[0] == 'run' and _transcendental(what[1], hyper):
                 for a,c in b.runs(i, j, ks, single=True):

@@ -10,7 +10,7 @@ from fastai.torch_basics import *
 from .lowbit import DenseStore
 
 # %% auto #0
-__all__ = ['slottable', 'set_data', 'Kind', 'merge_writes', 'Bucket', 'scalar_keys']
+__all__ = ['slottable', 'set_data', 'Kind', 'merge_writes', 'Workspace', 'Bucket', 'scalar_keys']
 
 # %% ../nbs/01e_flat.ipynb #fl0006
 _align = 64  # elements: every slot starts on 256 bytes of fp32
@@ -38,6 +38,15 @@ def slottable(t:Tensor) -> bool:
     "Whether `t` can take a slot: plain, strided, dense"
     return type(t) in (Tensor, nn.Parameter) and t.layout is torch.strided and _dense(t)
 
+def _in_slot(t:Tensor, st, offset:int, spec:tuple, dtype) -> bool:
+    "Whether `t` is the slot at element `offset` of storage `st`, shaped and strided as `spec` says"
+    return (type(t) in (Tensor, nn.Parameter) and t.dtype == dtype and t.untyped_storage().data_ptr() == st.data_ptr()
+            and t.storage_offset() == offset and tuple(t.shape) == tuple(spec[0]) and tuple(t.stride()) == tuple(spec[1]))
+
+def _same_slot(t:Tensor|None, v:Tensor) -> bool:
+    "Whether `t` is view `v`'s memory, dtype, shape and strides"
+    return t is not None and t.data_ptr() == v.data_ptr() and t.dtype == v.dtype and t.shape == v.shape and t.stride() == v.stride()
+
 def set_data(p:Tensor, t:Tensor):
     "`p.data = t`, `p`'s gradient (if any) cast to `t`'s dtype"
     g = p.grad
@@ -52,8 +61,8 @@ class Kind:
     in_place = True  # what is stepped is the parameters themselves
     def sdtype(self, b:Bucket): return b.dtype  # the dtype of what is stepped, and of the optimizer state
     def build(self, b:Bucket):
-        "The weights and gradients into the bucket's flat buffers"
-        if b.flat: b.w = b.flat_copy([p.data for p in b.params]); b.point(b.w); b.g = b.zeros(b.dtype)  # a list bucket keeps them
+        "The weights and gradients into the bucket's flat buffers (a list bucket keeps them)"
+        if b.flat: b.w,b.g = b.hold_weights(),b.grad_buffer()
     def wide(self, b:Bucket, i:int, j:int) -> tuple:
         "What is stepped for parameters `i` to `j`, and its gradients"
         return (b.part(b.w, i, j), b.part(b.g, i, j)) if b.flat else (b.params[i:j], [p.grad for p in b.params[i:j]])
@@ -70,11 +79,9 @@ class Kind:
         return b.params[i]
     def grad_of(self, b:Bucket, i:int) -> Tensor|None: return b.params[i].grad
     def finish(self, b:Bucket):
-        "After the fit: each parameter in storage of its own"
-        if b.flat:
-            for p in b.params: p.data = p.data.clone(memory_format=torch.preserve_format)
-    def carried(self, b:Bucket) -> dict:
-        "Gradients accumulated since the last step that `finish` would drop"
+        "After the fit: the parameters stay in their slots, which the next fit takes as they are"
+    def carried(self, b:Bucket, idle:bool=False) -> dict:
+        "Gradients accumulated since the last step that `finish` would drop (`idle`: no step under way)"
         return {}  # by `id` of parameter
     def restore(self, b:Bucket, grads:dict):
         "Put back what `carried` took from another layout of the same fit"
@@ -95,10 +102,22 @@ def merge_writes(fine:Tensor, coarse:Tensor):
     fine.copy_(torch.where(coarse != fine.to(coarse.dtype), coarse.float(), fine))
 
 # %% ../nbs/01e_flat.ipynb #fl0017
+class Workspace:
+    "Reused scratch buffers by device, slot and dtype, shared by a fit's buckets"
+    def __init__(self): self.bufs = {}
+    def __call__(self, device, n:int, i:int=0, dtype=torch.float32) -> Tensor:
+        "The first `n` elements of reused buffer `i` (`dtype`, `device`)"
+        key = (torch.device(device), i, dtype)
+        w = self.bufs.get(key)
+        if w is None or w.numel() < n: w = self.bufs[key] = torch.empty(n, device=device, dtype=dtype)
+        return w if w.numel() == n else w[:n]
+
 class Bucket:
     "Parameters sharing group, kind, device, dtype and `do_wd`"
-    def __init__(self, params:list, kind:Kind, flat:bool, group:int, base:int=0, engine=None, store=None, align:int|None=None):
-        self.params,self.kind,self.flat,self.group,self.base,self.engine = params,kind,flat,group,base,engine
+    def __init__(self, params:list, kind:Kind, flat:bool, group:int, base:int=0, ws:Workspace|None=None, store=None,
+                 align:int|None=None):
+        self.params,self.kind,self.flat,self.group,self.base = params,kind,flat,group,base
+        self.ws = ws if ws is not None else Workspace()  # the engine's scratch buffers: shared, never the engine itself
         self.store = store or DenseStore()  # how the optimizer's state is held (`mpx.lowbit`)
         self.specs = [(p.shape, p.stride()) for p in params]
         self.sizes = [p.numel() for p in params]
@@ -112,7 +131,7 @@ class Bucket:
         self._grads,self._runs,self._seen = None,None,None
         self.clip = None  # `(lo, hi)`: `lo`, `end` and `part` confined to these elements (`clipped`)
         kind.build(self)
-        if flat and self.g is not None: self.gv = self.views(self.g)
+        if flat and self.g is not None: self.gv = [g if _same_slot(g, v) else v for g,v in zip(self._own_grads(), self.views(self.g))]
         self.ptrs = [p.data_ptr() for p in params] if flat else None
         self.versions = [p._version for p in params]
 
@@ -130,6 +149,30 @@ class Bucket:
     def point(self, buf:Tensor):
         "Make each parameter's data its slot of `buf`"
         for p,v in zip(self.params, self.views(buf)): set_data(p, v)
+    def packed(self, ts:list, dtype=None) -> Tensor|None:
+        "The flat buffer `ts` (None: no tensor) fill already, each in its slot, as a former fit left them; else None"
+        dtype,t0 = dtype or self.dtype,next((t for t in ts if t is not None), None)
+        if t0 is None or type(t0) not in (Tensor, nn.Parameter) or t0.dtype != dtype or t0.device != self.device: return None
+        st = t0.untyped_storage()
+        if st.nbytes() != self.n * t0.element_size(): return None  # the buffer holds these tensors and nothing else
+        if not all(t is None or _in_slot(t, st, o, spec, dtype) for t,o,spec in zip(ts, self.offs, self.specs)): return None
+        return torch.empty(0, dtype=dtype, device=self.device).set_(st, 0, (self.n,), (1,))
+    def hold_weights(self, dtype=None) -> Tensor:
+        "The parameters' data as one flat buffer: the one they fill already, else a new one, filled a parameter at a time"
+        buf = self.packed([p.data for p in self.params], dtype)
+        if buf is not None: return buf
+        buf = self.zeros(dtype or self.dtype)
+        for p,v in zip(self.params, self.views(buf)): v.copy_(p.data); set_data(p, v)  # each old tensor freed as it is copied
+        return buf
+    def _own_grads(self) -> list: return [p.grad for p in self.params]
+    def grad_buffer(self, dtype=None) -> Tensor:
+        "The flat gradient buffer: the one the gradients fill already (the slots of those without one zeroed), else zeros"
+        gs = self._own_grads()
+        buf = self.packed(gs, dtype)
+        if buf is None: return self.zeros(dtype or self.dtype)
+        for v,g in zip(self.views(buf), gs):
+            if g is None: v.zero_()  # a stale value must not reach the finite check
+        return buf
     def lo(self, i:int) -> int: return self.offs[i] if self.clip is None else max(self.offs[i], self.clip[0])
     def end(self, j:int) -> int:
         "Where the span of parameters `i` to `j` ends"
@@ -201,6 +244,7 @@ def adopt_states(self:Bucket, state:dict, sdtype, same:bool=False):
     same = same and self._seen is not None  # `same`: no dict replaced since the last adoption
     ds = self.dicts if same else [state[p] for p in self.params]
     if self._states_same(ds, same): return
+    if self.flat and self.store.bits is None: self._adopt_packed(ds, sdtype)
     for i,(p,d) in enumerate(zip(self.params, ds)):
         self.dicts[i] = d
         if not self.flat: continue
@@ -209,6 +253,15 @@ def adopt_states(self:Bucket, state:dict, sdtype, same:bool=False):
             self.state_new(k, sdtype)
             if v is not self.stv[k][i]: self.store.put(self, k, i, v); d[k] = self.stv[k][i]
     self._seen = (list(map(id, ds)), self._held(ds))
+
+@patch
+def _adopt_packed(self:Bucket, ds:list, sdtype):
+    "State keys that every dict holds in its slots of one buffer (as a former fit left them): that buffer, not a copy"
+    for k in (set(ds[0]) - set(self.st) if ds else ()):
+        vs = [d.get(k) for d in ds]
+        if not all(isinstance(v, Tensor) for v in vs): continue
+        buf = self.packed(vs, sdtype)
+        if buf is not None: self.st[k],self.stv[k] = buf,vs
 
 @patch
 def _held(self:Bucket, ds:list) -> tuple:

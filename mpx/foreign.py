@@ -15,27 +15,24 @@ __all__ = ['ForeignSteps', 'LookaheadSync']
 
 # %% ../nbs/01h_foreign.ipynb #fo0005
 class ForeignSteps:
-    "A foreign step on the tensors a mode steps, swapped in"
-    def __init__(self, eng): self.eng = eng
-
-    def install(self, led:Ledger):
+    "A foreign step on the tensors a mode steps, swapped in; the engine comes as an argument"
+    def install(self, eng, led:Ledger):
         "Wrap the foreign step, through the ledger"
-        eng,o = self.eng,self.eng.inner
+        o = eng.inner
         outer = o if isinstance(o, OptimWrapper) and not eng.las else eng.opt  # a Lookahead's own sync must see the swap
-        led.set(outer, 'step', partial(self.step, getattr(outer, 'step'), isinstance(outer, OptimWrapper)))
+        led.set(outer, 'step', partial(self.step, eng, getattr(outer, 'step'), isinstance(outer, OptimWrapper)))
 
     @torch.no_grad()
-    def step(self, step:Callable, windowed:bool, closure=None):
+    def step(self, eng, step:Callable, windowed:bool, closure=None):
         "The optimizer's own `step` on the stepped tensors"
-        eng = self.eng
         eng.prelude()
         if windowed: wins = [[(b, i, j)] for b in eng.buckets for i,j,_,_ in b.windows(eng.chunk)]  # a window at a time
         else: wins = [[(b, 0, len(b.params)) for b in eng.buckets]]
-        for w in wins: self._swapped(step, w, windowed)
+        for w in wins: self._swapped(eng, step, w, windowed)
         for k in {id(b.kind): b.kind for b in eng.buckets}.values(): k.tick()
         eng.exposed = False
 
-    def _swapped(self, step:Callable, wins:list, only:bool):
+    def _swapped(self, eng, step:Callable, wins:list, only:bool):
         wins = [(b, i, j) for b,i,j in wins if any(b.live[i:j])]
         xs = [b.kind.wide(b, i, j) for b,i,j in wins]
         ps = [(p, _part(x, b, k, i), _part(g, b, k, i))
@@ -45,7 +42,7 @@ class ForeignSteps:
                 led.defer(partial(_put, p, p.data, p.grad))
                 _put(p, d.detach(), gr)
             if only:
-                topt,keep = self.eng.inner.opt,set(id(p) for p,*_ in ps)
+                topt,keep = eng.inner.opt,set(id(p) for p,*_ in ps)
                 led.set(topt, 'param_groups', [{**g, 'params': [p for p in g['params'] if id(p) in keep]} for g in topt.param_groups])
             step()
         for (b,i,j),(x,_) in zip(wins, xs):
@@ -62,26 +59,26 @@ def _put(p:Tensor, data:Tensor, grad:Tensor|None):
 
 # %% ../nbs/01h_foreign.ipynb #fo0007
 class LookaheadSync:
-    "`Lookahead`'s step, its slow weights synced in bulk"
-    def __init__(self, eng): self.eng,self.slow = eng,{}  # id(la) -> (the slow weights adopted, their flat buffers)
+    "`Lookahead`'s step, its slow weights synced in bulk; the engine comes as an argument"
+    def __init__(self): self.slow = {}  # id(la) -> (the slow weights adopted, their flat buffers)
 
     @torch.no_grad()
-    def step(self, la:Lookahead, closure=None):
+    def step(self, eng, la:Lookahead, closure=None):
         "`Lookahead.step`: the wrapped step; every `k` steps, the sync"
         if closure is not None: raise NotImplementedError("fastai optimizers currently do not support closure")
-        if la.slow_weights is None: la.slow_weights = self._copies(la)
+        if la.slow_weights is None: la.slow_weights = self._copies(eng, la)
         la.opt.step()
         la.count += 1
         if la.count % la.k != 0: return
-        slow,eng = self._flat(la),self.eng
+        slow = self._flat(eng, la)
         for gi in range(len(eng.lists)):
             for b in eng.groups[gi]:
-                for i,j,_,_ in b.windows(eng.chunk): self._sync(la, slow, b, i, j)
-            for n,p in eng.extras[gi]: self._sync_extra(la, gi, n, p)
+                for i,j,_,_ in b.windows(eng.chunk): self._sync(eng, la, slow, b, i, j)
+            for n,p in eng.extras[gi]: self._sync_extra(eng, la, gi, n, p)
 
-    def _copies(self, la:Lookahead) -> L:
+    def _copies(self, eng, la:Lookahead) -> L:
         "`Lookahead._copy_weights`, of what is stepped for each place"
-        eng,bufs = self.eng,{}
+        bufs = {}
         for b in eng.buckets:
             if not b.flat: continue
             buf = bufs[id(b)] = b.zeros(b.kind.sdtype(b))  # a flat bucket's copies in one buffer
@@ -99,11 +96,11 @@ class LookaheadSync:
         self.slow[id(la)] = (slow, bufs)
         return slow
 
-    def _flat(self, la:Lookahead) -> dict:
+    def _flat(self, eng, la:Lookahead) -> dict:
         "The home places' slow weights, one buffer a flat bucket"
         got = self.slow.get(id(la))
         if got is not None and got[0] is la.slow_weights: return got[1]  # made once a layout, and after a `load`
-        eng,bufs = self.eng,{}
+        bufs = {}
         for b in eng.buckets:
             if not b.flat: continue
             buf = bufs[id(b)] = b.zeros(b.kind.sdtype(b))
@@ -113,22 +110,21 @@ class LookaheadSync:
         self.slow[id(la)] = (la.slow_weights, bufs)
         return bufs
 
-    def _sync(self, la:Lookahead, slow:dict, b:Bucket, i:int, j:int):
+    def _sync(self, eng, la:Lookahead, slow:dict, b:Bucket, i:int, j:int):
         "Sync the slow weights of parameters `i` to `j` of `b`"
         x,_ = b.kind.wide(b, i, j)
         if b.flat:
             s = b.part(slow[id(b)], i, j)
-            d = self.eng.workspace(s.device, s.numel(), 20, s.dtype)
+            d = eng.ws(s.device, s.numel(), 20, s.dtype)
             torch.sub(x, s, out=d); s.add_(d, alpha=la.alpha); x.copy_(s)
         else:
-            ss = [la.slow_weights[b.group][self.eng.places[(b.group, id(p))][0]] for p in b.params[i:j]]
+            ss = [la.slow_weights[b.group][eng.places[(b.group, id(p))][0]] for p in b.params[i:j]]
             fast = [t.detach() for t in x]
             torch._foreach_add_(ss, torch._foreach_sub(fast, ss), alpha=la.alpha); torch._foreach_copy_(fast, ss)
         b.kind.fold(b, i, j, x, -1)
 
-    def _sync_extra(self, la:Lookahead, gi:int, n:int, p:Tensor):
+    def _sync_extra(self, eng, la:Lookahead, gi:int, n:int, p:Tensor):
         "Sync an extra place of `p`, with its own slow weight"
-        eng = self.eng
         b,i = eng.home[id(p)]
         s = la.slow_weights[gi][eng.places[(gi, id(p))][n - (b.group != gi)]]
         x,_ = b.kind.wide(b, i, i+1)
@@ -136,9 +132,9 @@ class LookaheadSync:
         s.add_(fast - s, alpha=la.alpha); fast.copy_(s)
         b.kind.fold(b, i, i+1, x, -1)
 
-    def finish(self):
+    def finish(self, eng):
         "After the fit: slow weights in storage of their own"
-        for la in self.eng.las:
+        for la in eng.las:
             got = self.slow.get(id(la))
             if got is not None and la.slow_weights is not None:
                 la.slow_weights = L(L(s.clone() for s in pg) for pg in la.slow_weights)

@@ -67,14 +67,13 @@ class FusedSteps:
         self.reason = why_not_fused(opt)
         self.native = self.reason is None
         self.lists = [list(pg) for pg in self.inner.param_lists]
-        self.kind_of = lambda p: (kind_of(p) if kind_of is not None else None) or _in_place
-        self.fresh,self.pending,self.found,self.exposed,self.ws,self.said = True,False,None,False,{},set()
+        self.fresh,self.pending,self.found,self.exposed,self.ws,self.said = True,False,None,False,Workspace(),set()
         self._st,self._st_ids = None,None
-        self.lookahead,self.foreign = LookaheadSync(self),ForeignSteps(self)
+        self.lookahead,self.foreign = LookaheadSync(),ForeignSteps()  # helpers: the engine is their argument, never their attribute
         self.dense,self.low = DenseStore(),make_store(opt_state)
         why = why_not_lowbit(opt, self.path, opt_state)
         if why: raise ValueError(why)
-        self._layout()
+        self._layout(kind_of)
         self.chunk = chunk or default_chunk(self.buckets[0].device if self.buckets else 'cpu')
         self.ledger.defer(self._finish)
         self._choose()
@@ -84,8 +83,8 @@ class FusedSteps:
         how = f"{self.path.value}" if self.native else f"{type(self.inner).__name__}'s own step"
         return f"FusedSteps({type(self.opt).__name__}, {how}: {len(self.buckets)} buckets{', undone' if self.done else ''})"
 
-    def _layout(self):
-        "Lay out every group's buckets and extras"
+    def _layout(self, kind_of:Callable|None=None):
+        "Lay out every group's buckets and extras, each parameter's `Kind` from `kind_of`"
         self.home,self.places,self.groups,base = {},{},[],0
         st = self.inner.state if self.native else {}
         for gi,pg in enumerate(self.lists):
@@ -93,7 +92,7 @@ class FusedSteps:
             for k,p in enumerate(pg):
                 self.places.setdefault((gi, id(p)), []).append(k)
                 if id(p) in self.home: continue
-                kind = self.kind_of(p)
+                kind = (kind_of(p) if kind_of is not None else None) or _in_place
                 flat = not kind.in_place or (self.native and self.path is not Fused.LOOP and slottable(p))
                 store = self.low if flat and p.numel() >= MIN_LOWBIT else self.dense
                 key = (id(kind), p.device, p.dtype, bool(st.get(p, {}).get('do_wd', True)), flat, id(store))
@@ -101,7 +100,7 @@ class FusedSteps:
                 self.home[id(p)] = None
             bs = []
             for kind,flat,store,ps in keys.values():
-                b = Bucket(ps, kind, flat, gi, base, self, store); base += b.n
+                b = Bucket(ps, kind, flat, gi, base, self.ws, store); base += b.n
                 for i,p in enumerate(ps): self.home[id(p)] = (b, i)
                 bs.append(b)
             self.groups.append(bs)
@@ -132,12 +131,12 @@ class FusedSteps:
         led,o,widened = self.ledger,self.inner,any(not b.kind.in_place for b in self.buckets)  # all through the ledger
         if not self.native:
             if self.path is Fused.COMPILE: self.say(self.reason)
-            if widened: self.foreign.install(led)
+            if widened: self.foreign.install(self, led)
             return
         if self.path is Fused.COMPILE or self.opt_state != 'fp32': led.set(o, 'state_dict', self._state_dict)
         if self.path is Fused.LOOP and not widened: return  # fastai's own loop on the parameters themselves
         led.set(o, 'step', self.step)
-        for la in self.las: led.set(la, 'step', partial(self.lookahead.step, la))
+        for la in self.las: led.set(la, 'step', partial(self.lookahead.step, self, la))
         for x in [o, *self.las]:
             if not _own_zero_grad(x): led.set(x, 'zero_grad', self.zero_grad)
 
@@ -202,13 +201,6 @@ class FusedSteps:
         if why: raise ValueError(f"opt.cbs changed mid-fit: {why}")
         self._choose()
 
-    def workspace(self, device, n:int, i:int=0, dtype=torch.float32) -> Tensor:
-        "The first `n` elements of reused buffer `i` (`dtype`, `device`)"
-        key = (torch.device(device), i, dtype)
-        w = self.ws.get(key)
-        if w is None or w.numel() < n: w = self.ws[key] = torch.empty(n, device=device, dtype=dtype)
-        return w if w.numel() == n else w[:n]
-
     def say(self, why:str):
         "Warn once an engine why `fused='compile'` steps eagerly"
         if why in self.said: return
@@ -227,18 +219,16 @@ class FusedSteps:
         self.ledger.close()
 
     def _finish(self):
-        "The end of the fit: every tensor in storage of its own, holding what callbacks wrote since the last step"
+        "The end of the fit: fastai's fp32 layout, holding what callbacks wrote since the last step; fp32 buffers stay as they are"
         self.steps_to_host()  # the device's step counts written back first
         for b in self.buckets:
             b.adopt_weights()  # a write after the last step, or before a mid-fit save, reaches the masters (or resets a compensation)
-            b.kind.finish(b)
-            if b.flat and b.gv is not None:
-                for p,v in zip(b.params, b.gv):
-                    if p.grad is v: p.grad = v.clone(memory_format=torch.preserve_format)
+            b.kind.finish(b)  # a gradient in its slot stays there (the next fit takes the buffer as it is), else it is cast
+            if b.store.bits is None: continue  # so does dense state: each dict's tensor is already fastai's, in its slot
             for i,d in enumerate(b.dicts):
                 for k,vs in b.stv.items():
                     if d is not None and d.get(k) is vs[i]: d[k] = b.store.value(b, k, i)  # fp32 (dequantised), its own
-        self.lookahead.finish()
+        self.lookahead.finish(self)
 
 _in_place = Kind()
 
@@ -310,7 +300,8 @@ def stepped(self:FusedSteps) -> list:
 @patch
 def grads_in_flight(self:FusedSteps) -> dict:
     "Gradients accumulated since the last step that `undo` would drop"
-    res = {k: v for b in self.buckets for k,v in b.kind.carried(b).items()}
+    idle = self.fresh and not self.pending  # no gradient accumulated, none pending: nothing to carry
+    res = {k: v for b in self.buckets for k,v in b.kind.carried(b, idle).items()}
     return {**res, 'at': (self.fresh, self.pending)} if res else {}  # by `id` of parameter; 'at': where the step stands
 
 @patch

@@ -4,6 +4,7 @@
 
 # %% ../nbs/01i_lowbit.ipynb #lb0003
 from __future__ import annotations
+import weakref
 from fastai.torch_basics import *
 
 # %% auto #0
@@ -65,8 +66,14 @@ def unpack4(packed:Tensor) -> Tensor:
 # %% ../nbs/01i_lowbit.ipynb #lb0015
 class LowBitState:
     "A state dict's handle on low-bit state: `float()` dequantises"
-    __slots__ = ('b', 'k', 'i')
-    def __init__(self, b, k:str, i:int): self.b,self.k,self.i = b,k,i
+    __slots__ = ('_b', 'k', 'i')
+    def __init__(self, b, k:str, i:int): self._b,self.k,self.i = weakref.ref(b),k,i  # its bucket owns it: no strong pointer back
+    @property
+    def b(self):
+        "The bucket holding the state; an error once its fit has ended"
+        b = self._b()
+        if b is None: raise RuntimeError(f"LowBitState({self.k!r}) outlived the fit that held it: read `opt.state` again")
+        return b
     @property
     def shape(self): return self.b.specs[self.i][0]
     def float(self) -> Tensor: return self.b.store.value(self.b, self.k, self.i)

@@ -24,8 +24,8 @@ class MasterKind(Kind):
     def __init__(self, dtype:torch.dtype): self.half = dtype
     def sdtype(self, b): return torch.float32
     def build(self, b):
-        "Flat buffers of fp32 masters, half weights (the parameters' data) and both gradients"
-        b.x = b.flat_copy([p.data for p in b.params], torch.float32)
+        "Flat buffers of fp32 masters (the fp32 weights' own, where a former fit left them so), half weights and both gradients"
+        b.x = b.hold_weights(torch.float32)
         b.w = b.zeros(self.half); b.w.copy_(b.x); b.point(b.w)
         b.gx,b.g = b.zeros(torch.float32),b.zeros(self.half)
         b.xv,b.gxv = b.views(b.x),b.views(b.gx)
@@ -83,13 +83,13 @@ def publish(self:MasterKind, b): b.g.copy_(b.gx)  # the checked (unscaled) gradi
 
 @patch
 def finish(self:MasterKind, b):
-    "The masters become the fp32 parameters, never rounded through half; a gradient stays, in fp32"
-    for p,m in zip(b.params, b.xv): set_data(p, m.clone(memory_format=torch.preserve_format))
+    "The masters become the fp32 parameters, never rounded through half, in their buffer; a gradient stays, in fp32"
+    for p,m in zip(b.params, b.xv): set_data(p, m)  # the next fit takes the buffer as it is
 
 @patch
-def carried(self:MasterKind, b) -> dict:
+def carried(self:MasterKind, b, idle:bool=False) -> dict:
     "The fp32 and half gradients of a step under way (accumulated, or a backward not yet taken), by `id` of parameter"
-    if b.engine.fresh and not b.engine.pending: return {}
+    if idle: return {}  # no step under way: the model's gradients are the last step's, already taken
     return {id(p): ('master', gx.clone(), g.clone()) for p,gx,g,l in zip(b.params, b.gxv, b.gv, b.live) if l}
 
 @patch

@@ -88,14 +88,15 @@ class BF16Kind(Kind):
     def sdtype(self, b): return torch.float32
     def build(self, b):
         "Each parameter's fp32 value split into its bf16 storage by the kind (`split`)"
+        x = b.hold_weights(torch.float32)  # the fp32 weights as one buffer: the one a former fit left, else a parameter at a time
         b.w,b.g = b.zeros(torch.bfloat16),b.zeros(torch.bfloat16)
-        self.split(b, b.flat_copy([p.detach() for p in b.params], torch.float32))
+        self.split(b, x)
         b.point(b.w)
     def split(self, b, x:Tensor): b.w.copy_(x)  # to nearest
     def wide(self, b, i, j):
         "The fp32 values and gradients of parameters `i` to `j`, in the engine's workspace"
         n = b.end(j) - b.lo(i)
-        x,g = b.engine.workspace(b.device, n, 0),b.engine.workspace(b.device, n, 1)
+        x,g = b.ws(b.device, n, 0),b.ws(b.device, n, 1)
         self.widen(b, i, j, x)
         g.copy_(b.part(b.g, i, j))
         for k in sorted(k for k in b.loose if i <= k < j):  # summed in fp32
@@ -106,10 +107,12 @@ class BF16Kind(Kind):
     @staticmethod
     def kwiden(t, s): return t['w'].float(),t['g'].float()
     def finish(self, b):
-        "Each weight back in fp32 storage of its own, holding what training made of it"
-        for p,v in zip(b.params, self.values(b)): set_data(p, v)  # a parameter with a gradient keeps it, in fp32
-    def values(self, b) -> list: return [p.data.float() for p in b.params]
-    def carried(self, b) -> dict: return {id(p): ('bf16', p.grad.clone()) for p in b.params if p.grad is not None}
+        "Each weight back in fp32, holding what training made of it, in one buffer that the next fit takes as it is"
+        for i,(p,v) in enumerate(zip(b.params, b.views(b.zeros(torch.float32)))):
+            v.copy_(self.value(b, i)); set_data(p, v)  # a parameter with a gradient keeps it, in fp32
+    def value(self, b, i:int) -> Tensor: return b.params[i].data.float()
+    def values(self, b) -> list: return [self.value(b, i) for i in range(len(b.params))]
+    def carried(self, b, idle=False) -> dict: return {id(p): ('bf16', p.grad.clone()) for p in b.params if p.grad is not None}
     def restore(self, b, grads:dict):
         for i,p in enumerate(b.params):
             if id(p) not in grads: continue
@@ -127,8 +130,8 @@ class KahanKind(BF16Kind):
         fold_kahan([x], [b.part(b.w, i, j)], [b.part(b.c, i, j)], self._ws(b, x, 2), self._ws(b, x, 3))
     def _ws(self, b, x, k:int) -> list:
         "fp32 reused buffer `k` for a window: the bf16 operands widened there, so no op makes an fp32 copy of its own"
-        return [b.engine.workspace(b.device, x.numel(), k)]
-    def values(self, b): return [p.data.float().add_(c.float()) for p,c in zip(b.params, b.cv)]
+        return [b.ws(b.device, x.numel(), k)]
+    def value(self, b, i): return b.params[i].data.float().add_(b.cv[i].float())
     def kio(self, b, a, c, phase=0): return dict(w=b.part(b.w, a, c), c=b.part(b.c, a, c), g=b.part(b.g, a, c)),{}
     @staticmethod
     def kwiden(t, s): return t['w'].float() + t['c'].float(),t['g'].float()
@@ -164,7 +167,7 @@ class KeptKind(BF16Kind):
     def written(self, b, idx):
         for i in idx: merge_writes(b.xv[i], b.slot(b.w, i))
     def fold(self, b, i, j, x, phase=0): b.part(b.w, i, j).copy_(x)
-    def values(self, b): return [exact_fp32(p.data, x) for p,x in zip(b.params, b.xv)]
+    def value(self, b, i): return exact_fp32(b.params[i].data, b.xv[i])
     def kio(self, b, a, c, phase=0): return dict(x=b.part(b.x, a, c), w=b.part(b.w, a, c), g=b.part(b.g, a, c)),{}
     @staticmethod
     def kwiden(t, s): return t['x'],t['g'].float()

@@ -1,0 +1,138 @@
+"""Memory over a user's session of calls, in bytes a parameter: every mode beside plain fastai fp32, fastai + optimi's
+Kahan AdamW (bf16 model) and fastai + torchao's `AdamW8bit`.
+
+Each arm runs in a process of its own on a 34M-parameter MLP (64-4096-4096-4096-1, Adam, batch 16), through the calls a
+user makes: `lr_find(num_it=8)`, `fit_one_cycle(1)`, `fit(1)`, `fit(1)`, `validate()`, `get_preds()`,
+`save(with_opt=True)`, `load`, `export()`. glibc is told to hand freed blocks back (`MALLOC_MMAP_THRESHOLD_=65536`), so
+the resident memory follows live memory; no `gc.collect()` is called. Before each call the kernel's peak of resident
+memory is reset (`/proc/self/clear_refs`), so each call's peak is its own. Figures are bytes a parameter above the process
+before the model was built (the user's fp32 model included): each call's peak, and what stays resident after it.
+Run: `PYTHONPATH=. .venv/bin/python bench/session_memory.py` (`--arms a,b` picks arms by name, `--small` a 1M-parameter
+model for a quick look; `--one NAME` runs one arm in this process and prints its row as JSON)."""
+import argparse, json, os, subprocess, sys, tempfile, time
+from pathlib import Path
+
+ADAM_KW = dict(betas=(.9, .99), eps=1e-5, weight_decay=1e-2)  # fastai's Adam defaults (wd decoupled), for the other optimizers
+CALLS = ('lr_find', 'fit_one_cycle', 'fit 2', 'fit 3', 'validate', 'get_preds', 'save', 'load', 'export')
+TRAINING = CALLS[:6]  # the calls of the issue's "training" peak: lr_find to get_preds
+
+def _mpx(**kw):
+    def make(l): return l.to_bf16(**kw) if not kw.pop('fp16', False) else l.to_fp16(**kw)
+    return make
+
+ARMS = {
+    'fastai fp32': lambda l: l,
+    'fastai + optimi kahan AdamW (bf16 model)': 'optimi',
+    'fastai + torchao AdamW8bit': 'torchao',
+    'mpx AMP bf16': _mpx(),
+    'mpx AMP bf16 compile': _mpx(fused='compile'),
+    'mpx AMP bf16 fused=False': _mpx(fused=False),
+    'mpx master bf16': _mpx(master=True),
+    'mpx master bf16 compile': _mpx(master=True, fused='compile'),
+    'mpx pure kahan': _mpx(pure=True),
+    'mpx pure kahan 8bit': _mpx(pure=True, opt_state='8bit'),
+    'mpx pure kahan 8bit compile': _mpx(pure=True, opt_state='8bit', fused='compile'),
+    'mpx pure stochastic 8bit': _mpx(pure=True, update='stochastic', opt_state='8bit'),
+}
+
+def _status(key:str) -> int:
+    "`VmHWM` or `VmRSS` of this process, in bytes"
+    for l in open('/proc/self/status'):
+        if l.startswith(key + ':'): return int(l.split()[1]) * 1024
+    raise KeyError(key)
+
+def _reset_peak(): open('/proc/self/clear_refs', 'w').write('5')  # the peak resident set starts again from the current one
+
+def _learner(width:int, n_in:int=64, bs:int=16, n:int=8):
+    "The arm's learner: an MLP of three `width` layers on synthetic regression data that `export` can empty"
+    from fastai.basics import Learner, nn, torch, MSELossFlat, Adam, set_seed
+    from mpx.test_utils import _ExportableDS, _quiet
+    from fastai.data.core import TfmdDL, DataLoaders
+    set_seed(0)
+    def ds(k): x = torch.randn(bs*k, n_in); return _ExportableDS(x, x[:, :1] * 2 + .1 * torch.randn(bs*k, 1))
+    dls = DataLoaders(TfmdDL(ds(n), bs=bs, shuffle=True), TfmdDL(ds(2), bs=bs))
+    base = _status('VmRSS')  # the data made: what the model, the optimizer and the mode take is measured from here
+    model = nn.Sequential(nn.Linear(n_in, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                          nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 1))
+    return _quiet(Learner(dls, model, loss_func=MSELossFlat(), opt_func=Adam, lr=1e-3)),base
+
+def _other(l, which:str):
+    "fastai + optimi's Kahan AdamW on a bf16 model, or fastai + torchao's `AdamW8bit` on the fp32 model"
+    from functools import partial
+    from fastai.basics import OptimWrapper, Callback
+    if which == 'torchao':
+        sys.path.insert(0, str(Path(__file__).parent))
+        from _common import torchao_adamw8bit
+        l.opt_func = torchao_adamw8bit(**ADAM_KW)
+        return l
+    import optimi
+    class BF16Model(Callback):
+        order = 10
+        def before_batch(self): self.learn.xb = tuple(x.bfloat16() for x in self.xb)
+        def after_pred(self): self.learn.pred = self.pred.float()
+    l.model.bfloat16()
+    hp_map = {'beta1': 'mom', 'beta2': 'sqr_mom', 'weight_decay': 'wd'}  # optimi's names, so fit_one_cycle can schedule `mom`
+    l.opt_func = partial(OptimWrapper, opt=partial(optimi.AdamW, kahan_sum=True, **ADAM_KW), hp_map=hp_map)
+    return l.add_cb(BF16Model())
+
+def run_one(name:str, width:int) -> dict:
+    "The arm's session in this process: each call's peak and what stays after it, in bytes a parameter"
+    import torch
+    torch.set_num_threads(1)
+    import fastai.callback.schedule, mpx.all  # noqa: F401 (lr_find, fit_one_cycle; mpx patches Learner)
+    learn,base = _learner(width)
+    make = ARMS[name]
+    learn = _other(learn, make) if isinstance(make, str) else make(learn)
+    n = sum(p.numel() for p in learn.model.parameters())
+    per = lambda b: round((b - base) / n, 2)
+    tmp = Path(tempfile.mkdtemp())
+    learn.path = tmp
+    calls = {'lr_find': lambda: learn.lr_find(num_it=8, show_plot=False), 'fit_one_cycle': lambda: learn.fit_one_cycle(1),
+             'fit 2': lambda: learn.fit(1), 'fit 3': lambda: learn.fit(1), 'validate': learn.validate, 'get_preds': learn.get_preds,
+             'save': lambda: learn.save('s', with_opt=True), 'load': lambda: learn.load('s', with_opt=True),
+             'export': lambda: learn.export(tmp/'e.pkl')}
+    res = dict(arm=name, params=n, built=per(_status('VmRSS')), peak={}, after={})
+    for c in CALLS:
+        _reset_peak()
+        with learn.no_bar(), learn.no_logging(): calls[c]()
+        res['peak'][c],res['after'][c] = per(_status('VmHWM')),per(_status('VmRSS'))
+    del learn
+    res['after del'] = per(_status('VmRSS'))
+    return res
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument('--arms', default='', help='comma-separated substrings of arm names (default: every arm)')
+    ap.add_argument('--small', action='store_true', help='a 1M-parameter MLP (width 576), for a quick look')
+    ap.add_argument('--one', default='', help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    width = 576 if a.small else 4096
+    if a.one: return print(json.dumps(run_one(a.one, width)))
+    names = [n for n in ARMS if not a.arms or any(s.strip() in n for s in a.arms.split(','))]
+    env = {**os.environ, 'MALLOC_MMAP_THRESHOLD_': '65536', 'PYTHONWARNINGS': 'ignore'}
+    import torch, fastai
+    print(f"# Memory over a session (bench/session_memory.py): torch {torch.__version__}, fastai {fastai.__version__}, "
+          f"MLP 64-{width}x3-1, Adam, batch 16, 8 batches an epoch; bytes a parameter above the process before the model\n")
+    rows = []
+    for name in names:
+        t = time.time()
+        out = subprocess.run([sys.executable, __file__, '--one', name] + (['--small'] if a.small else []), env=env,
+                             capture_output=True, text=True)
+        if out.returncode: print(f"{name}: failed\n{out.stderr[-2000:]}"); continue
+        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        print(f"  {name}: {time.time() - t:.0f} s", file=sys.stderr)
+    base = next((r for r in rows if r['arm'] == 'fastai fp32'), None)
+    train_peak = lambda r: max(r['peak'][c] for c in TRAINING)
+    print('| arm | training peak | x fastai | after fit 1 | after fit 3 | growth fit 1->3 | save peak | export peak | end | after del |')
+    print('|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|')
+    for r in rows:
+        ratio = f"{train_peak(r) / train_peak(base):.2f}" if base else ''
+        p,af = r['peak'],r['after']
+        print(f"| {r['arm']} | {train_peak(r):.1f} | {ratio} | {af['fit_one_cycle']:.1f} | {af['fit 3']:.1f} | "
+              f"{af['fit 3'] - af['fit_one_cycle']:+.1f} | {p['save']:.1f} | {p['export']:.1f} | {af['export']:.1f} | {r['after del']:.1f} |")
+    print('\nEach call, peak / after:')
+    print('| arm | ' + ' | '.join(CALLS) + ' |')
+    print('|---|' + '---:|' * len(CALLS))
+    for r in rows: print(f"| {r['arm']} | " + ' | '.join(f"{r['peak'][c]:.1f} / {r['after'][c]:.1f}" for c in CALLS) + ' |')
+
+if __name__ == '__main__': main()

@@ -1,0 +1,142 @@
+"""Memory over a session: nothing of a fit outlives it. No cyclic garbage after a fit (ownership runs one way), the fit's
+flat buffers freed by reference counting the moment the fit ends, nothing growing over three fits, a dropped learner
+giving its tensors back. Measured without `gc.collect()` (the collector is off in each test), as a user's process runs."""
+import gc, sys, weakref
+from contextlib import contextmanager
+from functools import partial
+import pytest, torch
+from fastai.basics import Adam, Lookahead, OptimWrapper, Callback, nn
+from mpx.all import *
+from mpx.test_utils import tiny_learner, fit_quiet, ALL_MODES, precision_cb
+
+pytestmark = pytest.mark.filterwarnings("ignore:fp16 is slow on this cpu")
+
+FUSED = [True, False, pytest.param('compile', marks=pytest.mark.compiled)]
+OPTS = {'adam': Adam, 'lookahead': lambda *a, **k: Lookahead(Adam(*a, **k)),
+        'torch_adamw': partial(OptimWrapper, opt=torch.optim.AdamW)}
+
+def learner(mode:str, fused, opt:str='adam', opt_state:str='fp32'):
+    kw = dict(fused=fused) if opt_state == 'fp32' else dict(fused=fused, opt_state=opt_state)
+    return ALL_MODES[mode](tiny_learner(opt_func=OPTS[opt], n_trn=2), **kw)
+
+@contextmanager
+def no_collector():
+    "The cyclic collector off, as if it never got to run: what reference counting alone frees"
+    gc.collect()
+    gc.disable()
+    try: yield
+    finally: gc.enable()
+
+def cyclic_garbage() -> list:
+    "The objects only the cyclic collector would free now, then freed"
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        gc.collect()
+        res = list(gc.garbage)
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    gc.collect()  # the cycles found are freed for real, so that the next look sees only new ones
+    return res
+
+def ours(objs:list) -> list:
+    "What of `objs` is mpx's, or a tensor"
+    return [type(o).__name__ for o in objs if type(o).__module__.startswith('mpx') or type(o) in (torch.Tensor, torch.nn.Parameter)]
+
+class Boom(Exception): "A bug in user code"
+
+class RaiseMidFit(Callback):
+    "Raise `Boom` after the second training batch"
+    order = 20
+    def after_batch(self):
+        if self.training and self.iter == 1: raise Boom('a bug in a callback')
+
+class GrabBuffers(Callback):
+    "Weak references to the step engine's flat buffers and the engine itself, taken mid-fit"
+    order = 20
+    def __init__(self): self.refs = []
+    def before_train(self):
+        fs = precision_cb(self.learn).fused_steps
+        if fs is None: return
+        self.refs.append(('engine', weakref.ref(fs)))
+        for b in fs.buckets:
+            for k in ('w', 'g', 'x', 'gx', 'c'):
+                t = getattr(b, k, None)
+                if isinstance(t, torch.Tensor): self.refs.append((f'bucket.{k}', weakref.ref(t)))
+            self.refs += [(f'state {k}', weakref.ref(t)) for k,t in b.st.items()]
+    def alive(self) -> list: return [k for k,r in self.refs if r() is not None]
+
+MODES = list(ALL_MODES)
+
+def live_tensor_bytes() -> int:
+    "Bytes of every storage a live Python tensor holds, each storage once (the collector's view: cycles not yet freed count)"
+    seen = {}
+    for o in gc.get_objects():
+        if type(o) in (torch.Tensor, torch.nn.Parameter) and o.device.type == 'cpu':
+            s = o.untyped_storage()
+            seen[s.data_ptr()] = max(seen.get(s.data_ptr(), 0), s.nbytes())
+    return sum(seen.values())
+
+def mlp(): return nn.Sequential(nn.Linear(1, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 1))  # 66k parameters
+
+@pytest.mark.parametrize('fused', FUSED)
+@pytest.mark.parametrize('mode', MODES)
+def test_a_fit_leaves_nothing_behind(mode, fused):
+    "Fits in a row: each fit's engine and buffers freed when it returns, no cycle left (an exception too), no bytes added"
+    learn = ALL_MODES[mode](tiny_learner(opt_func=Adam, n_trn=2, model=mlp), fused=fused)
+    if fused == 'compile': fit_quiet(learn)  # a first fit: the compiler's own one-time garbage (dynamo's tracing) is not the fit's
+    with no_collector():
+        cyclic_garbage()
+        grab,after = GrabBuffers(),[]
+        for _ in range(3):
+            fit_quiet(learn, cbs=grab)
+            after.append(live_tensor_bytes())
+        if fused is not False: assert grab.refs, 'the fit had no step engine to check'
+        assert grab.alive() == [], f'alive after the fits: {grab.alive()}'
+        assert ours(cyclic_garbage()) == [], 'fits left reference cycles holding mpx objects or tensors'
+        # the step log keeps each step's loss scale (a few bytes a step); one fp32 copy of the weights is 264 kB
+        assert after[2] - after[0] < 1024, f'live tensor bytes after each of three fits: {after}'
+        with pytest.raises(Boom): fit_quiet(learn, cbs=RaiseMidFit())
+        assert ours(cyclic_garbage()) == [], 'a fit cut short left reference cycles holding mpx objects or tensors'
+
+@pytest.mark.parametrize('opt', ['lookahead', 'torch_adamw'])
+@pytest.mark.parametrize('mode', ['amp_bf16', 'master_fp16', 'pure_kahan', 'pure_stochastic'])
+def test_other_optimizers_leave_nothing(mode, opt):
+    "`Lookahead`'s sync and a torch optimizer's swapped step hold the engine as an argument, not an attribute: no cycle"
+    learn,grab = learner(mode, True, opt),GrabBuffers()
+    with no_collector():
+        fit_quiet(learn, cbs=grab)
+        assert grab.refs and grab.alive() == []
+        assert ours(cyclic_garbage()) == []
+
+@pytest.mark.parametrize('fused', [True, pytest.param('compile', marks=pytest.mark.compiled)])
+@pytest.mark.parametrize('opt_state', ['bf16', '8bit'])
+def test_lowbit_state_leaves_nothing(opt_state, fused):
+    "Low-bit state's handles point at their bucket weakly: a fit with 8-bit or bf16 state leaves no cycle, its buffers freed"
+    learn,grab = ALL_MODES['pure_kahan'](tiny_learner(opt_func=Adam, n_trn=2, model=mlp), fused=fused, opt_state=opt_state),GrabBuffers()
+    fit_quiet(learn)
+    with no_collector():
+        cyclic_garbage()
+        fit_quiet(learn, cbs=grab)
+        assert any(k.startswith('state') for k,_ in grab.refs) and grab.alive() == []
+        assert ours(cyclic_garbage()) == []
+
+def test_live_tensor_bytes_sees_growth():
+    "The growth measure can fail: a tensor kept alive in a cycle between two looks is counted"
+    with no_collector():
+        before = live_tensor_bytes()
+        a,b = [torch.zeros(10_000)],[]
+        a.append(b); b.append(a)  # a cycle holding 40 kB
+        del a, b
+        assert live_tensor_bytes() - before >= 40_000
+
+@pytest.mark.parametrize('mode', MODES)
+def test_dropped_learner_gives_tensors_back(mode):
+    "`del learn` (and fastai's own learner-callback cycle collected) frees the model's weights and the optimizer state"
+    learn = learner(mode, True)
+    fit_quiet(learn)
+    refs = [weakref.ref(p) for p in learn.model.parameters()]
+    refs += [weakref.ref(v) for s in learn.opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    del learn
+    gc.collect()
+    assert [r for r in refs if r() is not None] == []
