@@ -225,7 +225,8 @@ class FusedSteps:
             b.adopt_weights()  # a write after the last step, or before a mid-fit save, reaches the masters (or resets a compensation)
             b.kind.finish(b)  # a gradient in its slot stays there (the next fit takes the buffer as it is), else it is cast
             if b.store.bits is None: continue  # so does dense state: each dict's tensor is already fastai's, in its slot
-            for i,d in enumerate(b.dicts):
+            ds = [self.inner.state.get(p) for p in b.params] if self.native else b.dicts  # a dict replaced since the last step too
+            for i,d in enumerate(ds):
                 for k,vs in b.stv.items():
                     if d is not None and d.get(k) is vs[i]: d[k] = b.store.value(b, k, i)  # fp32 (dequantised), its own
         self.lookahead.finish(self)

@@ -1,13 +1,15 @@
 """Memory over a session: nothing of a fit outlives it. No cyclic garbage after a fit (ownership runs one way), the fit's
 flat buffers freed by reference counting the moment the fit ends, nothing growing over three fits, a dropped learner
 giving its tensors back. Measured without `gc.collect()` (the collector is off in each test), as a user's process runs."""
-import gc, sys, weakref
+import gc, sys, tempfile, weakref
+from pathlib import Path
 from contextlib import contextmanager
 from functools import partial
 import pytest, torch
 from fastai.basics import Adam, Lookahead, OptimWrapper, Callback, nn
 from mpx.all import *
 from mpx.test_utils import tiny_learner, fit_quiet, ALL_MODES, precision_cb
+from mpx.lowbit import LowBitState
 
 pytestmark = pytest.mark.filterwarnings("ignore:fp16 is slow on this cpu")
 
@@ -140,3 +142,43 @@ def test_dropped_learner_gives_tensors_back(mode):
     del learn
     gc.collect()
     assert [r for r in refs if r() is not None] == []
+
+class CopyStateDicts(Callback):
+    "At each epoch's end (after its last step), replace every state dict with a copy of itself: the same handles, in new dicts"
+    order = 20
+    def after_epoch(self):
+        st = self.learn.opt.state
+        for p in list(st): st[p] = dict(st[p])
+
+@pytest.mark.parametrize('fused', [True, pytest.param('compile', marks=pytest.mark.compiled)])
+@pytest.mark.parametrize('opt_state', ['bf16', '8bit', '4bit'])
+def test_no_lowbit_handle_outlives_its_fit(opt_state, fused):
+    "A state dict replaced after the fit's last step is handed back in fp32 too: no low-bit handle is left in `opt.state`"
+    def run(cbs):
+        learn = ALL_MODES['pure_kahan'](tiny_learner(opt_func=Adam, n_trn=2, model=mlp), fused=fused, opt_state=opt_state)
+        fit_quiet(learn, cbs=cbs)
+        return learn
+    learn,ref = run([CopyStateDicts()]),run([])
+    vals = [v for s in learn.opt.state.values() for v in s.values()]
+    assert not [v for v in vals if isinstance(v, LowBitState)], 'low-bit handles left in opt.state after the fit'
+    got,want = [[v for s in l.opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)] for l in (learn, ref)]
+    assert len(got) == len(want) and all(torch.equal(a, b) for a,b in zip(got, want))
+    learn.path = Path(tempfile.mkdtemp())
+    learn.save('s', with_opt=True)  # it pickled a handle, and failed, where one was left
+
+def _ptrs(learn) -> list:
+    "Where each weight and each state tensor of `learn` lies"
+    st = [v.data_ptr() for s in learn.opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return [p.data_ptr() for p in learn.model.parameters()] + st
+
+@pytest.mark.parametrize('fused', [True, pytest.param('compile', marks=pytest.mark.compiled)])
+@pytest.mark.parametrize('mode', ['amp_bf16', 'amp_fp16', 'master_fp16', 'master_bf16'])
+def test_next_fit_takes_the_buffers_as_they_are(mode, fused):
+    "Where a fit hands back fp32 buffers (weights or masters, state), the next fit steps in them: nothing copied, nothing moved"
+    learn = ALL_MODES[mode](tiny_learner(opt_func=Adam, n_trn=2, model=mlp), fused=fused)
+    fit_quiet(learn)
+    before = _ptrs(learn)
+    fit_quiet(learn)
+    assert _ptrs(learn) == before
+    ps = list(learn.model.parameters())
+    assert len({p.untyped_storage().data_ptr() for p in ps}) < len(ps), 'the weights lie in the buckets\' buffers'
