@@ -40,12 +40,14 @@ def slottable(t:Tensor) -> bool:
 
 def _in_slot(t:Tensor, st, offset:int, spec:tuple, dtype) -> bool:
     "Whether `t` is the slot at element `offset` of storage `st`, shaped and strided as `spec` says"
-    return (type(t) in (Tensor, nn.Parameter) and t.dtype == dtype and t.untyped_storage().data_ptr() == st.data_ptr()
+    if type(t) not in (Tensor, nn.Parameter) or t.layout is not torch.strided: return False
+    return (t.dtype == dtype and t.untyped_storage().data_ptr() == st.data_ptr()
             and t.storage_offset() == offset and tuple(t.shape) == tuple(spec[0]) and tuple(t.stride()) == tuple(spec[1]))
 
 def _same_slot(t:Tensor|None, v:Tensor) -> bool:
     "Whether `t` is view `v`'s memory, dtype, shape and strides"
-    return t is not None and t.data_ptr() == v.data_ptr() and t.dtype == v.dtype and t.shape == v.shape and t.stride() == v.stride()
+    if t is None or t.layout is not torch.strided: return False  # a sparse gradient has no slot
+    return t.data_ptr() == v.data_ptr() and t.dtype == v.dtype and t.shape == v.shape and t.stride() == v.stride()
 
 def set_data(p:Tensor, t:Tensor):
     "`p.data = t`, `p`'s gradient (if any) cast to `t`'s dtype"
@@ -152,7 +154,8 @@ class Bucket:
     def packed(self, ts:list, dtype=None) -> Tensor|None:
         "The flat buffer `ts` (None: no tensor) fill already, each in its slot, as a former fit left them; else None"
         dtype,t0 = dtype or self.dtype,next((t for t in ts if t is not None), None)
-        if t0 is None or type(t0) not in (Tensor, nn.Parameter) or t0.dtype != dtype or t0.device != self.device: return None
+        if t0 is None or type(t0) not in (Tensor, nn.Parameter) or t0.layout is not torch.strided: return None
+        if t0.dtype != dtype or t0.device != self.device: return None
         st = t0.untyped_storage()
         if st.nbytes() != self.n * t0.element_size(): return None  # the buffer holds these tensors and nothing else
         if not all(t is None or _in_slot(t, st, o, spec, dtype) for t,o,spec in zip(ts, self.offs, self.specs)): return None
