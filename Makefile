@@ -79,7 +79,8 @@ $(COMPAT)/.installed: constraints-min.txt settings.ini setup.py
 	touch $@
 
 compat: $(COMPAT)/.installed
-	@$(COMPAT)/bin/python -c "import torch, fastai, fastcore, fastprogress, accelerate; print('compat:', *(f'{m.__name__} {m.__version__}' for m in (torch, fastai, fastcore, fastprogress, accelerate)))"
+	@$(COMPAT)/bin/python -c "import torch, fastai, fastcore, fastprogress, accelerate as a; \
+	  print('compat:', *(f'{m.__name__} {m.__version__}' for m in (torch, fastai, fastcore, fastprogress, a)))"
 	time $(COMPAT)/bin/nbdev_test --timing --n_workers 1 --skip_file_re '$(COMPAT_SKIP)'
 	cd $$(mktemp -d) && time $(CURDIR)/$(COMPAT)/bin/python $(CURDIR)/tests/smoke.py --full
 

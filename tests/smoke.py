@@ -17,7 +17,7 @@ def get_learner(seed=0) -> Learner:
     x = torch.randn(256, 16)
     y = x @ torch.randn(16, 16) / 4
     dls = DataLoaders.from_dsets(TensorDataset(x[:192], y[:192]), TensorDataset(x[192:], y[192:]), bs=32, device='cpu')
-    model = nn.Sequential(nn.Linear(16, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 16))  # fp8 and 8-bit state take the middle one
+    model = nn.Sequential(nn.Linear(16, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 16))  # fp8, low-bit: the middle
     return Learner(dls, model, loss_func=MSELossFlat(), opt_func=Adam, lr=1e-3).quiet_progress()
 
 MODES = dict(  # each of mpx's modes as a user calls it
@@ -47,7 +47,8 @@ def fit_one(name:str, **kwargs) -> None:
 
 def main(full=False) -> int:
     import mpx, fastai, fastcore
-    print(f"mpx {mpx.__version__} from {mpx.__file__}; torch {torch.__version__}, fastai {fastai.__version__}, fastcore {fastcore.__version__}")
+    print(f"mpx {mpx.__version__} from {mpx.__file__}; "
+          f"torch {torch.__version__}, fastai {fastai.__version__}, fastcore {fastcore.__version__}")
     runs = [(m, {}) for m in MODES]
     if full:
         runs += [(m, dict(fused=f)) for m in MODES for f in (False, 'compile')]
