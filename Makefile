@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.mpx-installed
 BENCH_STAMP := $(VENV)/.bench-installed
 
-.PHONY: demo test check-export check-clean nbtest pytest bench docs clean
+.PHONY: demo test check-export check-clean nbtest pytest bench docs compat clean
 
 $(STAMP): settings.ini setup.py pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -64,5 +64,25 @@ bench: $(BENCH_STAMP)
 docs: $(STAMP)
 	$(BIN)/python docs/adapt.py
 
+# mpx on the oldest versions settings.ini declares (constraints-min.txt's pins), in $(COMPAT): the notebooks' tests under
+# nbdev 2 (nbdev 3 needs fastcore 2.2), then tests/smoke.py --full (every mode, fused setting and opt_state fits once).
+# Not part of `make test`: torch from the registry is a CUDA build, ~0.8 GB and ~3 GB of nvidia runtime packages (it runs
+# on a CPU). Skipped notebooks, each for a reason that is not mpx's floor: 05a_fp8 and 99_test_utils (its fp8 cells) need
+# the fp8 extra, and torchao 0.18 does not import on torch 2.7; 08_progress's test drives fastprogress 1.1's
+# MasterBar.progress, and fastcore 1.8 gets fastprogress 1.0.5 (QuietProgress itself runs there: the smoke's fits use it).
+# BENCHMARKS.md (Compatibility) records what it ran and how long it took.
+COMPAT := .venv-compat
+COMPAT_SKIP := ^(_|\.|05a_fp8|08_progress|99_test_utils)
+$(COMPAT)/.installed: constraints-min.txt settings.ini setup.py
+	test -x $(COMPAT)/bin/python || $(PYTHON) -m venv $(COMPAT)
+	$(COMPAT)/bin/python -m pip install -q -c constraints-min.txt -e '.[fsdp]' nbdev pytest hypothesis scikit-learn matplotlib psutil
+	touch $@
+
+compat: $(COMPAT)/.installed
+	@$(COMPAT)/bin/python -c "import torch, fastai, fastcore, fastprogress, accelerate as a; \
+	  print('compat:', *(f'{m.__name__} {m.__version__}' for m in (torch, fastai, fastcore, fastprogress, a)))"
+	time $(COMPAT)/bin/nbdev_test --timing --n_workers 1 --skip_file_re '$(COMPAT_SKIP)'
+	cd $$(mktemp -d) && time $(CURDIR)/$(COMPAT)/bin/python $(CURDIR)/tests/smoke.py --full
+
 clean:
-	rm -rf $(VENV) _proc _docs .pytest_cache *.egg-info
+	rm -rf $(VENV) $(COMPAT) _proc _docs .pytest_cache *.egg-info

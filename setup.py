@@ -10,19 +10,20 @@ statuses = ['1 - Planning', '2 - Pre-Alpha', '3 - Alpha', '4 - Beta', '5 - Produ
 py_versions = '3.10 3.11 3.12 3.13'.split()
 min_python = cfg['min_python']
 readme = Path('README.md')
+extras = {k: cfg[f'{k}_requirements'].split() for k in ('fsdp', 'fp8')}  # one a feature; dev takes them all
 urls = {'Source': cfg.get('git_url', ''), 'Documentation': cfg.get('doc_url', '')}  # settings.ini's; empty until published
 
 setuptools.setup(
     name=cfg['lib_name'], version=cfg['version'], description=cfg['description'],
-    license=licenses[cfg['license']], author=cfg['author'], keywords=cfg['keywords'],
+    license=licenses[cfg['license']], license_files=['LICENSE'], author=cfg['author'], keywords=cfg['keywords'],
     url=cfg.get('git_url') or None, project_urls={k: v for k,v in urls.items() if v},
-    classifiers=['Development Status :: ' + statuses[int(cfg['status'])],
+    classifiers=['Development Status :: ' + statuses[int(cfg['status']) - 1],  # status = 3 is '3 - Alpha'
                  'Intended Audience :: ' + cfg['audience'].title(),
                  'Natural Language :: ' + cfg['language'].title()] +
                 ['Programming Language :: Python :: ' + o for o in py_versions[py_versions.index(min_python):]],
     packages=setuptools.find_packages(include=[cfg['lib_path'], cfg['lib_path'] + '.*']),
     install_requires=cfg['requirements'].split(),
-    extras_require={'dev': cfg['dev_requirements'].split(), 'fp8': cfg['fp8_requirements'].split()},
+    extras_require={**extras, 'dev': cfg['dev_requirements'].split() + [r for rs in extras.values() for r in rs]},
     python_requires='>=' + min_python,
     long_description=readme.read_text(encoding='utf-8') if readme.exists() else cfg['description'],
     long_description_content_type='text/markdown',

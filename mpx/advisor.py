@@ -19,8 +19,8 @@ from .fp8 import fp8_table, linear_rows, real_fp8
 from .lowbit import param_bytes
 
 # %% auto #0
-__all__ = ['fp32_trial', 'ModuleStats', 'module_numerics', 'time_steps', 'ModeFailure', 'mode_failure', 'assess_numerics',
-           'PrecisionReport', 'plain_text', 'memory_line', 'precision_report', 'Hardware', 'cpu_hardware',
+__all__ = ['precision_report', 'fp32_trial', 'ModuleStats', 'module_numerics', 'time_steps', 'ModeFailure', 'mode_failure',
+           'assess_numerics', 'PrecisionReport', 'plain_text', 'memory_line', 'Hardware', 'cpu_hardware',
            'cuda_hardware', 'mps_hardware', 'detect_hardware', 'slow_reason', 'warn_if_slow', 'reset_slow_warnings']
 
 # %% ../nbs/06_advisor.ipynb #62e927f3
@@ -494,13 +494,17 @@ def precision_report(
     return PrecisionReport(hw, mods, underflow, at_risk, rec, reasons, timings, fp8, real_fp8(dev), fails)
 
 # %% ../nbs/06_advisor.ipynb #e101f421
+_report = precision_report  # fastcore 1.x's `@patch` returns None, not the function the name had: kept here, restored below
+
 @patch
 def precision_report(self:Learner, time:bool=False, **kwargs) -> PrecisionReport:
     "This learner's `precision_report`: hardware, one batch's numerics, optional timings and the recommended mode. Changes nothing"
-    return precision_report(self, time=time, **kwargs)
+    return _report(self, time=time, **kwargs)
 
 @patch
 def to_auto_precision(self:Learner, time:bool=False, **kwargs):
     "Apply the recommendation of `precision_report` through mpx's `to_bf16()`, `to_fp16()` or `to_fp32()`; returns the learner"
     import mpx.learner  # patches those three; it sits above this module (learner -> advisor), so it is imported here, not at the top
     return getattr(self, f'to_{self.precision_report(time=time, **kwargs).recommended}')()
+
+precision_report = _report

@@ -12,6 +12,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.modules.batchnorm import _BatchNorm
 from fastai.basics import *
 from fastai.callback.progress import ProgressCallback
+try: import accelerate  # fastai's distributed training is built on it: without it `fastai.distributed` fails on a NameError
+except ImportError as e: raise ImportError("mpx.distributed (learn.to_fsdp()) needs accelerate: pip install 'mpx[fsdp]'") from e
 from fastai.distributed import DistributedDL, DistributedTrainer
 from fastai.optimizer import larc_layer_lr
 from .core import *

@@ -4,7 +4,7 @@
 
 # %% ../nbs/05a_fp8.ipynb #f8000003
 from __future__ import annotations
-import dataclasses, functools, math, pickle, warnings
+import dataclasses, functools, importlib.util, math, pickle, warnings
 from typing import NamedTuple
 from fastai.basics import *
 from .core import *
@@ -21,9 +21,12 @@ __all__ = ['fp8_recipes', 'Fp8Layer', 'unwrapped', 'fp8_plan', 'layers_frame', '
 _install = "fp8 training needs torchao: pip install 'mpx[fp8]' (or pip install 'torchao>=0.18')"
 
 def _torchao_float8():
-    "torchao's float8 training module, imported on first use; an `ImportError` saying what to install where torchao is missing"
+    "torchao's float8 training module, imported on first use; an `ImportError` saying what to install where it does not import"
     try: import torchao.float8 as f8
-    except ImportError as e: raise ImportError(_install) from e
+    except ImportError as e:
+        if importlib.util.find_spec('torchao') is None: raise ImportError(_install) from e
+        raise ImportError(f"torchao is installed but does not import with torch {torch.__version__} ({e}). mpx's fp8 is tested with "
+                          "torchao 0.18 on torch 2.13: install the torchao release made for this torch, or a newer torch") from e
     return f8
 
 def fp8_recipes() -> list:

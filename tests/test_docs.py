@@ -250,3 +250,44 @@ def test_index_links_resolve(pages, browser, base_url):
         if frag and path in ids: assert frag in ids[path], (u, 'no such anchor')
     missing = set(pages) - linked - {'index'}
     assert not missing, f"pages the home page does not link: {missing} (add them to nbs/index.ipynb's Pages list)"
+
+_MODE_TABLE = '''() => {
+  const t = [...document.querySelectorAll('article table')].find(t => t.textContent.includes('bytes a parameter'));
+  if (!t) return null;
+  const box = t.closest('.pst-scrollable-table-container') || t.parentElement, art = document.querySelector('article');
+  return {width: t.scrollWidth, room: box.clientWidth, right: t.getBoundingClientRect().right,
+          article: art.getBoundingClientRect().right, window: window.innerWidth};
+}'''
+
+def test_mode_table_fits_1280(site, base_url, browser):
+    "The home page's mode table is read whole in a 1280-pixel window: no sideways scrolling, nothing past the article's edge."
+    page = browser.new_page()
+    try:
+        page.set_viewport_size(dict(width=1280, height=900))
+        page.goto(f'{base_url}index.html', wait_until='networkidle')
+        t = page.evaluate(_MODE_TABLE)
+    finally: page.close()
+    assert t is not None, 'no table with "bytes a parameter" on the home page'
+    assert t['window'] == 1280 and t['width'] <= t['room'] and t['right'] <= t['article'] + 1, t
+
+# ---- saved outputs: what today's code prints (tests/test_first_day.py checks they hold no machine's path) -----------
+
+def saved_outputs() -> list:
+    "Every notebook's saved outputs as text: (notebook, cell id, text)"
+    res = []
+    for p in sorted(adapt.NBS.glob('*.ipynb')):
+        for c in json.loads(p.read_text())['cells']:
+            for o in c.get('outputs', []):
+                text = ''.join(o.get('text', '')) + ''.join(''.join(v) for k,v in o.get('data', {}).items() if k.startswith('text/'))
+                res.append((p.name, c.get('id'), text))
+    return res
+
+def test_saved_reprs_are_todays():
+    "A precision callback's saved repr is today's: loss_scale as an integer where it is one, no flat_master (masters are always flat)."
+    from mpx.all import MixedPrecision, MasterPrecision
+    assert repr(MixedPrecision('bf16')).startswith("MixedPrecision(amp_mode='bf16', loss_scale=1,")
+    assert 'flat_master' not in repr(MasterPrecision(loss_scale=512))
+    pat = re.compile(r'\b(?:MixedPrecision|MasterPrecision|PureBF16)\([^)]*\)')
+    reprs = [(nb, cid, m[0]) for nb,cid,t in saved_outputs() for m in pat.finditer(t)]
+    assert len(reprs) > 5
+    assert not [r for r in reprs if re.search(r'loss_scale=\d+\.0\b|flat_master', r[2])]
