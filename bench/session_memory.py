@@ -129,7 +129,8 @@ def main():
         ratio = f"{train_peak(r) / train_peak(base):.2f}" if base else ''
         p,af = r['peak'],r['after']
         print(f"| {r['arm']} | {train_peak(r):.1f} | {ratio} | {af['fit_one_cycle']:.1f} | {af['fit 3']:.1f} | "
-              f"{af['fit 3'] - af['fit_one_cycle']:+.1f} | {p['save']:.1f} | {p['export']:.1f} | {af['export']:.1f} | {r['after del']:.1f} |")
+              f"{af['fit 3'] - af['fit_one_cycle']:+.1f} | {p['save']:.1f} | {p['export']:.1f} | {af['export']:.1f} | "
+              f"{r['after del']:.1f} |")
     print('\nEach call, peak / after:')
     print('| arm | ' + ' | '.join(CALLS) + ' |')
     print('|---|' + '---:|' * len(CALLS))
