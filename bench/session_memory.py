@@ -3,7 +3,7 @@ Kahan AdamW (bf16 model) and fastai + torchao's `AdamW8bit`.
 
 Each arm runs in a process of its own on a 34M-parameter MLP (64-4096-4096-4096-1, Adam, batch 16), through the calls a
 user makes: `lr_find(num_it=8)`, `fit_one_cycle(1)`, `fit(1)`, `fit(1)`, `validate()`, `get_preds()`,
-`save(with_opt=True)`, `load`, `export()`. glibc is told to hand freed blocks back (`MALLOC_MMAP_THRESHOLD_=65536`), so
+`save(with_opt=True)`, `load`, `export()`, then `del learn; gc.collect()`. glibc is told to hand freed blocks back (`MALLOC_MMAP_THRESHOLD_=65536`), so
 the resident memory follows live memory; no `gc.collect()` is called. Before each call the kernel's peak of resident
 memory is reset (`/proc/self/clear_refs`), so each call's peak is its own. Figures are bytes a parameter above the process
 before the model was built (the user's fp32 model included): each call's peak, and what stays resident after it.
@@ -97,6 +97,8 @@ def run_one(name:str, width:int) -> dict:
         with learn.no_bar(), learn.no_logging(): calls[c]()
         res['peak'][c],res['after'][c] = per(_status('VmHWM')),per(_status('VmRSS'))
     del learn
+    import gc
+    gc.collect()  # fastai's learner and its callbacks point at each other: `del learn` alone waits for the collector
     res['after del'] = per(_status('VmRSS'))
     return res
 
