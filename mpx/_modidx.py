@@ -254,6 +254,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                               'mpx.compiled._hypers': ('compiled.html#_hypers', 'mpx/compiled.py'),
                               'mpx.compiled._kernel': ('compiled.html#_kernel', 'mpx/compiled.py'),
                               'mpx.compiled._kernel_body': ('compiled.html#_kernel_body', 'mpx/compiled.py'),
+                              'mpx.compiled._known_options': ('compiled.html#_known_options', 'mpx/compiled.py'),
                               'mpx.compiled._own': ('compiled.html#_own', 'mpx/compiled.py'),
                               'mpx.compiled._scalar_body': ('compiled.html#_scalar_body', 'mpx/compiled.py'),
                               'mpx.compiled._signature': ('compiled.html#_signature', 'mpx/compiled.py'),

@@ -11,6 +11,7 @@ from fastai.optimizer import *
 from .flat import *
 from .eager import base_fn, fn_name, RunSteps, LoopSteps
 from .lowbit import kept
+from .warn import warn_user
 
 # %% auto #0
 __all__ = ['DeviceSteps', 'compile_plan', 'CompiledSteps']
@@ -118,7 +119,17 @@ def _kernel_body(kind, store, chain:tuple, t:dict, s:dict, q:dict):
     for k,v in out.items(): t[k].copy_(v)
     if 'steps' in t: t['steps'].copy_(torch.where(keep, t['steps'], t['steps'] + 1))
 
-_kernels,_failed = {},{}
+_kernels,_failed,_said = {},{},set()
+
+def _known_options(options:dict) -> dict:
+    "The inductor `options` this torch knows; the others said once (torch 2.13 knows every one a store asks for)"
+    import torch._inductor.config as inductor  # imported with `torch.compile`, never at mpx's import
+    missing = sorted(k for k in options if not hasattr(inductor, k))
+    if missing and 'options' not in _said:
+        _said.add('options')  # once a process
+        warn_user(f"torch {torch.__version__}'s inductor has no {', '.join(missing)}: a compiled low-bit step keeps its new values "
+                  "in two fp32 temporaries the size of a run (8 B/param more at its peak); torch 2.13 or later avoids them")
+    return {k: v for k,v in options.items() if k not in missing}
 
 def _own(f, name:str) -> Callable:
     "`f` with a code object of its own, named `name`"
@@ -135,8 +146,8 @@ def _kernel(kind, store, chain:tuple, sig:tuple=()) -> tuple:
         name = f"mpx_{type(kind).__name__}_{store.name}_{'_'.join(f.__name__ for f,_ in chain)}"
         def scalars(s, steps): return _scalar_body(chain, s, steps)
         def step(t, s, q): return _kernel_body(kind, store, chain, t, s, q)
-        opts = dict(dynamic=True, fullgraph=True)
-        step = torch.compile(_own(step, name), **opts, **({'options': store.kernel_options} if store.kernel_options else {}))
+        opts,known = dict(dynamic=True, fullgraph=True),_known_options(store.kernel_options)
+        step = torch.compile(_own(step, name), **opts, **({'options': known} if known else {}))
         _kernels[key] = (torch.compile(_own(scalars, name + '_scalars'), **opts),step)
     return _kernels[key]
 
