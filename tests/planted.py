@@ -80,3 +80,63 @@ def compiled_replaced_by_eager():
         else: self.eager.bucket(eng, b, hyper)
         return False
     with _patched(CompiledSteps, '_step', eager): yield
+
+def _lr_planted(lr):
+    "Patch the engine's step so that each step runs with `lr(engine, group, lr_fastai_set)` in each group, fastai's hypers put back after"
+    from mpx.fused import FusedSteps
+    from mpx.plumbing import unwrap
+    real = FusedSteps.step
+    def step(self, closure=None):
+        hypers = unwrap(self.opt)[1].hypers  # the fastai optimizer the engine steps: what its schedule set
+        kept = [h.get('lr') for h in hypers]
+        for i,h in enumerate(hypers):
+            if 'lr' in h: h['lr'] = lr(self, i, h['lr'])
+        try: return real(self, closure)
+        finally:
+            for h,k in zip(hypers, kept):
+                if k is not None: h['lr'] = k
+    return _patched(FusedSteps, 'step', step)  # set before a fit: the engine binds its step at install
+
+@contextmanager
+def lr_scaled(factor:float):
+    "The step engine steps with `factor` times the learning rate fastai's hypers hold (every mode and `fused` setting that installs it)"
+    with _lr_planted(lambda eng, i, lr: lr * factor): yield
+
+@contextmanager
+def lr_frozen():
+    "The step engine keeps stepping with the learning rates of a fit's first step: fastai's schedule (one-cycle, say) no longer reaches it"
+    first,depth = {},[0]  # (optimizer, group) -> the lr of the outermost fit's first step
+    def fit(real):
+        def f(learn, *args, **kwargs):
+            if not depth[0]: first.clear()
+            depth[0] += 1
+            try: return real(learn, *args, **kwargs)
+            finally: depth[0] -= 1
+        return f
+    def lr(eng, i, lr): return first.setdefault((id(eng.opt), i), lr)  # by optimizer: `suspended` re-installs the engine
+    with _patched(Learner, 'fit', fit(Learner.fit)), _lr_planted(lr): yield
+
+@contextmanager
+def lowbit_decoded_scaled(factor:float=.7):
+    "8-bit state decodes as `factor` times its value, eager and compiled (the kernels made inside are dropped when it ends)"
+    import mpx.compiled
+    from mpx.lowbit import Float8Codes
+    real,kernels = Float8Codes.decode,dict(mpx.compiled._kernels)
+    def decode(self, codes, scale, qmap=None): return real(self, codes, scale, qmap) * factor
+    mpx.compiled._kernels.clear()  # a kernel made before would keep the true decode
+    try:
+        with _patched(Float8Codes, 'decode', decode): yield
+    finally: mpx.compiled._kernels.clear(); mpx.compiled._kernels.update(kernels)
+
+@contextmanager
+def lowbit_state_dict_zeros():
+    "`opt.state_dict()` (and so `learn.save`) in a low-bit fit gives zeros for the state held in low bits"
+    from mpx.fused import FusedSteps
+    from mpx.lowbit import LowBitState
+    from mpx.plumbing import unwrap
+    real = FusedSteps._state_dict
+    def state_dict(self):
+        res,inner = real(self),unwrap(self.opt)[1]
+        lows = [{k for k,v in s.items() if isinstance(v, LowBitState)} for s in type(inner).state_dict(inner)["state"]]
+        return {**res, 'state': [{k: torch.zeros_like(v) if k in low else v for k,v in s.items()} for s,low in zip(res['state'], lows)]}
+    with _patched(FusedSteps, '_state_dict', state_dict): yield
