@@ -542,7 +542,7 @@ def check_stochastic_rounding(learn:Learner, # A `ramp_learner` after its fit
 # %% ../nbs/99_test_utils.ipynb #tu500002
 class StepLrs(Callback):
     "On a `ramp_learner`: each optimizer step's `lr` in `opt.hypers` (`asked`) and the mean fall of the fp32 weights (`used`)"
-    order = 1000  # after every other `before_step`: the lr the step runs with
+    order = 999  # after every other `before_step` (the lr the step runs with), outside a `StepProfile`'s window
     def __init__(self): self.asked,self.used,self.w = [],[],None
     def _w(self) -> Tensor:
         with suspended(self.learn): return self.learn.model.weight.detach().double().clone()

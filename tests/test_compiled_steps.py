@@ -13,8 +13,9 @@ import fastai.callback.schedule  # noqa: F401 (fit_one_cycle, lr_find)
 from mpx.all import *
 from mpx.test_utils import (tiny_learner, tiny_split, ALL_MODES, fit_quiet, state_of, state_diffs, precision_cb, Snapshot, InjectGrad,
                             check_skips_change_nothing, CountOps, weights, tabular_app_learner, collab_app_learner, text_app_learner,
-                            StepProfile, check_compiled_steps, ramp_learner, check_stochastic_rounding, suspended)
-from planted import compiled_replaced_by_eager
+                            StepProfile, check_compiled_steps, ramp_learner, check_stochastic_rounding, suspended, StepLrs, check_step_lrs,
+                            step_lr_tol)
+from planted import compiled_replaced_by_eager, lr_scaled, lr_frozen
 
 pytestmark = [pytest.mark.filterwarnings('ignore::UserWarning'), pytest.mark.usefixtures('one_thread')]
 
@@ -82,6 +83,26 @@ def test_kahan_compensation_lives():
     fit_quiet(learn, 1, cbs=prof.cbs)
     check_compiled_steps(prof)
     assert seen and all(c > 0 for c in seen[1:])
+
+def compiled_lrs(mode) -> StepLrs:
+    "A one-cycle fit of a `ramp_learner` compiled in `mode`, every step checked to have run in compiled regions: each step's lr, set and used"
+    probe,prof = StepLrs(),StepProfile()
+    learn = ALL_MODES[mode](ramp_learner(lr=1e-2), fused='compile')
+    learn.fit_one_cycle(1, 1e-2, cbs=[probe, *prof.cbs])
+    check_compiled_steps(prof)
+    return probe
+
+@pytest.mark.compiled
+@pytest.mark.parametrize('mode', ['amp_bf16', 'master_fp16', 'pure_kahan', 'pure_stochastic'])
+def test_compiled_step_lr_is_the_schedules(mode):
+    "Each compiled step of a one-cycle fit moves the fp32 weights by the lr fastai's schedule set at that step: plain SGD by hand."
+    check_step_lrs(compiled_lrs(mode), *step_lr_tol(mode))
+
+@pytest.mark.compiled
+@pytest.mark.parametrize('bug', [lambda: lr_scaled(1.05), lr_frozen], ids=['lr_x1.05', 'lr_frozen'])
+def test_compiled_wrong_step_lr_is_caught(bug):
+    "Negative control: compiled steps taking 1.05 times fastai's lr, or the fit's first lr all along, fail the check."
+    with bug(), pytest.raises(AssertionError, match='where fastai set'): check_step_lrs(compiled_lrs('pure_kahan'), *step_lr_tol('pure_kahan'))
 
 # ---- skipped on the device, with no host sync
 

@@ -11,8 +11,9 @@ from fastai.callback.training import GradientAccumulation
 import fastai.callback.schedule  # lr_find, fit_one_cycle, fine_tune
 from mpx.all import *
 from mpx.test_utils import (tiny_learner, tiny_split, tabular_app_learner, collab_app_learner, text_app_learner, tied_learner, sparse_learner,
-                            gan_learner, MASTER_MODES, ALL_MODES, OPTIMIZERS, learner_problems, state_of, assert_same_state, rel_err)
-from planted import masters_rounded_on_save
+                            gan_learner, MASTER_MODES, ALL_MODES, OPTIMIZERS, learner_problems, state_of, assert_same_state, rel_err,
+                            ramp_learner, StepLrs, check_step_lrs, step_lr_tol)
+from planted import masters_rounded_on_save, lr_scaled, lr_frozen
 
 pytestmark = pytest.mark.filterwarnings('ignore::UserWarning')  # load_learner's pickle warning, fastai's freeze warnings
 SEQ_MODES = {**MASTER_MODES, 'pure_kahan': ALL_MODES['pure_kahan'], 'pure_stochastic': ALL_MODES['pure_stochastic']}
@@ -279,6 +280,38 @@ def test_rounded_masters_are_caught(seq, tmp_path):
     "Negative control: masters rounded through fp16 on their way into a checkpoint (between fits, and mid-fit) fail the sequence."
     with masters_rounded_on_save(), pytest.raises(AssertionError, match=r"after load\('\w+'\) of what it held differs"):
         check_like_fp32('tiny', seq, 'fp16', 'adam', tmp_path)
+
+# ---- the learning rate each step used: what fastai's schedules set, after an lr_find, in every mode (a step 5% long is within the
+# weights' tolerance above on this small model: Adam steps its near-zero-gradient parameters by their rounding noise)
+
+def ramp_lrs(mode, fused, path) -> StepLrs:
+    "`lr_find`, `fit_one_cycle` and `fit` on a `ramp_learner` in `mode` (None: fp32): each step's lr, set and used, in the two fits"
+    probe = StepLrs()
+    learn = ramp_learner(lr=1e-2); learn.path = path
+    if mode is not None: SEQ_MODES[mode](learn, fused=fused)
+    learn.lr_find(num_it=5, show_plot=False, suggest_funcs=None)
+    learn.fit_one_cycle(1, 1e-2, cbs=probe); learn.fit(1, 3e-3, cbs=probe)
+    return probe
+
+@functools.cache
+def _fp32_lrs(path) -> list: return ramp_lrs(None, None, path).asked
+
+def check_ramp_lrs(mode, fused, tmp_path):
+    "Each step of `ramp_lrs` used the lr fastai set, which is what fastai sets in fp32"
+    check_step_lrs(ramp_lrs(mode, fused, tmp_path), *step_lr_tol(mode), asked=_fp32_lrs(tmp_path.parent/'ref-ramp'))
+
+@pytest.mark.parametrize('fused', [True, False])
+@pytest.mark.parametrize('mode', SEQ_MODES)
+def test_step_lr_is_the_schedules(mode, fused, tmp_path):
+    "Every step of a one-cycle fit after an lr_find, and of a fit, moves the fp32 weights by the lr fastai's schedule set: plain SGD by hand."
+    check_ramp_lrs(mode, fused, tmp_path)
+
+@pytest.mark.parametrize('bug', [lambda: lr_scaled(1.05), lambda: lr_scaled(.5), lr_frozen], ids=['lr_x1.05', 'lr_x0.5', 'lr_frozen'])
+@pytest.mark.parametrize('mode', ['fp16', 'pure_stochastic'])
+def test_wrong_step_lr_is_caught(mode, bug, tmp_path):
+    "Negative control: the engine stepping with 1.05 or 0.5 times fastai's lr, or with the fit's first lr all along, fails the check."
+    _fp32_lrs(tmp_path.parent/'ref-ramp')
+    with bug(), pytest.raises(AssertionError, match='where fastai set|times the lrs fastai set'): check_ramp_lrs(mode, True, tmp_path)
 
 # ---- optimizer state lives across fits and checkpoints
 
