@@ -130,13 +130,30 @@ def lowbit_decoded_scaled(factor:float=.7):
 
 @contextmanager
 def lowbit_state_dict_zeros():
-    "`opt.state_dict()` (and so `learn.save`) in a low-bit fit gives zeros for the state held in low bits"
+    "A low-bit fit's `opt.state_dict()` mid-fit, and what `learn.save` writes, give zeros for the state held in low bits"
+    import mpx.patches
     from mpx.fused import FusedSteps
-    from mpx.lowbit import LowBitState
+    from mpx.lowbit import LowBitState, MIN_LOWBIT
     from mpx.plumbing import unwrap
-    real = FusedSteps._state_dict
+    real,real_save = FusedSteps._state_dict,mpx.patches._fastai_save
+    def zeroed(sd:dict, lows:list) -> dict:
+        "`sd` with zeros for the entries named in `lows` (a set of keys a parameter)"
+        return {**sd, 'state': [{k: torch.zeros_like(v) if k in low else v for k,v in s.items()} for s,low in zip(sd['state'], lows)]}
     def state_dict(self):
-        res,inner = real(self),unwrap(self.opt)[1]
-        lows = [{k for k,v in s.items() if isinstance(v, LowBitState)} for s in type(inner).state_dict(inner)["state"]]
-        return {**res, 'state': [{k: torch.zeros_like(v) if k in low else v for k,v in s.items()} for s,low in zip(res['state'], lows)]}
-    with _patched(FusedSteps, '_state_dict', state_dict): yield
+        inner = unwrap(self.opt)[1]
+        return zeroed(real(self), [{k for k,v in h.items() if isinstance(v, LowBitState)} for h in type(inner).state_dict(inner)['state']])
+    def save(learn, file, **kwargs):
+        from mpx.patches import is_mpx_precision
+        if not any(is_mpx_precision(c) and getattr(c, 'opt_state', 'fp32') != 'fp32' for c in learn.cbs) or learn.opt is None:
+            return real_save(learn, file, **kwargs)
+        opt,had = learn.opt,'state_dict' in vars(learn.opt)
+        fastai_sd = opt.state_dict  # in a save the fit is suspended: the state is fp32 tensors, the large ones were held low
+        def sd():
+            res = fastai_sd()
+            return zeroed(res, [{k for k,v in s.items() if torch.is_tensor(v) and v.numel() >= MIN_LOWBIT} for s in res['state']])
+        opt.state_dict = sd
+        try: return real_save(learn, file, **kwargs)
+        finally:
+            if had: opt.state_dict = fastai_sd
+            else: del opt.state_dict
+    with _patched(FusedSteps, '_state_dict', state_dict), _patched(mpx.patches, '_fastai_save', save): yield
