@@ -12,7 +12,7 @@ __all__ = ['MASTER_MODES', 'MODES', 'BASIC_MODES', 'ALL_MODES', 'OPTIMIZERS', 'A
            'Snapshot', 'check_skips_change_nothing', 'assert_same_state', 'learner_problems', 'suspended', 'rel_err',
            'grad_norm', 'GradNormProbe', 'DtypeHook', 'PredProbe', 'LossProbe', 'replay', 'stepped_opt', 'opt_diffs',
            'ramp_learner', 'check_stochastic_rounding', 'StepLrs', 'step_lr_tol', 'check_step_lrs', 'raised',
-           'StepProfile', 'check_compiled_steps']
+           'StepProfile', 'check_compiled_steps', 'KernelRuns']
 
 # %% ../nbs/99_test_utils.ipynb #29d10340
 import functools, os, re, sys
@@ -629,3 +629,14 @@ def check_compiled_steps(prof:StepProfile):
     if prof.wide: return
     math_ = [(i, sorted(k for k in s['ops'] if _step_math.match(k))) for i,s in enumerate(prof.steps) if i]
     assert not any(m for _,m in math_), f'steps ran the eager arithmetic beside the kernels: {[x for x in math_ if x[1]][:2]}'
+
+# %% ../nbs/99_test_utils.ipynb #tu500005
+class KernelRuns:
+    "Context manager counting the compiled graphs inductor runs while inside, in `n`"
+    def __enter__(self):
+        from torch._inductor.output_code import CompiledFxGraph  # what a compiled function calls, each call (torch's own class)
+        self.n,self.cls,self.real = 0,CompiledFxGraph,CompiledFxGraph.__call__
+        def call(graph, inputs): self.n += 1; return self.real(graph, inputs)
+        self.cls.__call__ = call
+        return self
+    def __exit__(self, *args): self.cls.__call__ = self.real

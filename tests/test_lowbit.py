@@ -105,7 +105,7 @@ def test_wrong_decode_is_caught(fused):
         errs = state_errors('8bit', 'adam', fused)
         assert all(e <= STATE_TOL['8bit'] for s in errs for e in s.values()), f'relative errors a step: {errs}'
 
-@pytest.mark.parametrize('fused', [True, 'compile'])
+@pytest.mark.parametrize('fused', [True, pytest.param('compile', marks=pytest.mark.compiled)])
 @pytest.mark.parametrize('opt_state', STATES)
 def test_resume_bit_for_bit(opt_state, fused, tmp_path):
     "Two epochs, or one, a checkpoint, a new learner loading it and one more: the same weights and state, bit for bit."
