@@ -22,11 +22,12 @@ def compiles() -> bool: return why_not_compiled() is None
 
 @pytest.fixture(scope='session', autouse=True)
 def _planted():
-    "The whole session under the planted bug `MPX_PLANTED` names (none by default)"
+    "The whole session under the planted bug `MPX_PLANTED` names, `name` or `name:number` (`lr_scaled:1.05`); none by default"
     name = os.environ.get('MPX_PLANTED')
     if not name: yield; return
     import planted
-    with getattr(planted, name)(): yield
+    name,*arg = name.split(':')
+    with getattr(planted, name)(*map(float, arg)): yield
 
 @pytest.fixture(autouse=True)
 def _compiled_for_real(request):
