@@ -62,7 +62,7 @@ def test_stream_resumes_under_either(saved, resumed, tmp_path):
     assert not all(torch.equal(x, y) for x,y in zip(_weights(got), _weights(fresh))), 'a stream started afresh rounds the same: no check'
 
 def test_stochastic_fused_equals_loop_and_windows():
-    "The same bits whatever steps them: fused, fastai's loop (`fused=False`), one window or many: bit for bit."
+    "The same bits whatever steps them: fused, the engine's per-parameter loop of fastai's functions (`fused=False`), one window or many."
     res = []
     for fused,chunk in ((True, 1 << 22), (False, 1 << 22), (True, 64)):
         learn = tiny_learner(opt_func=Adam, lr=1e-2, n_trn=4).to_bf16(pure=True, update='stochastic', fused=fused)

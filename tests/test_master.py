@@ -25,7 +25,8 @@ def multi_splitter(k):
 @given(shapes=st.lists(st.lists(st.integers(1, 5), min_size=1, max_size=3), min_size=1, max_size=6),
        k=st.integers(1, 3), adam=st.booleans(), wd=st.sampled_from([0., 1e-2]))
 def test_fused_equals_loop(shapes, k, adam, wd):
-    "The engine's steps and fastai's loop over the masters give bit-identical weights on random shapes, groups, optimizers, weight decay."
+    """The engine's multi-tensor steps and its per-parameter loop of fastai's step functions (`fused=False`: fastai's own master mode is
+    GPU-only) give bit-identical weights on random shapes, groups, optimizers, weight decay."""
     res = []
     for fused in (False, True):
         learn = tiny_learner(lr=1e-2, model=Multi(shapes), splitter=multi_splitter(k), opt_func=Adam if adam else partial(SGD, mom=.9), wd=wd, cbs=MasterPrecision(fused=fused))
