@@ -1,6 +1,7 @@
 """Planted bugs, for the negative controls: each context manager makes mpx wrong in one known way while inside, so a test can show that
-its check fails on it. They reach into mpx's internals (its save, its rounding, its compiled step): this file is the one place that does,
-and the one to change when those internals move. Never used outside a negative control."""
+its check fails on it. They reach into mpx's internals (its save, its rounding, its compiled step, the engine's `step` and `_state_dict`,
+the low-bit codes): this file is the one place that does, and the one to change when those internals move. Never used outside a negative
+control; `MPX_PLANTED=name` (or `name:number`, `lr_scaled:1.05`) runs a whole pytest session under one, to see which tests catch it."""
 import random
 from contextlib import contextmanager, ExitStack
 from copy import deepcopy
