@@ -546,7 +546,9 @@ class StepLrs(Callback):
     def __init__(self): self.asked,self.used,self.w = [],[],None
     def _w(self) -> Tensor:
         with suspended(self.learn): return self.learn.model.weight.detach().double().clone()
-    def before_step(self): self.asked.append(float(self.opt.hypers[0]['lr'])); self.w = self._w()
+    def before_step(self):
+        self.asked.append(float(self.opt.hypers[0]['lr']))
+        self.w = self._w()
     def after_step(self): self.used.append(float((self.w - self._w()).mean()))
     def after_cancel_step(self): self.asked.pop()  # a skipped step used no lr
 
@@ -636,7 +638,9 @@ class KernelRuns:
     def __enter__(self):
         from torch._inductor.output_code import CompiledFxGraph  # what a compiled function calls, each call (torch's own class)
         self.n,self.cls,self.real = 0,CompiledFxGraph,CompiledFxGraph.__call__
-        def call(graph, inputs): self.n += 1; return self.real(graph, inputs)
+        def call(graph, inputs):
+            self.n += 1
+            return self.real(graph, inputs)
         self.cls.__call__ = call
         return self
     def __exit__(self, *args): self.cls.__call__ = self.real

@@ -24,7 +24,9 @@ def compiles() -> bool: return why_not_compiled() is None
 def _planted():
     "The whole session under the planted bug `MPX_PLANTED` names, `name` or `name:number` (`lr_scaled:1.05`); none by default"
     name = os.environ.get('MPX_PLANTED')
-    if not name: yield; return
+    if not name:
+        yield
+        return
     import planted
     name,*arg = name.split(':')
     with getattr(planted, name)(*map(float, arg)): yield

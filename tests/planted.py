@@ -127,7 +127,9 @@ def lowbit_decoded_scaled(factor:float=.7):
     mpx.compiled._kernels.clear()  # a kernel made before would keep the true decode
     try:
         with _patched(Float8Codes, 'decode', decode): yield
-    finally: mpx.compiled._kernels.clear(); mpx.compiled._kernels.update(kernels)
+    finally:
+        mpx.compiled._kernels.clear()
+        mpx.compiled._kernels.update(kernels)
 
 @contextmanager
 def lowbit_state_dict_zeros():

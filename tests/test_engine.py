@@ -52,13 +52,16 @@ def test_stream_resumes_under_either(saved, resumed, tmp_path):
     for fused in (resumed, saved):
         b = _stochastic(fused, tmp_path, 'ck')
         assert b.pure_bf16.stream['count'] == 4
-        fit_quiet(b, 1); runs[fused] = b
+        fit_quiet(b, 1)
+        runs[fused] = b
         assert b.pure_bf16.stream['count'] == 8
     got,ref = runs[resumed],runs[saved]
     assert all(torch.equal(x, y) for x,y in zip(_weights(got), _weights(ref))), 'the resumed fit rounded with other bits'
     diffs = [d for d in state_diffs(state_of(ref), state_of(got)) if 'max diff' not in d or float(d.rsplit(' ', 1)[1]) > 1e-4]
     assert not diffs, diffs[:3]
-    fresh = _stochastic(resumed, tmp_path, 'ck'); fresh.pure_bf16.stream['count'] = 0; fit_quiet(fresh, 1)
+    fresh = _stochastic(resumed, tmp_path, 'ck')
+    fresh.pure_bf16.stream['count'] = 0
+    fit_quiet(fresh, 1)
     assert not all(torch.equal(x, y) for x,y in zip(_weights(got), _weights(fresh))), 'a stream started afresh rounds the same: no check'
 
 def test_stochastic_fused_equals_loop_and_windows():

@@ -302,10 +302,12 @@ def test_frozen_schedule_is_caught(mode, tmp_path):
 def ramp_lrs(mode, fused, path) -> StepLrs:
     "`lr_find`, `fit_one_cycle` and `fit` on a `ramp_learner` in `mode` (None: fp32): each step's lr, set and used, in the two fits"
     probe = StepLrs()
-    learn = ramp_learner(lr=1e-2); learn.path = path
+    learn = ramp_learner(lr=1e-2)
+    learn.path = path
     if mode is not None: SEQ_MODES[mode](learn, fused=fused)
     learn.lr_find(num_it=5, show_plot=False, suggest_funcs=None)
-    learn.fit_one_cycle(1, 1e-2, cbs=probe); learn.fit(1, 3e-3, cbs=probe)
+    learn.fit_one_cycle(1, 1e-2, cbs=probe)
+    learn.fit(1, 3e-3, cbs=probe)
     return probe
 
 @functools.cache
