@@ -286,6 +286,7 @@ def test_eager_swap_fails_every_compiled_file():
 @pytest.mark.compiled
 def test_compiled_check_sees_the_eager_step():
     "Negative control: a compiled kernel quietly replaced by the eager step (no warning, nothing recorded) fails `check_compiled_steps`."
+    torch.compile(lambda x: x + 1)(torch.ones(2))  # this case's own kernel (the `compiled` marker asks for one)
     learn,prof = tiny_learner(opt_func=Adam, lr=1e-2, n_trn=2).to_bf16(pure=True, fused='compile'),StepProfile()
     with compiled_replaced_by_eager(): fit_quiet(learn, 1, cbs=prof.cbs)
     with pytest.raises(AssertionError, match='ran no compiled region'): check_compiled_steps(prof)
