@@ -1,10 +1,10 @@
 """Shared by every test file: the compiled cases (marked `compiled`) skip with the reason where `torch.compile` cannot build a
-kernel, and fail where it can but a kernel quietly fell back to the eager step; `one_thread`; the end of the run says what it
-skipped and why, grouped by reason."""
-import functools, re
+kernel, and fail where it can but no kernel ran or a kernel quietly fell back to the eager step; `one_thread`; the end of the run
+says what it skipped and why, grouped by reason. `MPX_PLANTED=name` runs the session under `planted.name` (a negative control's)."""
+import contextlib, functools, os, re
 from collections import Counter
 import pytest, torch
-from mpx.test_utils import one_thread as _one_thread
+from mpx.test_utils import one_thread as _one_thread, KernelRuns
 from mpx.compiled import _failed as _fallbacks  # the engine's record of kernels that failed to compile: the one line naming it
 
 def pytest_configure(config):
@@ -20,19 +20,40 @@ def why_not_compiled() -> str|None:
 
 def compiles() -> bool: return why_not_compiled() is None
 
+@pytest.fixture(scope='session', autouse=True)
+def _planted():
+    "The whole session under the planted bug `MPX_PLANTED` names, `name` or `name:number` (`lr_scaled:1.05`); none by default"
+    name = os.environ.get('MPX_PLANTED')
+    if not name:
+        yield
+        return
+    import planted
+    name,*arg = name.split(':')
+    with getattr(planted, name)(*map(float, arg)): yield
+
 @pytest.fixture(autouse=True)
 def _compiled_for_real(request):
     """A `compiled` case skips, with the reason, where torch.compile builds nothing (it would compare the eager step with itself);
-    where it builds, any case whose kernel fell back to the eager step (a recompile limit, a compile error) fails"""
+    where it builds, a case that ran no compiled kernel, or whose kernel fell back to the eager step (a recompile limit, a compile
+    error), fails"""
     marked = request.node.get_closest_marker('compiled') is not None
     if marked and not compiles(): pytest.skip(f'torch.compile cannot build a kernel here ({why_not_compiled()})')
     before = dict(_fallbacks)
-    yield
+    with KernelRuns() if marked else contextlib.nullcontext() as runs: yield
+    call = getattr(request.node, '_call_report', None)  # a case that skipped or failed has said what it had to say
+    if marked and call is not None and call.passed and not runs.n:
+        pytest.fail('this `compiled` case ran no compiled kernel: the eager step ran in its place')
     new = {k: v for k,v in _fallbacks.items() if k not in before}
     _fallbacks.clear(); _fallbacks.update(before)
     if not new: return
     if compiles(): pytest.fail(f"a kernel stepped eagerly on a machine that compiles: {new}")
     if not marked: pytest.fail(f"this case compiles (a kernel fell back here: {new}): mark it `compiled`, so it skips with the reason")
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    "Keep each case's report of its call, for `_compiled_for_real`'s teardown"
+    rep = (yield).get_result()
+    if rep.when == 'call': item._call_report = rep
 
 @pytest.fixture
 def one_thread():

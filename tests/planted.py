@@ -1,6 +1,7 @@
 """Planted bugs, for the negative controls: each context manager makes mpx wrong in one known way while inside, so a test can show that
-its check fails on it. They reach into mpx's internals (its save, its rounding, its compiled step): this file is the one place that does,
-and the one to change when those internals move. Never used outside a negative control."""
+its check fails on it. They reach into mpx's internals (its save, its rounding, its compiled step, the engine's `step` and `_state_dict`,
+the low-bit codes): this file is the one place that does, and the one to change when those internals move. Never used outside a negative
+control; `MPX_PLANTED=name` (or `name:number`, `lr_scaled:1.05`) runs a whole pytest session under one, to see which tests catch it."""
 import random
 from contextlib import contextmanager, ExitStack
 from copy import deepcopy
@@ -80,3 +81,82 @@ def compiled_replaced_by_eager():
         else: self.eager.bucket(eng, b, hyper)
         return False
     with _patched(CompiledSteps, '_step', eager): yield
+
+def _lr_planted(lr):
+    "Patch the engine's step so that each step runs with `lr(engine, group, lr_fastai_set)` in each group, fastai's hypers put back after"
+    from mpx.fused import FusedSteps
+    from mpx.plumbing import unwrap
+    real = FusedSteps.step
+    def step(self, closure=None):
+        hypers = unwrap(self.opt)[1].hypers  # the fastai optimizer the engine steps: what its schedule set
+        kept = [h.get('lr') for h in hypers]
+        for i,h in enumerate(hypers):
+            if 'lr' in h: h['lr'] = lr(self, i, h['lr'])
+        try: return real(self, closure)
+        finally:
+            for h,k in zip(hypers, kept):
+                if k is not None: h['lr'] = k
+    return _patched(FusedSteps, 'step', step)  # set before a fit: the engine binds its step at install
+
+@contextmanager
+def lr_scaled(factor:float):
+    "The step engine steps with `factor` times the learning rate fastai's hypers hold (every mode and `fused` setting that installs it)"
+    with _lr_planted(lambda eng, i, lr: lr * factor): yield
+
+@contextmanager
+def lr_frozen():
+    "The step engine keeps stepping with the learning rates of a fit's first step: fastai's schedule (one-cycle, say) no longer reaches it"
+    first,depth = {},[0]  # (optimizer, group) -> the lr of the outermost fit's first step
+    def fit(real):
+        def f(learn, *args, **kwargs):
+            if not depth[0]: first.clear()
+            depth[0] += 1
+            try: return real(learn, *args, **kwargs)
+            finally: depth[0] -= 1
+        return f
+    def lr(eng, i, lr): return first.setdefault((id(eng.opt), i), lr)  # by optimizer: `suspended` re-installs the engine
+    with _patched(Learner, 'fit', fit(Learner.fit)), _lr_planted(lr): yield
+
+@contextmanager
+def lowbit_decoded_scaled(factor:float=.7):
+    "8-bit state decodes as `factor` times its value, eager and compiled (the kernels made inside are dropped when it ends)"
+    import mpx.compiled
+    from mpx.lowbit import Float8Codes
+    real,kernels = Float8Codes.decode,dict(mpx.compiled._kernels)
+    def decode(self, codes, scale, qmap=None): return real(self, codes, scale, qmap) * factor
+    mpx.compiled._kernels.clear()  # a kernel made before would keep the true decode
+    try:
+        with _patched(Float8Codes, 'decode', decode): yield
+    finally:
+        mpx.compiled._kernels.clear()
+        mpx.compiled._kernels.update(kernels)
+
+@contextmanager
+def lowbit_state_dict_zeros():
+    "A low-bit fit's `opt.state_dict()` mid-fit, and what `learn.save` writes, give zeros for the state held in low bits"
+    import mpx.patches
+    from mpx.fused import FusedSteps
+    from mpx.lowbit import LowBitState, MIN_LOWBIT
+    from mpx.plumbing import unwrap
+    real,real_save = FusedSteps._state_dict,mpx.patches._fastai_save
+    def zeroed(sd:dict, lows:list) -> dict:
+        "`sd` with zeros for the entries named in `lows` (a set of keys a parameter)"
+        return {**sd, 'state': [{k: torch.zeros_like(v) if k in low else v for k,v in s.items()} for s,low in zip(sd['state'], lows)]}
+    def state_dict(self):
+        inner = unwrap(self.opt)[1]
+        return zeroed(real(self), [{k for k,v in h.items() if isinstance(v, LowBitState)} for h in type(inner).state_dict(inner)['state']])
+    def save(learn, file, **kwargs):
+        from mpx.patches import is_mpx_precision
+        if not any(is_mpx_precision(c) and getattr(c, 'opt_state', 'fp32') != 'fp32' for c in learn.cbs) or learn.opt is None:
+            return real_save(learn, file, **kwargs)
+        opt,had = learn.opt,'state_dict' in vars(learn.opt)
+        fastai_sd = opt.state_dict  # in a save the fit is suspended: the state is fp32 tensors, the large ones were held low
+        def sd():
+            res = fastai_sd()
+            return zeroed(res, [{k for k,v in s.items() if torch.is_tensor(v) and v.numel() >= MIN_LOWBIT} for s in res['state']])
+        opt.state_dict = sd
+        try: return real_save(learn, file, **kwargs)
+        finally:
+            if had: opt.state_dict = fastai_sd
+            else: del opt.state_dict
+    with _patched(FusedSteps, '_state_dict', state_dict), _patched(mpx.patches, '_fastai_save', save): yield

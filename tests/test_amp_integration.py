@@ -7,7 +7,9 @@ from fastai.callback.core import Callback, CancelBatchException
 from fastai.callback.training import GradientAccumulation
 from fastai.learner import load_learner
 from mpx.all import MixedPrecision, MasterPrecision
-from mpx.test_utils import tiny_learner, fit_quiet, weights, precision_cbs, TupleModel, first_mse, DtypeHook, PredProbe, LossProbe
+from mpx.test_utils import (tiny_learner, fit_quiet, weights, precision_cbs, TupleModel, first_mse, DtypeHook, PredProbe, LossProbe,
+                            ramp_learner, StepLrs, check_step_lrs)
+from planted import lr_scaled, lr_frozen
 
 HALF = dict(fp16=torch.float16, bf16=torch.bfloat16)
 
@@ -35,6 +37,25 @@ def test_schedules(mode, method, kw):
     assert (mp.total_steps, mp.skipped_steps) == (20, 0)
     assert not any(map(torch.equal, w, learn.model.parameters()))
     assert all(math.isfinite(l) for l in learn.recorder.losses)
+
+def ramp_lrs(mode, method) -> StepLrs:
+    "`method` (`fit_one_cycle` or `fine_tune`, one epoch at 1e-2) on a `ramp_learner` in `mode` (None: fp32): each step's lr, set and used"
+    probe = StepLrs()
+    learn = ramp_learner(lr=1e-2, cbs=probe)
+    if mode: to_mode(learn, mode, init_scale=2.**8)
+    getattr(learn, method)(1, 1e-2)
+    return probe
+
+@pytest.mark.parametrize('mode', HALF)
+@pytest.mark.parametrize('method', ['fit_one_cycle', 'fine_tune'])
+def test_schedule_reaches_the_step(mode, method):
+    "Each step of `fit_one_cycle` and `fine_tune` moves the weights by the lr fastai's schedule set, as in fp32: plain SGD by hand."
+    check_step_lrs(ramp_lrs(mode, method), asked=ramp_lrs(None, method).asked)
+
+@pytest.mark.parametrize('bug', [lambda: lr_scaled(1.05), lambda: lr_scaled(.5), lr_frozen], ids=['lr_x1.05', 'lr_x0.5', 'lr_frozen'])
+def test_wrong_step_lr_is_caught(bug):
+    "Negative control: the engine stepping with 1.05 or 0.5 times fastai's lr, or with the fit's first lr all along, fails the check."
+    with bug(), pytest.raises(AssertionError, match='where fastai set'): check_step_lrs(ramp_lrs('bf16', 'fit_one_cycle'))
 
 @pytest.mark.parametrize('mode', HALF)
 def test_get_preds_and_validate_autocast(mode):

@@ -4,7 +4,8 @@ stochastic rounding's stream and the step counts carried across checkpoints. Com
 (storage kind, chain) compiles once a process, so the cases share a few. Every compiled case checks that its steps ran in
 compiled regions (`check_compiled_steps`): where the kernel quietly gave way to the eager step, comparing it with the eager
 step would compare the eager step with itself. Where torch.compile cannot build, the `compiled` cases skip with the reason."""
-import functools, warnings
+import functools, os, re, subprocess, sys, warnings
+from pathlib import Path
 from functools import partial
 import pytest, torch
 from torch import nn
@@ -13,8 +14,9 @@ import fastai.callback.schedule  # noqa: F401 (fit_one_cycle, lr_find)
 from mpx.all import *
 from mpx.test_utils import (tiny_learner, tiny_split, ALL_MODES, fit_quiet, state_of, state_diffs, precision_cb, Snapshot, InjectGrad,
                             check_skips_change_nothing, CountOps, weights, tabular_app_learner, collab_app_learner, text_app_learner,
-                            StepProfile, check_compiled_steps, ramp_learner, check_stochastic_rounding, suspended)
-from planted import compiled_replaced_by_eager
+                            StepProfile, check_compiled_steps, ramp_learner, check_stochastic_rounding, suspended, StepLrs, check_step_lrs,
+                            step_lr_tol)
+from planted import compiled_replaced_by_eager, lr_scaled, lr_frozen
 
 pytestmark = [pytest.mark.filterwarnings('ignore::UserWarning'), pytest.mark.usefixtures('one_thread')]
 
@@ -82,6 +84,27 @@ def test_kahan_compensation_lives():
     fit_quiet(learn, 1, cbs=prof.cbs)
     check_compiled_steps(prof)
     assert seen and all(c > 0 for c in seen[1:])
+
+def compiled_lrs(mode) -> StepLrs:
+    "A one-cycle fit of a `ramp_learner` compiled in `mode`, every step checked to have run compiled: each step's lr, set and used"
+    probe,prof = StepLrs(),StepProfile()
+    learn = ALL_MODES[mode](ramp_learner(lr=1e-2), fused='compile')
+    learn.fit_one_cycle(1, 1e-2, cbs=[probe, *prof.cbs])
+    check_compiled_steps(prof)
+    return probe
+
+@pytest.mark.compiled
+@pytest.mark.parametrize('mode', ['amp_bf16', 'master_fp16', 'pure_kahan', 'pure_stochastic'])
+def test_compiled_step_lr_is_the_schedules(mode):
+    "Each compiled step of a one-cycle fit moves the fp32 weights by the lr fastai's schedule set at that step: plain SGD by hand."
+    check_step_lrs(compiled_lrs(mode), *step_lr_tol(mode))
+
+@pytest.mark.compiled
+@pytest.mark.parametrize('bug', [lambda: lr_scaled(1.05), lr_frozen], ids=['lr_x1.05', 'lr_frozen'])
+def test_compiled_wrong_step_lr_is_caught(bug):
+    "Negative control: compiled steps taking 1.05 times fastai's lr, or the fit's first lr all along, fail the check."
+    with bug(), pytest.raises(AssertionError, match='where fastai set'):
+        check_step_lrs(compiled_lrs('pure_kahan'), *step_lr_tol('pure_kahan'))
 
 # ---- skipped on the device, with no host sync
 
@@ -242,9 +265,28 @@ def test_kernels_never_recompile():
     assert torch._dynamo.config.recompile_limit == limit
     # tests/conftest.py fails this case if any kernel fell back to eager steps
 
+# A compiled case of each file that runs `fused='compile'`: the `compiled` marker's check (tests/conftest.py) must fail each
+SWAPPED = ['test_compiled_steps.py::test_kahan_compensation_lives', 'test_visible_state.py::test_state_call_in_amp[set_hyper-compile]',
+           'test_visible_state.py::test_weight_write_reaches_the_step[pure_kahan-before_step-60-compile]',
+           'test_lowbit.py::test_state_follows_fp32_state[8bit-adam-compile]', 'test_lowbit.py::test_resume_bit_for_bit[4bit-compile]',
+           'test_engine.py::test_stream_resumes_under_either[True-compile]', 'test_fit_scope.py::test_fit_leaves_nothing[amp_bf16-compile]',
+           'test_flat_master.py::test_masters_always_flat[compile]', 'test_scale_schedules.py::test_fp16_modes_with_hysteresis[amp-compile]']
+
+@pytest.mark.compiled
+def test_eager_swap_fails_every_compiled_file():
+    "Negative control: with the compiled step quietly replaced by the eager one, a compiled case of every compile-path file fails."
+    torch.compile(lambda x: x + 1)(torch.ones(2))  # this case's own kernel (the marker asks for one)
+    tests = Path(__file__).parent
+    out = subprocess.run([sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', '-rfE', *SWAPPED], cwd=tests, capture_output=True,
+                         text=True, timeout=540, env={**os.environ, 'MPX_PLANTED': 'compiled_replaced_by_eager'}).stdout
+    failed = set(re.findall(r'^(?:FAILED|ERROR) (\S+)', out, re.M))
+    missed = [t for t in SWAPPED if not any(f.startswith(t) for f in failed)]
+    assert not missed, f'passed with no kernel run: {missed}\n{out[-2000:]}'
+
 @pytest.mark.compiled
 def test_compiled_check_sees_the_eager_step():
     "Negative control: a compiled kernel quietly replaced by the eager step (no warning, nothing recorded) fails `check_compiled_steps`."
+    torch.compile(lambda x: x + 1)(torch.ones(2))  # this case's own kernel (the `compiled` marker asks for one)
     learn,prof = tiny_learner(opt_func=Adam, lr=1e-2, n_trn=2).to_bf16(pure=True, fused='compile'),StepProfile()
     with compiled_replaced_by_eager(): fit_quiet(learn, 1, cbs=prof.cbs)
     with pytest.raises(AssertionError, match='ran no compiled region'): check_compiled_steps(prof)

@@ -61,7 +61,7 @@ def learner(mode, fused, cbs=()):
 
 def _diff(a, b) -> list: return [k for k in a if a[k] != b[k]]
 
-@pytest.mark.parametrize('fused', [True, False, 'compile'])
+@pytest.mark.parametrize('fused', [True, False, pytest.param('compile', marks=pytest.mark.compiled)])
 @pytest.mark.parametrize('mode', list(MODES))
 def test_fit_leaves_nothing(mode, fused):
     "A fit that ends normally leaves the learner, its optimizer and its model as they were before it."
@@ -71,7 +71,7 @@ def test_fit_leaves_nothing(mode, fused):
     assert not _diff(before, snapshot(learn)), _diff(before, snapshot(learn))
 
 @pytest.mark.parametrize('event', EVENTS)
-@pytest.mark.parametrize('fused', [True, False, 'compile'])
+@pytest.mark.parametrize('fused', [True, False, pytest.param('compile', marks=pytest.mark.compiled)])
 @pytest.mark.parametrize('mode', list(MODES))
 def test_failed_fit_leaves_nothing(mode, fused, event):
     "A fit that raises at any event leaves the learner, its optimizer and its model as they were before it."

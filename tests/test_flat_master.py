@@ -41,7 +41,7 @@ class Buffers(Callback):
     order = 100
     def after_step(self): self.n,self.groups = len(self.learn.master_precision.masters.buffers),len(self.learn.opt.param_lists)
 
-@pytest.mark.parametrize('fused', [True, False, 'compile'])
+@pytest.mark.parametrize('fused', [True, False, pytest.param('compile', marks=pytest.mark.compiled)])
 def test_masters_always_flat(fused):
     "Under every `fused` setting the masters live in flat fp32 buffers: one a group, split where weight decay is off for some."
     learn,_ = learner('adam', fused=fused)

@@ -11,8 +11,9 @@ from fastai.callback.training import GradientAccumulation
 import fastai.callback.schedule  # lr_find, fit_one_cycle, fine_tune
 from mpx.all import *
 from mpx.test_utils import (tiny_learner, tiny_split, tabular_app_learner, collab_app_learner, text_app_learner, tied_learner, sparse_learner,
-                            gan_learner, MASTER_MODES, ALL_MODES, OPTIMIZERS, learner_problems, state_of, assert_same_state, rel_err)
-from planted import masters_rounded_on_save
+                            gan_learner, MASTER_MODES, ALL_MODES, OPTIMIZERS, learner_problems, state_of, assert_same_state, rel_err,
+                            ramp_learner, StepLrs, check_step_lrs, step_lr_tol)
+from planted import masters_rounded_on_save, lr_scaled, lr_frozen
 
 pytestmark = pytest.mark.filterwarnings('ignore::UserWarning')  # load_learner's pickle warning, fastai's freeze warnings
 SEQ_MODES = {**MASTER_MODES, 'pure_kahan': ALL_MODES['pure_kahan'], 'pure_stochastic': ALL_MODES['pure_stochastic']}
@@ -50,9 +51,11 @@ def summary(learn) -> dict:
     return res
 
 def values(learn) -> dict:
-    "The numbers fp32 decides, loosely: `weights` (the parameters and float buffers), and per optimizer-state key the trained parameters'"
+    """The numbers fp32 decides, loosely: `params` (the parameters), `weights` (the parameters and float buffers), and per optimizer-state
+    key the trained parameters'"""
     ps,bs = learn.model.parameters(),learn.model.buffers()
-    res = dict(weights=[p.detach().float().clone() for p in ps] + [b.float().clone() for b in bs if b.is_floating_point()])
+    res = dict(params=[p.detach().float().clone() for p in ps])
+    res['weights'] = res['params'] + [b.float().clone() for b in bs if b.is_floating_point()]
     st = _opt_state(learn.opt) if learn.opt is not None else {}
     for p in learn.model.parameters():
         for k,v in st.get(p, {}).items():
@@ -65,14 +68,21 @@ def values(learn) -> dict:
 # over the matrices are weights .12 (fp16), .17 (bf16, pure) and state .23 (fp16, pure), .65 (bf16: the text application).
 TOLERANCE = dict(fp16=(.25, .5), bf16=(.35, .9), pure_kahan=(.35, .5), pure_stochastic=(.35, .5))
 def tolerance(mode:str) -> tuple: return TOLERANCE[mode if mode.startswith('pure') else mode[:4]]
+# The weights above are mostly BatchNorm's running statistics on the tiny model, which a schedule frozen at the fit's first lr hardly
+# moves (.10 from fp32): the parameters alone are measured apart. The largest seen over these matrices is .62 (bf16, QHAdam through
+# `lrfind_onecycle`; fp16 .60), the frozen schedule .92; a 5% error in the lr is within them (`test_step_lr_is_the_schedules` sees it).
+PARAMS_TOLERANCE = .75
 
 def far_from_fp32(got:dict, ref:dict, start:list, mode:str) -> list:
     "Where the `values` a mode left are further from fp32's than `tolerance(mode)` allows (`start`: the weights before the sequence)"
     tw,ts = tolerance(mode)
     e = rel_err(got['weights'], ref['weights'], start)
     res = [f'weights {e:.3g} from fp32 (relative to its change), more than {tw}'] if e > tw else []
+    n = len(ref['params'])
+    if (e := rel_err(got['params'], ref['params'], start[:n])) > PARAMS_TOLERANCE:
+        res.append(f'parameters {e:.3g} from fp32 (relative to their change), more than {PARAMS_TOLERANCE}')
     for k in ref:
-        if k == 'weights': continue
+        if k in ('weights', 'params'): continue
         if len(got.get(k, [])) != len(ref[k]): res.append(f'{k}: {len(got.get(k, []))} tensors, fp32 {len(ref[k])}'); continue
         errs = sorted(float((a - b).norm() / b.norm().clamp_min(1e-30)) for a,b in zip(got[k], ref[k]))
         if errs[len(errs)//2] > ts: res.append(f'{k}: median relative error {errs[len(errs)//2]:.3g} from fp32, more than {ts}')
@@ -279,6 +289,46 @@ def test_rounded_masters_are_caught(seq, tmp_path):
     "Negative control: masters rounded through fp16 on their way into a checkpoint (between fits, and mid-fit) fail the sequence."
     with masters_rounded_on_save(), pytest.raises(AssertionError, match=r"after load\('\w+'\) of what it held differs"):
         check_like_fp32('tiny', seq, 'fp16', 'adam', tmp_path)
+
+@pytest.mark.parametrize('mode', ['fp16', 'bf16'])
+def test_frozen_schedule_is_caught(mode, tmp_path):
+    "Negative control: the engine stepping with the fit's first lr all along (one-cycle's 4e-4, not up to 1e-2) ends too far from fp32."
+    reference('tiny', 'lrfind_onecycle', 'adam', tmp_path.parent/'ref-tiny-lrfind_onecycle-adam')
+    with lr_frozen(), pytest.raises(AssertionError, match='parameters 0.9'): check_like_fp32('tiny', 'lrfind_onecycle', mode, 'adam', tmp_path)
+
+# ---- the learning rate each step used: what fastai's schedules set, after an lr_find, in every mode (a step 5% long is within the
+# weights' tolerance above on this small model: Adam steps its near-zero-gradient parameters by their rounding noise)
+
+def ramp_lrs(mode, fused, path) -> StepLrs:
+    "`lr_find`, `fit_one_cycle` and `fit` on a `ramp_learner` in `mode` (None: fp32): each step's lr, set and used, in the two fits"
+    probe = StepLrs()
+    learn = ramp_learner(lr=1e-2)
+    learn.path = path
+    if mode is not None: SEQ_MODES[mode](learn, fused=fused)
+    learn.lr_find(num_it=5, show_plot=False, suggest_funcs=None)
+    learn.fit_one_cycle(1, 1e-2, cbs=probe)
+    learn.fit(1, 3e-3, cbs=probe)
+    return probe
+
+@functools.cache
+def _fp32_lrs(path) -> list: return ramp_lrs(None, None, path).asked
+
+def check_ramp_lrs(mode, fused, tmp_path):
+    "Each step of `ramp_lrs` used the lr fastai set, which is what fastai sets in fp32"
+    check_step_lrs(ramp_lrs(mode, fused, tmp_path), *step_lr_tol(mode), asked=_fp32_lrs(tmp_path.parent/'ref-ramp'))
+
+@pytest.mark.parametrize('fused', [True, False])
+@pytest.mark.parametrize('mode', SEQ_MODES)
+def test_step_lr_is_the_schedules(mode, fused, tmp_path):
+    "Every step of a one-cycle fit after an lr_find, and of a fit, moves the fp32 weights by the lr fastai's schedule set: plain SGD by hand."
+    check_ramp_lrs(mode, fused, tmp_path)
+
+@pytest.mark.parametrize('bug', [lambda: lr_scaled(1.05), lambda: lr_scaled(.5), lr_frozen], ids=['lr_x1.05', 'lr_x0.5', 'lr_frozen'])
+@pytest.mark.parametrize('mode', ['fp16', 'pure_stochastic'])
+def test_wrong_step_lr_is_caught(mode, bug, tmp_path):
+    "Negative control: the engine stepping with 1.05 or 0.5 times fastai's lr, or with the fit's first lr all along, fails the check."
+    _fp32_lrs(tmp_path.parent/'ref-ramp')
+    with bug(), pytest.raises(AssertionError, match='where fastai set|times the lrs fastai set'): check_ramp_lrs(mode, True, tmp_path)
 
 # ---- optimizer state lives across fits and checkpoints
 
