@@ -77,7 +77,10 @@ class LowBitState:
     @property
     def shape(self): return self.b.specs[self.i][0]
     def float(self) -> Tensor: return self.b.store.value(self.b, self.k, self.i)
-    def __repr__(self): return f"LowBitState({self.k!r}, {self.b.store.name}, shape={tuple(self.shape)})"
+    def __repr__(self):
+        b = self._b()
+        if b is None: return f"LowBitState({self.k!r}, of an ended fit)"
+        return f"LowBitState({self.k!r}, {b.store.name}, shape={tuple(b.specs[self.i][0])})"
     def __getattr__(self, name:str):
         "A tensor's method or attribute asked of the handle: how to read and write the state instead"
         if name.startswith('__') or name in LowBitState.__slots__: raise AttributeError(name)  # a copy's reads, an unset slot
