@@ -68,7 +68,7 @@ class GrabBuffers(Callback):
             self.refs += [(f'state {k}', weakref.ref(t)) for k,t in b.st.items()]
     def alive(self) -> list: return [k for k,r in self.refs if r() is not None]
 
-MODES = list(ALL_MODES)
+MODES = [m for m in ALL_MODES if m != 'master_fp16_dynamic']  # its fits are master_fp16's, with another scaler
 
 def live_tensor_bytes() -> int:
     "Bytes of every storage a live Python tensor holds, each storage once (the collector's view: cycles not yet freed count)"
@@ -90,14 +90,14 @@ def test_a_fit_leaves_nothing_behind(mode, fused):
     with no_collector():
         cyclic_garbage()
         grab,after = GrabBuffers(),[]
-        for _ in range(3):
+        for i in range(3):
             fit_quiet(learn, cbs=grab)
-            after.append(live_tensor_bytes())
+            if i != 1: after.append(live_tensor_bytes())  # after the first and the third
         if fused is not False: assert grab.refs, 'the fit had no step engine to check'
         assert grab.alive() == [], f'alive after the fits: {grab.alive()}'
         assert ours(cyclic_garbage()) == [], 'fits left reference cycles holding mpx objects or tensors'
         # the step log keeps each step's loss scale (a few bytes a step); one fp32 copy of the weights is 264 kB
-        assert after[2] - after[0] < 1024, f'live tensor bytes after each of three fits: {after}'
+        assert after[1] - after[0] < 1024, f'live tensor bytes after the first and the third fit: {after}'
         with pytest.raises(Boom): fit_quiet(learn, cbs=RaiseMidFit())
         assert ours(cyclic_garbage()) == [], 'a fit cut short left reference cycles holding mpx objects or tensors'
 
