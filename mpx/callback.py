@@ -12,7 +12,7 @@ from .core import *
 from .scaler import *
 from .fused import FusedSteps, why_not_lowbit
 from .lowbit import param_bytes
-from .plumbing import Ledger
+from .plumbing import Ledger, LazyTensor, Stored
 from .patches import *
 from .warn import warn_user
 
@@ -164,6 +164,12 @@ class PrecisionCallback(Callback, ScaleTelemetry):
                 f"{self._repr_state()}skipped_steps={self.skipped_steps}/{self.total_steps})")
     def _repr_extra(self) -> str: return ''
     memory_mode = 'amp'  # the `MODE_BYTES` entry of `mpx.lowbit` saying what a parameter holds besides its state
+    keeps_layout = None  # between fits: None keeps a fit's layout where the state is low-bit; a mode says True or False
+    @property
+    def resident(self) -> bool:
+        "Whether a fit's layout stays between fits (a bf16 model with its compensations, low-bit state) until `to_fp32()`"
+        keeps = self.opt_state != 'fp32' if self.keeps_layout is None else self.keeps_layout
+        return keeps and not (torch.distributed.is_available() and torch.distributed.is_initialized())
     def param_bytes(self, n_state:int=2) -> float:
         "Bytes a large parameter holds between steps in this mode with `n_state` state tensors (Adam: 2)"
         return param_bytes(self.memory_mode, self.opt_state, n_state)
@@ -209,23 +215,26 @@ class PrecisionCallback(Callback, ScaleTelemetry):
     def before_fit(self):
         "Finish a fit left half done, check everything, then begin this mode's fit; inside a fit, a nested one"
         if self._outer is not None: return self._nest()
-        self._finish()
+        kept = self._takes_kept()  # the layout the last fit left, as it is: nothing to check in the model, nothing to build
+        if not kept: self._finish()
         self.device_type = autocast_device_type(training_device(self.dls, self.model))
         check_amp_support(self.device_type, self.amp_mode)
         check_one_precision(self.learn.cbs)
         check_single_autocast(self.learn.cbs)
         self._check_cbs(self.learn.cbs)
-        self._check_model(get_model(self.model))
-        why = why_not_lowbit(self.learn.opt, self.fused, self.opt_state)
+        if not kept: self._check_model(get_model(self.model))
+        why = None if kept else why_not_lowbit(self.learn.opt, self.fused, self.opt_state)  # kept: the step is the engine's own
         if why: raise ValueError(why)
         if not any(type(c).__name__ == 'SkipToEpoch' for c in self.learn.cbs): self._sched_skipped = 0  # a resumed fit keeps its count
         dt = self.autocast_dtype
         self._autocast = None if dt is None else torch.autocast(self.device_type, dtype=dt)
-        self._begin_fit()
+        if not kept: self._begin_fit()
         self._loss_autocast = self._autocast_for_loss()
         self._norms,self._norms_due = (NormStats(self.model) if self.checking else None),True
         self._outer = []  # a fit is under way: a `before_fit` now begins a nested one
-    def after_fit(self): self._leave_fit()
+    def after_fit(self):
+        if self._outer: self._unnest()
+        else: self._rest()
     def before_epoch(self): self._epoch_start = self.step_log.total
     def after_epoch(self):
         if self.step_log.pending: self._settle_overflows(self.loss_scale, self._at_floor)
@@ -245,6 +254,19 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         "Undo `_begin_fit` exactly, in one close of the fit's ledger; a no-op when there is nothing to undo"
         led,self.ledger,self.fit_state,self.fused_steps = self.ledger,None,None,None
         if led is not None: led.close()
+    def _takes_kept(self) -> bool:
+        "Whether the layout kept since the last fit fits the learner as it is now, so that the next fit takes it as it is"
+        fs = self.fused_steps
+        if fs is None or not self.resident: return False
+        return not fs.stale(self.learn.opt) and (self.fit_state is None or self.fit_state.same(self.learn))
+    def _rest(self):
+        "`after_fit`: what `_finish` does, but a layout the mode keeps between fits (`resident`) stays for the next fit"
+        if self.fused_steps is None or not self.resident: return self._finish()
+        try: self._end_forward(); self._close_step()
+        except BaseException: self._finish(); raise
+        if self.step_log.pending: self._settle_overflows(self.loss_scale, self._at_floor)
+        self.fused_steps.rest()
+        self._autocast,self._loss_autocast,self._norms,self._outer = None,None,None,None
     def _restart_if_stale(self) -> bool:
         "Lay the fit out again, its gradients carried across, when the learner's optimizer changed under it (`create_opt()` mid-fit)"
         fs = self.fused_steps
@@ -350,6 +372,30 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         checked,found,self._checked,self._found = self._checked,self._found,False,False  # never retried, even if it fails
         if self.fused_steps is not None: self.fused_steps.found = None
         if checked: self._update_scale(found)
+
+    # ---- checkpoints of a layout kept between fits, a tensor at a time (`Learner.save` and `load` in `mpx.patches`)
+    def fp32_model_state(self) -> dict:
+        "The model's state dict as fastai saves it: each tensor the fit holds otherwise a `LazyTensor` of its fp32 value"
+        res = {}
+        for k,t in get_model(self.model).state_dict(keep_vars=True).items():
+            f = self._fp32_of(t) if isinstance(t, Tensor) else None
+            res[k] = t if f is None else LazyTensor(f, torch.float32, t.shape)
+        return res
+    def _fp32_of(self, t:Tensor) -> Callable|None:
+        f = self.fused_steps.fp32_of(t) if self.fused_steps is not None else None
+        return f if f is not None or self.fit_state is None else self.fit_state.fp32_of(t)
+    def load_fp32_model_state(self, sd:dict, strict:bool=True) -> bool:
+        "A streamed checkpoint's model state (`Stored`) into the layout kept, a tensor at a time; False, changing nothing, where it does not fit"
+        ts = get_model(self.model).state_dict(keep_vars=True)
+        if strict and set(ts) != set(sd): return False  # fastai's own load says which keys differ
+        if any(not isinstance(v, (Stored, Tensor)) or (k in ts and v.shape != ts[k].shape) for k,v in sd.items()): return False
+        with torch.no_grad():
+            for k,v in sd.items():
+                if k not in ts: continue
+                t,x = ts[k],(v.load() if isinstance(v, Stored) else v)
+                if self.fused_steps is not None and self.fused_steps.assign(t, x): continue
+                if self.fit_state is None or not self.fit_state.assign(t, x): t.data.copy_(x)
+        return True
 
     # ---- state
     def state_dict(self) -> dict:

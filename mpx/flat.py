@@ -87,6 +87,9 @@ class Kind:
         return {}  # by `id` of parameter
     def restore(self, b:Bucket, grads:dict):
         "Put back what `carried` took from another layout of the same fit"
+    def assign(self, b:Bucket, i:int, x:Tensor):
+        "Parameter `i` takes fp32 value `x` (a checkpoint's), held as a fit beginning from it would hold it"
+        b.params[i].data.copy_(x)
     def tick(self):
         "Once after each optimizer step"
     # ---- compiled (`mpx.compiled`): the kernel's tensors, and its widen and fold

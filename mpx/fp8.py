@@ -186,6 +186,7 @@ def _check_flag(name:str, v):
 
 class FP8Precision(PrecisionCallback):
     "bf16 autocast and, in the `nn.Linear` layers that can take them, fp8 matmuls (torchao's `Float8Linear`), swapped in for each fit"
+    keeps_layout = False  # its fp8 layers are swapped back after each fit, and its state with them
     def __init__(self,
         recipe:str='tensorwise', # torchao's scaling recipe: 'tensorwise', 'rowwise', 'rowwise_with_gw_hp' (`fp8_recipes()`) or its enum
         module_filter:callable|None=None, # `module_filter(fqn, module) -> bool` picks the fp8 layers; None: all that can, but the ends

@@ -10,8 +10,9 @@ from fastai.torch_basics import *
 from fastai.optimizer import *
 from .core import Fused
 from .warn import warn_user
-from .plumbing import Ledger, unwrap
+from .plumbing import Ledger, unwrap, LazyTensor, Stored, read_stored
 from .flat import *
+from .flat import _flat_keys
 from .eager import *
 from .compiled import CompiledSteps, compile_plan
 from .foreign import ForeignSteps, LookaheadSync
@@ -68,7 +69,7 @@ class FusedSteps:
         self.native = self.reason is None
         self.lists = [list(pg) for pg in self.inner.param_lists]
         self.fresh,self.pending,self.found,self.exposed,self.ws,self.said = True,False,None,False,Workspace(),set()
-        self._st,self._st_ids = None,None
+        self._st,self._st_ids,self.lazy = None,None,False  # `lazy`: `state_dict` gives `LazyTensor`s (a streamed checkpoint)
         self.lookahead,self.foreign = LookaheadSync(),ForeignSteps()  # helpers: the engine is their argument, never their attribute
         self.dense,self.low = DenseStore(),make_store(opt_state)
         why = why_not_lowbit(opt, self.path, opt_state)
@@ -190,7 +191,8 @@ class FusedSteps:
         self.steps_to_host()  # the step counts from the device
         sd = type(self.inner).state_dict(self.inner)
         if self.opt_state == 'fp32': return sd
-        wide = lambda v: v.float() if isinstance(v, LowBitState) else v  # low-bit state dequantised (fp32)
+        if self.lazy: wide = lambda v: LazyTensor(v.float, torch.float32, v.shape) if isinstance(v, LowBitState) else v
+        else: wide = lambda v: v.float() if isinstance(v, LowBitState) else v  # low-bit state dequantised (fp32)
         return {**sd, 'state': [{k: wide(v) for k,v in s.items()} for s in sd['state']]}
 
 
@@ -217,6 +219,45 @@ class FusedSteps:
         if self.done: return
         self.done = True
         self.ledger.close()
+
+    def rest(self):
+        "Between fits, where the mode keeps the layout: the device's step counts to the host, the scratch buffers freed"
+        self.steps_to_host()
+        self.ws.bufs.clear()
+
+    def fp32_of(self, p:Tensor) -> Callable|None:
+        "How to make parameter `p`'s fp32 value where the engine holds it otherwise (a bf16 weight, its compensation); None: `p` is it"
+        h = self.home.get(id(p))
+        return None if h is None or h[0].kind.in_place else partial(h[0].kind.value, *h)
+
+    def assign(self, p:Tensor, x:Tensor) -> bool:
+        "Parameter `p` takes fp32 value `x`, held as a fit beginning from it would; False where the engine does not hold `p`"
+        h = self.home.get(id(p))
+        if h is None or h[0].kind.in_place: return False
+        h[0].kind.assign(*h, x.to(h[0].device, torch.float32))
+        return True
+
+    def load_state(self, sd:dict):
+        "fastai's `load_state_dict` of a streamed checkpoint (`Stored` tensors): each state tensor read into its store, then freed"
+        o = self.inner
+        if not self.native or self.las:  # another optimizer, or `Lookahead`'s own state beside: loaded whole
+            return self.opt.load_state_dict(read_stored(sd))
+        if len(sd['hypers']) != len(o.param_lists) or len(sd['state']) != sum(map(len, o.param_lists)):
+            raise ValueError(f"the checkpoint's optimizer state has {len(sd['state'])} parameters in {len(sd['hypers'])} groups")
+        o.hypers = sd['hypers']
+        o.state = {p: {k: self._stored(p, k, v) for k,v in s.items()} for p,s in zip(o.all_params().itemgot(0), sd['state'])}
+
+    def _stored(self, p:Tensor, k:str, v):
+        "State `k` of `p`, read from a checkpoint: in its store where its bucket keeps one (the dict holds what the store gives)"
+        if not isinstance(v, Stored): return v
+        x,h = v.load(),self.home.get(id(p))
+        if h is None or not h[0].flat or not _flat_keys(p, x): return x.to(p.device)
+        b,i = h
+        sdt = b.kind.sdtype(b)
+        if x.dtype != sdt and b.store.bits is None: return x.to(p.device)  # another dtype: the next step adopts it
+        b.state_new(k, sdt)
+        b.store.put(b, k, i, x.to(b.device))
+        return b.stv[k][i]
 
     def _finish(self):
         "The end of the fit: fastai's fp32 layout, holding what callbacks wrote since the last step; fp32 buffers stay as they are"

@@ -163,6 +163,7 @@ class MasterPrecision(PrecisionCallback):
         "The current loss scale (1.0 for bf16); a host value, free to read (one host sync during a compiled fit)"
         return 1.0 if self.scaler is None else self.scaler.pull().scale
     memory_mode = 'master'  # half weight and gradient (2 + 2), fp32 master and master gradient (4 + 4)
+    keeps_layout = False  # after a fit its masters are the fp32 model (nothing copied), its half copy freed
     @property
     def scaling(self) -> bool: return self.scaler is not None
     @property

@@ -10,7 +10,9 @@ import fastai
 from fastai.basics import *
 from fastai.learner import save_model, load_model
 import fastai.callback.fp16 as fastai_fp16
+import pickle
 from .parallel import is_sharded, save_sharded, load_sharded
+from .plumbing import save_streamed, load_streamed, read_stored
 
 # %% auto #0
 __all__ = ['check_fastai_version', 'is_mpx_precision', 'check_one_precision']
@@ -171,6 +173,8 @@ _fastai_save,_fastai_load = getattr(Learner.save, '_fastai', Learner.save),getat
 @delegates(save_model)
 def save(self:Learner, file, **kwargs):
     "fastai's `Learner.save`, also storing the loss scale, writing fp32 masters (never half-rounded weights) during a `MasterPrecision` fit"
+    kept = _kept_layout(self)
+    if kept: return _save_streamed(self, kept[0], file, **kwargs)
     with _suspended(self), _state_into_opt(self):  # a model sharded with FSDP2: one full state dict (`mpx.parallel`)
         return (save_sharded if is_sharded(self.model) else _fastai_save)(self, file, **kwargs)
 
@@ -179,7 +183,58 @@ def save(self:Learner, file, **kwargs):
 def load(self:Learner, file, device=None, **kwargs):
     "fastai's `Learner.load`, also restoring the loss scale, and loading into the fp32 masters during a `MasterPrecision` fit"
     if self.opt is None: self.create_opt()
+    kept = _kept_layout(self)
+    if kept and _load_streamed(self, kept[0], file, **kwargs): return self
     with _suspended(self), _state_from_opt(self):
         return (load_sharded if is_sharded(self.model) else _fastai_load)(self, file, device=device, **kwargs)
 
 Learner.save._fastai,Learner.load._fastai = _fastai_save,_fastai_load
+
+def _kept_layout(learn:Learner) -> list:
+    "The mpx precision callbacks holding a layout they keep between fits on the learner's optimizer: their checkpoints stream"
+    if is_sharded(learn.model): return []
+    return [c for c in _precision_cbs(learn) if is_mpx_precision(c) and c.fused_steps is not None and c.resident
+            and not c.fused_steps.stale(learn.opt)]
+
+def _save_streamed(learn:Learner, cb, file, with_opt:bool=True, pickle_protocol:int=2):
+    "`Learner.save` of a layout kept: each fp32 tensor made as it is written"
+    if rank_distrib(): return
+    file = join_path_file(file, learn.path/learn.model_dir, ext='.pth')
+    cb.fused_steps.refresh()  # writes since the last step first (a weight written resets its compensation)
+    state = cb.fp32_model_state()
+    if with_opt and learn.opt is not None:
+        cb.fused_steps.lazy = True  # low-bit state as `LazyTensor`s
+        try:
+            with _state_into_opt(learn): state = {'model': state, 'opt': learn.opt.state_dict()}
+        finally: cb.fused_steps.lazy = False
+    save_streamed(state, file, pickle_protocol)
+    return file
+
+def _load_streamed(learn:Learner, cb, file, with_opt:bool=True, strict:bool=True, **kwargs) -> bool:
+    "`Learner.load` into a layout kept, a tensor at a time; False, changing nothing, where the file needs fastai's own load"
+    file = join_path_file(file, learn.path/learn.model_dir, ext='.pth')
+    try: state = load_streamed(file)
+    except (pickle.UnpicklingError, RuntimeError): return False  # objects of other kinds, or torch's legacy format
+    if not isinstance(state, dict): return False
+    hasopt = set(state) == {'model', 'opt'}
+    if not cb.load_fp32_model_state(state['model'] if hasopt else state, strict): return False
+    if not (hasopt and with_opt):
+        if with_opt: warn("Saved file doesn't contain an optimizer state.")
+        return True
+    sd = state['opt']
+    try: cb.fused_steps.load_state({k: v for k,v in sd.items() if k != 'mpx'})
+    except Exception: warn("Could not load the optimizer state."); return True
+    got = read_stored(sd.get('mpx', {}))
+    for c in _precision_cbs(learn):
+        if c.name in got: c.load_state_dict(got[c.name])
+        elif is_mpx_precision(c): c.reset_scaler()
+    return True
+
+_fastai_export = getattr(Learner.export, '_fastai', Learner.export)
+
+@patch
+def export(self:Learner, fname='export.pkl', **kwargs):
+    "fastai's `export`, of the fp32 model: a fit under way, or a layout kept between fits, suspended around it"
+    with _suspended(self): return _fastai_export(self, fname, **kwargs)
+
+Learner.export._fastai = _fastai_export

@@ -4,14 +4,17 @@
 
 # %% ../nbs/01b_plumbing.ipynb #a52e4f38
 from __future__ import annotations
-import itertools
+import itertools, collections, pickle, io, sys, os, builtins
 import torch
+from torch import Tensor
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from fastcore.foundation import L
 from fastai.optimizer import OptimWrapper, _BaseOptimizer
 
 # %% auto #0
-__all__ = ['FitState', 'halvable', 'exact_fp32', 'HalvedRest', 'opt_params', 'unwrap', 'state_owners', 'Ledger']
+__all__ = ['FitState', 'halvable', 'exact_fp32', 'HalvedRest', 'opt_params', 'unwrap', 'state_owners', 'Ledger', 'LazyTensor',
+           'save_streamed', 'Stored', 'load_streamed', 'read_stored']
 
 # %% ../nbs/01b_plumbing.ipynb #d6694c65
 class FitState:
@@ -20,6 +23,14 @@ class FitState:
     def undo(self): raise NotImplementedError  # puts back what the mode changed
     def kind_of(self, p):
         "The `Kind` (`mpx.flat`) the step engine gives `p`; None: in place"
+    def same(self, learn) -> bool:
+        "Whether a fit beginning now would change the learner as this one did (a mode that keeps its layout between fits)"
+        return True
+    def fp32_of(self, t):
+        "How to make the fp32 value of tensor `t` where the fit holds it otherwise, and no optimizer steps it; None: `t` is it"
+    def assign(self, t, x) -> bool:
+        "`t`, held otherwise by the fit, takes fp32 value `x`; False where the fit does not hold `t`"
+        return False
 
 # %% ../nbs/01b_plumbing.ipynb #508cbdd9
 def halvable(model:nn.Module) -> list:
@@ -94,3 +105,100 @@ class Ledger:
     def __enter__(self): return self
     def __exit__(self, *exc): self.close()
     def __len__(self): return len(self.log)
+
+# %% ../nbs/01b_plumbing.ipynb #8f6d98d3
+class LazyTensor:
+    "A tensor made only when a checkpoint writes it (`make()`), its dtype and shape known before"
+    def __init__(self, make:Callable, dtype:torch.dtype, shape): self.make,self.dtype,self.shape = make,dtype,torch.Size(shape)
+    def __repr__(self): return f"LazyTensor({self.dtype}, {tuple(self.shape)})"
+    def __reduce_ex__(self, protocol):
+        stride = torch.empty(self.shape, device='meta').stride()  # written contiguous
+        return torch._utils._rebuild_tensor_v2,(_Pending(self), 0, tuple(self.shape), stride, False, collections.OrderedDict())
+
+class _Pending:
+    "A `LazyTensor`'s record, not made yet"
+    def __init__(self, lazy:LazyTensor): self.lazy = lazy
+
+def _lazy_leaves(o):
+    "`o` with every tensor in its dicts, lists and tuples a `LazyTensor`: each written as a record of its own"
+    if isinstance(o, Tensor): return LazyTensor(o.detach, o.dtype, o.shape)
+    if isinstance(o, dict): return type(o)((k, _lazy_leaves(v)) for k,v in o.items()) if type(o) in (dict, collections.OrderedDict) else o
+    if type(o) in (list, tuple): return type(o)(map(_lazy_leaves, o))
+    return o
+
+def _storage_type(dtype:torch.dtype):
+    return getattr(torch, torch.storage._dtype_to_storage_type_map()[dtype])
+
+# %% ../nbs/01b_plumbing.ipynb #c19fd374
+def save_streamed(obj, file, pickle_protocol:int=2):
+    "`torch.save(obj, file)` holding one tensor at a time: each tensor (or `LazyTensor`) made, written and freed in turn"
+    records,real = {},{}
+    def persistent_id(o):
+        if isinstance(o, _Pending):
+            key = str(len(records) + len(real)); records[key] = o
+            return ('storage', _storage_type(o.lazy.dtype), key, 'cpu', o.lazy.shape.numel())
+        if isinstance(o, torch.storage.TypedStorage):  # a tensor the walk did not reach (inside another object): as torch writes it
+            key = real.setdefault(o._untyped_storage._cdata, (str(len(records) + len(real)), o._untyped_storage))[0]
+            return ('storage', getattr(torch, o._pickle_storage_type()), key, 'cpu', o._size())
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, o): return persistent_id(o)
+    buf = io.BytesIO()
+    Pickler(buf, protocol=pickle_protocol).dump(_lazy_leaves(obj))
+    data = buf.getvalue()
+    with torch.serialization._open_zipfile_writer(str(file) if isinstance(file, os.PathLike) else file) as w:
+        for name,v in (('data.pkl', data), ('.format_version', '1'), ('.storage_alignment', '64'), ('byteorder', sys.byteorder)):
+            w.write_record(name, v, len(v))
+        for key,p in records.items():
+            t = p.lazy.make().detach().to('cpu').contiguous()  # on a GPU: through the host, a tensor at a time
+            n = t.numel() * t.element_size()
+            st = t.untyped_storage() if t.storage_offset() == 0 and t.untyped_storage().nbytes() == n else t.clone().untyped_storage()
+            w.write_record(f'data/{key}', st, n)
+            del t, st, p.lazy.make  # freed before the next is made
+        for key,st in real.values(): w.write_record(f'data/{key}', st.cpu(), st.nbytes())
+
+# %% ../nbs/01b_plumbing.ipynb #b9070ba9
+class Stored:
+    "A tensor of a checkpoint left on disk: `load()` reads it (a tensor at a time)"
+    def __init__(self, src:_Source, key:str, dtype, offset:int, size, stride):
+        self.src,self.key,self.dtype,self.offset,self.shape,self.stride = src,key,dtype,offset,torch.Size(size),tuple(stride)
+    def __repr__(self): return f"Stored({self.dtype}, {tuple(self.shape)})"
+    def load(self) -> Tensor:
+        st = self.src.storage(self.key, self.dtype)
+        return torch.empty(0, dtype=self.dtype).set_(st, self.offset, self.shape, self.stride)
+
+class _Source:
+    "A checkpoint's records, the last one read kept for the tensors that share it"
+    def __init__(self, reader, sizes:dict): self.reader,self.sizes,self.last = reader,sizes,(None, None)
+    def storage(self, key:str, dtype):
+        if self.last[0] != key:
+            self.last = (None, None)  # the last record freed first
+            nbytes = self.sizes[key] * torch.empty((), dtype=dtype).element_size()
+            self.last = (key, self.reader.get_storage_from_record(f'data/{key}', nbytes, torch.UntypedStorage)._typed_storage()._untyped_storage)
+        return self.last[1]
+
+_plain_globals = {('collections', 'OrderedDict'): collections.OrderedDict, ('fastcore.foundation', 'L'): L, **{('builtins', n): getattr(builtins, n) for n in
+                  ('set', 'frozenset', 'slice', 'complex', 'tuple', 'list', 'dict', 'int', 'float', 'bool')}}
+
+def load_streamed(file):
+    "A checkpoint's contents with each tensor a `Stored`, read when loaded; `pickle.UnpicklingError` where it holds other objects"
+    reader = torch._C.PyTorchFileReader(str(file))
+    sizes,src = {},None
+    def rebuild(storage, offset, size, stride, *args): return Stored(src, storage[0], storage[1], offset, size, stride)
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, mod, name):
+            if (mod, name) == ('torch._utils', '_rebuild_tensor_v2'): return rebuild
+            if mod == 'torch' and name.endswith('Storage'): return getattr(torch, name)
+            if (mod, name) in _plain_globals: return _plain_globals[(mod, name)]
+            raise pickle.UnpicklingError(f"{mod}.{name}: not a plain checkpoint's")
+        def persistent_load(self, pid):
+            _,st,key,_,numel = pid
+            sizes[key] = numel
+            return key,(torch.uint8 if st is torch.UntypedStorage else st.dtype)
+    src = _Source(reader, sizes)
+    return Unpickler(io.BytesIO(reader.get_record('data.pkl'))).load()
+
+def read_stored(o):
+    "`o` with each `Stored` tensor read"
+    if isinstance(o, Stored): return o.load()
+    if isinstance(o, dict): return type(o)((k, read_stored(v)) for k,v in o.items())
+    return type(o)(map(read_stored, o)) if type(o) in (list, tuple) else o

@@ -93,6 +93,7 @@ class BF16Kind(Kind):
         self.split(b, x)
         b.point(b.w)
     def split(self, b, x:Tensor): b.w.copy_(x)  # to nearest
+    def assign(self, b, i, x): b.slot(b.w, i).copy_(x)  # as `split` does
     def wide(self, b, i, j):
         "The fp32 values and gradients of parameters `i` to `j`, in the engine's workspace"
         n = b.end(j) - b.lo(i)
@@ -124,6 +125,7 @@ class KahanKind(BF16Kind):
     def split(self, b, x):
         b.c = b.zeros(torch.bfloat16); b.cv = b.views(b.c)
         fold_kahan([x], [b.w], [b.c])
+    def assign(self, b, i, x): fold_kahan([x], [b.slot(b.w, i)], [b.cv[i]])
     def written(self, b, idx:list): torch._foreach_zero_([b.cv[i] for i in idx])  # what was written, exactly
     def widen(self, b, i, j, x): widen_kahan([x], [b.part(b.w, i, j)], [b.part(b.c, i, j)], self._ws(b, x, 3))
     def fold(self, b, i, j, x, phase=0):
@@ -162,6 +164,7 @@ class StochasticKind(BF16Kind):
 class KeptKind(BF16Kind):
     "bf16 weights with their exact fp32 value kept aside (frozen when the fit began): stepped in it, written to nearest"
     def split(self, b, x): b.x = x; b.xv = b.views(x); b.w.copy_(x)
+    def assign(self, b, i, x): b.xv[i].copy_(x); b.slot(b.w, i).copy_(x)
     def wide(self, b, i, j): return b.part(b.x, i, j),super().wide(b, i, j)[1]
     def widen(self, b, i, j, x): pass
     def written(self, b, idx):
@@ -192,6 +195,20 @@ class BF16Weights(FitState):
         if id(p) not in self.halves: return self.plain
         return self.train if id(p) in self.trained else self.frozen
     def undo(self): self.rest.undo()
+    def same(self, learn) -> bool:
+        "Whether a fit beginning now would halve and train the same tensors: then it takes this one's layout as it is"
+        trained = {id(p) for p in opt_params(learn.opt) if p.requires_grad}
+        return trained == self.trained and not halvable(learn.model)  # no fp32 tensor to halve: none new
+    def fp32_of(self, t:Tensor) -> Callable|None:
+        "How to make the exact fp32 value of `t`, a tensor the fit halved that no optimizer steps; None for another"
+        c = next((c for u,c in self.rest.kept if u is t), None)
+        return None if c is None else partial(exact_fp32, t.detach(), c)
+    def assign(self, t:Tensor, x:Tensor) -> bool:
+        "`t`, halved, takes fp32 value `x` (its exact value kept aside); False where `t` is not one of them"
+        c = next((c for u,c in self.rest.kept if u is t), None)
+        if c is None: return False
+        c.copy_(x); t.data.copy_(x)
+        return True
 
     def _buckets(self, kind) -> list: return [b for b in getattr(self.engine, 'buckets', []) if b.kind is kind]
     @property
@@ -230,6 +247,7 @@ class PureBF16(PrecisionCallback):
         "During a fit, its `BF16Weights`"
         return self.fit_state
     def _repr_extra(self): return f"update='{self.update}', "
+    keeps_layout = True  # between fits the model stays bf16, with its compensations (and low-bit state stays low-bit)
     @property
     def memory_mode(self) -> str: return self.update  # bf16 weight, gradient (and, kahan, compensation)
 
