@@ -27,6 +27,7 @@ ARMS = {
     'mpx AMP bf16': _mpx(),
     'mpx AMP bf16 compile': _mpx(fused='compile'),
     'mpx AMP bf16 fused=False': _mpx(fused=False),
+    'mpx AMP bf16 8bit': _mpx(opt_state='8bit'),
     'mpx master bf16': _mpx(master=True),
     'mpx master bf16 compile': _mpx(master=True, fused='compile'),
     'mpx pure kahan': _mpx(pure=True),

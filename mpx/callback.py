@@ -4,7 +4,7 @@
 
 # %% ../nbs/02_callback.ipynb #cb000004
 from __future__ import annotations
-import contextlib, itertools, warnings
+import contextlib, itertools, warnings, weakref
 from fastai.basics import *
 import fastai.callback.fp16 as fastai_fp16
 from torch.nn.modules.batchnorm import _NormBase
@@ -17,7 +17,7 @@ from .patches import *
 from .warn import warn_user
 
 # %% auto #0
-__all__ = ['ScaleTelemetry', 'check_single_autocast', 'NormStats', 'first_not_fp32', 'PrecisionCallback']
+__all__ = ['ScaleTelemetry', 'check_single_autocast', 'NormStats', 'first_not_fp32', 'LoadsInto', 'PrecisionCallback']
 
 # %% ../nbs/02_callback.ipynb #cb000007
 class ScaleTelemetry:
@@ -114,6 +114,27 @@ _in_flight = ('_checked', '_found', '_norms_due', '_epoch_start', '_batch_skippe
 _no_kernel = ("not implemented for 'Half'", "not implemented for 'BFloat16'", 'could not create a primitive', 'Unsupported dtype')
 _instead = {AMPMode.FP16: 'train in bf16 (learn.to_bf16()) or fp32 (learn.to_fp32()) instead',
             AMPMode.BF16: 'train in fp16 (learn.to_fp16()) or fp32 (learn.to_fp32()) instead'}
+
+# %% ../nbs/02_callback.ipynb #91fae438
+class LoadsInto:
+    "`model.load_state_dict` into a layout a fit holds (a bf16 weight and its compensation): each value held as a fit beginning from it would hold it"
+    def __init__(self, cb): self.cb,self.pending = weakref.ref(cb),[]  # the model's hooks hold this: no strong pointer to the callback
+    def hook(self, model:nn.Module, ledger):
+        "Hook `model`'s `load_state_dict`, until `ledger` closes"
+        for h in (model.register_load_state_dict_pre_hook(self.pre), model.register_load_state_dict_post_hook(self.post)):
+            ledger.defer(h.remove)
+    def pre(self, module, sd, prefix, *args):
+        "Note the values the load gives to tensors the fit holds otherwise (torch's copy then rounds them)"
+        cb = self.cb()
+        if cb is None: return
+        ts = module.state_dict(prefix=prefix, keep_vars=True)
+        self.pending = [(t, sd[k]) for k,t in ts.items() if isinstance(sd.get(k), Tensor) and sd[k].shape == t.shape
+                        and cb._fp32_of(t) is not None]
+    def post(self, module, incompatible):
+        "Hold each value noted as the fit holds it (its compensation too), where torch's copy rounded it"
+        cb,pending,self.pending = self.cb(),self.pending,[]
+        with torch.no_grad():
+            for t,x in (pending if cb is not None else []): cb._assign(t, x)
 
 # %% ../nbs/02_callback.ipynb #e9ed62b0
 class PrecisionCallback(Callback, ScaleTelemetry):
@@ -250,6 +271,7 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         if self.fit_state is not None: self.ledger.defer(self.fit_state.undo)
         self.fused_steps = self._new_fused_steps()
         if self.fit_state is not None: self.fit_state.engine = self.fused_steps
+        if self.fused_steps is not None and self.resident: LoadsInto(self).hook(get_model(self.model), self.ledger)
     def _end_fit(self):
         "Undo `_begin_fit` exactly, in one close of the fit's ledger; a no-op when there is nothing to undo"
         led,self.ledger,self.fit_state,self.fused_steps = self.ledger,None,None,None
@@ -381,9 +403,21 @@ class PrecisionCallback(Callback, ScaleTelemetry):
             f = self._fp32_of(t) if isinstance(t, Tensor) else None
             res[k] = t if f is None else LazyTensor(f, torch.float32, t.shape)
         return res
+    @property
+    def kept(self) -> bool:
+        "Whether the learner is between fits with this mode's layout kept (`resident`): a pure bf16 model, low-bit state"
+        return self.fused_steps is not None and self._outer is None
+    def fp32_value(self, t:Tensor) -> Tensor:
+        "Tensor `t` of the model as a checkpoint holds it: its fp32 value where the fit (or the layout kept) holds it otherwise"
+        f = self._fp32_of(t)
+        return t.detach() if f is None else f()
     def _fp32_of(self, t:Tensor) -> Callable|None:
         f = self.fused_steps.fp32_of(t) if self.fused_steps is not None else None
         return f if f is not None or self.fit_state is None else self.fit_state.fp32_of(t)
+    def _assign(self, t:Tensor, x:Tensor) -> bool:
+        "Model tensor `t`, held otherwise by the fit, takes fp32 value `x`; False where `t` is itself"
+        if self.fused_steps is not None and self.fused_steps.assign(t, x): return True
+        return self.fit_state is not None and self.fit_state.assign(t, x)
     def load_fp32_model_state(self, sd:dict, strict:bool=True) -> bool:
         "A streamed checkpoint's model state (`Stored`) into the layout kept, a tensor at a time; False, changing nothing, where it does not fit"
         ts = get_model(self.model).state_dict(keep_vars=True)
@@ -393,8 +427,7 @@ class PrecisionCallback(Callback, ScaleTelemetry):
             for k,v in sd.items():
                 if k not in ts: continue
                 t,x = ts[k],(v.load() if isinstance(v, Stored) else v)
-                if self.fused_steps is not None and self.fused_steps.assign(t, x): continue
-                if self.fit_state is None or not self.fit_state.assign(t, x): t.data.copy_(x)
+                if not self._assign(t, x): t.data.copy_(x)
         return True
 
     # ---- state

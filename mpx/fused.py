@@ -234,7 +234,9 @@ class FusedSteps:
         "Parameter `p` takes fp32 value `x`, held as a fit beginning from it would; False where the engine does not hold `p`"
         h = self.home.get(id(p))
         if h is None or h[0].kind.in_place: return False
-        h[0].kind.assign(*h, x.to(h[0].device, torch.float32))
+        b,i = h
+        b.kind.assign(b, i, x.to(b.device, torch.float32))
+        b.versions[i] = b.params[i]._version  # held as a fit beginning from `x` holds it: not a write for the kind to take
         return True
 
     def load_state(self, sd:dict):

@@ -12,7 +12,7 @@ from fastai.learner import save_model, load_model
 import fastai.callback.fp16 as fastai_fp16
 import pickle
 from .parallel import is_sharded, save_sharded, load_sharded
-from .plumbing import save_streamed, load_streamed, read_stored
+from .plumbing import Ledger, save_streamed, load_streamed, read_stored
 
 # %% auto #0
 __all__ = ['check_fastai_version', 'is_mpx_precision', 'check_one_precision']
@@ -146,10 +146,10 @@ def _state_into_opt(learn:Learner):
     "While inside, `learn.opt.state_dict()` also holds the precision callbacks' state, under 'mpx'"
     opt,cbs = learn.opt,_precision_cbs(learn)
     if opt is None or not cbs: yield; return
-    fastai_sd = opt.state_dict
-    opt.state_dict = lambda: {**fastai_sd(), 'mpx': {c.name: c.state_dict() for c in cbs}}
-    try: yield
-    finally: del opt.state_dict
+    fastai_sd = opt.state_dict  # fastai's, or the step engine's own where a fit (or a layout kept) installed one
+    with Ledger() as led:  # which puts back what the instance held
+        led.set(opt, 'state_dict', lambda: {**fastai_sd(), 'mpx': {c.name: c.state_dict() for c in cbs}})
+        yield
 
 @contextmanager
 def _state_from_opt(learn:Learner):
@@ -158,9 +158,9 @@ def _state_from_opt(learn:Learner):
     if opt is None or not cbs: yield; return
     fastai_load = opt.load_state_dict
     def load(sd): fastai_load({k: v for k,v in sd.items() if k != 'mpx'}); got.append(sd.get('mpx', {}))
-    opt.load_state_dict = load
-    try: yield
-    finally: del opt.load_state_dict
+    with Ledger() as led:
+        led.set(opt, 'load_state_dict', load)
+        yield
     if not got: return  # no optimizer state was loaded: the scale stays as it is, like the optimizer
     for c in cbs:
         if c.name in got[0]: c.load_state_dict(got[0][c.name])

@@ -129,6 +129,10 @@ def _lazy_leaves(o):
 def _storage_type(dtype:torch.dtype):
     return getattr(torch, torch.storage._dtype_to_storage_type_map()[dtype])
 
+def _storage_dtypes() -> dict:
+    "The dtype of each storage class a checkpoint names (asked of the class, it warns that typed storages are deprecated)"
+    return {getattr(torch, n): dt for dt,n in torch.storage._dtype_to_storage_type_map().items()}
+
 # %% ../nbs/01b_plumbing.ipynb #c19fd374
 def save_streamed(obj, file, pickle_protocol:int=2):
     "`torch.save(obj, file)` holding one tensor at a time: each tensor (or `LazyTensor`) made, written and freed in turn"
@@ -193,7 +197,7 @@ def load_streamed(file):
         def persistent_load(self, pid):
             _,st,key,_,numel = pid
             sizes[key] = numel
-            return key,(torch.uint8 if st is torch.UntypedStorage else st.dtype)
+            return key,(torch.uint8 if st is torch.UntypedStorage else _storage_dtypes()[st])
     src = _Source(reader, sizes)
     return Unpickler(io.BytesIO(reader.get_record('data.pkl'))).load()
 

@@ -331,9 +331,18 @@ def _clone(v):
     "A copy of tensor `v`; of low-bit state held mid-fit (`LowBitState`), its fp32 values"
     return v.detach().clone() if isinstance(v, Tensor) else v.float() if isinstance(v, LowBitState) else v
 
+def _kept(learn:Learner):
+    "The precision callback keeping its layout between fits (a pure bf16 model, low-bit state), or None"
+    return next((c for c in precision_cbs(learn) if getattr(c, 'kept', False)), None)
+
+def _value(cb, t:Tensor) -> Tensor:
+    "A copy of model tensor `t`; between fits with a layout kept, of its fp32 value (what a checkpoint holds)"
+    return _clone(t) if cb is None else cb.fp32_value(t).clone()
+
 def weights(learn:Learner) -> list:
-    "Copies of the model's parameters"
-    return [_clone(p) for p in learn.model.parameters()]
+    "Copies of the model's parameters (between fits with a layout kept, of their fp32 values)"
+    cb = _kept(learn)
+    return [_value(cb, p) for p in learn.model.parameters()]
 
 def state_of(learn:Learner) -> dict:
     "Copies of the model's weights, buffers and trainable flags, of the tensors `learn.parameters()` steps and of the optimizer's state"
@@ -341,9 +350,10 @@ def state_of(learn:Learner) -> dict:
     # the state is the optimizer's parameters'
     keys = list({id(p): p for pg in opt.param_lists for p in pg}.values()) if opt is not None else []
     def per_param(state): return [{k: _clone(v) for k,v in state.get(p, {}).items()} for p in keys]
-    res = dict(weights=weights(learn), buffers=[_clone(b) for b in learn.model.buffers()],
+    cb = _kept(learn)
+    res = dict(weights=weights(learn), buffers=[_value(cb, b) for b in learn.model.buffers()],
                requires_grad=[p.requires_grad for p in learn.model.parameters()],
-               stepped=[_clone(p) for p in ps], state=per_param(opt.state) if opt is not None else [])
+               stepped=[_value(cb, p) for p in ps], state=per_param(opt.state) if opt is not None else [])
     if isinstance(opt, OptimWrapper): res['torch_state'] = per_param(opt.opt.state)
     if isinstance(opt, Lookahead): res['count'],res['slow'] = opt.count,[_clone(s) for pg in (opt.slow_weights or []) for s in pg]
     return res
@@ -403,8 +413,8 @@ def assert_same_state(a:dict, b:dict, what:str='the state'):
 
 def learner_problems(learn:Learner) -> list:
     "What must never show between fits: weights not fp32 or not finite, an optimizer off the model's parameters, stale optimizer state"
-    res,ps = [],list(learn.model.parameters())
-    ts = ps + [b for b in learn.model.buffers() if b.is_floating_point()]
+    res,ps,cb = [],list(learn.model.parameters()),_kept(learn)
+    ts = [_value(cb, t) for t in ps + [b for b in learn.model.buffers() if b.is_floating_point()]]  # a layout kept: its fp32 values
     if any(t.dtype != torch.float32 for t in ts): res.append(f'model dtypes {sorted({str(t.dtype) for t in ts})}')
     if not all(t.isfinite().all() for t in ts): res.append('non-finite weights')
     if 'parameters' in learn.__dict__: res.append("'parameters' in learn.__dict__")

@@ -137,11 +137,13 @@ def lowbit_state_dict_zeros():
     import mpx.patches
     from mpx.fused import FusedSteps
     from mpx.lowbit import LowBitState, MIN_LOWBIT
-    from mpx.plumbing import unwrap
+    from mpx.plumbing import unwrap, LazyTensor
+    from functools import partial
     real,real_save = FusedSteps._state_dict,mpx.patches._fastai_save
     def zeroed(sd:dict, lows:list) -> dict:
         "`sd` with zeros for the entries named in `lows` (a set of keys a parameter)"
-        return {**sd, 'state': [{k: torch.zeros_like(v) if k in low else v for k,v in s.items()} for s,low in zip(sd['state'], lows)]}
+        zero = lambda v: torch.zeros_like(v) if torch.is_tensor(v) else LazyTensor(partial(torch.zeros, v.shape), v.dtype, v.shape)
+        return {**sd, 'state': [{k: zero(v) if k in low else v for k,v in s.items()} for s,low in zip(sd['state'], lows)]}
     def state_dict(self):
         inner = unwrap(self.opt)[1]
         return zeroed(real(self), [{k for k,v in h.items() if isinstance(v, LowBitState)} for h in type(inner).state_dict(inner)['state']])

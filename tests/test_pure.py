@@ -28,7 +28,7 @@ def one_weight_ramp(n, opt_func, cbs=None):
     model = nn.Linear(1, 1, bias=False); nn.init.ones_(model.weight)
     learn = Learner(dls, model, loss_func=lambda p,y: p.mean(), opt_func=opt_func, lr=1e-4, wd=0., cbs=cbs)
     with learn.no_bar(), learn.no_logging(): learn.fit(1)
-    return learn.model.weight.item()
+    return learn.to_fp32().model.weight.item()  # its fp32 value: between fits a pure model is bf16
 
 @pytest.mark.parametrize('opt', ['sgd', 'adam'])
 def test_ramp(opt):
@@ -80,11 +80,13 @@ def test_no_masters(update):
         assert r['dtypes'] == {('Linear', torch.bfloat16), ('BatchNorm1d', torch.float32)} and r['same'] and not r['learn_params']
         assert r['grads'] <= {torch.bfloat16, torch.float32} and r['kept'] == 0
         assert r['comp'] == ({torch.bfloat16} if update == 'kahan' else set())
-    assert {p.dtype for p in learn.model.parameters()} == {torch.float32}
+    assert {(type(m).__name__, p.dtype) for m in learn.model.modules() for p in m.parameters(recurse=False)} == probe.recs[-1]['dtypes']
     assert {v.dtype for st in learn.opt.state.values() for v in st.values() if isinstance(v, Tensor) and v.dim()} == {torch.float32}
+    learn.to_fp32()  # the fp32 model, made when asked for
+    assert {p.dtype for p in learn.model.parameters()} == {torch.float32}
 
 def test_fp32_after_fit_holds_w_plus_c():
-    "After a fit each weight is exactly its last bf16 weight plus its compensation, and splits back into the same pair."
+    "Between fits the pairs stay; `to_fp32()` makes each weight exactly its last bf16 weight plus its compensation, which splits back into the same pair."
     learn = tiny_learner(bn=True, lr=1e-2, cbs=PureBF16())
     class Snap(Callback):
         order = PureBF16.order + 1
@@ -93,6 +95,8 @@ def test_fp32_after_fit_holds_w_plus_c():
     learn.add_cb(Snap()); learn.fit(1)
     snaps = learn.snap.snaps
     assert snaps[-1]
+    for p,(w,c) in snaps[-1].items(): assert torch.equal(p.data, w) and torch.equal(learn.pure_bf16.bf16_weights.comp[p], c)  # kept
+    learn.to_fp32()
     for p,(w,c) in snaps[-1].items():
         assert torch.equal(p.data, w.float() + c.float())
         w2,c2 = split_kahan(p.data)
