@@ -509,6 +509,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                            'mpx.fused.FusedSteps.will_compile': ('fused.html#fusedsteps.will_compile', 'mpx/fused.py'),
                            'mpx.fused.FusedSteps.zero_grad': ('fused.html#fusedsteps.zero_grad', 'mpx/fused.py'),
                            'mpx.fused._own_zero_grad': ('fused.html#_own_zero_grad', 'mpx/fused.py'),
+                           'mpx.fused._value_now': ('fused.html#_value_now', 'mpx/fused.py'),
                            'mpx.fused.default_chunk': ('fused.html#default_chunk', 'mpx/fused.py'),
                            'mpx.fused.why_not_fused': ('fused.html#why_not_fused', 'mpx/fused.py'),
                            'mpx.fused.why_not_lowbit': ('fused.html#why_not_lowbit', 'mpx/fused.py')},

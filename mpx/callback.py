@@ -157,6 +157,7 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         self._norms,self._norms_due = None,False
         self._checked,self._found = False,False  # this step was checked, and found non-finite
         self._outer = None  # during a fit, what each fit or validation nested in it put aside
+        self._began_kept = False  # the fit under way took the layout the last one kept
 
     @property
     def checking(self) -> bool:
@@ -237,6 +238,7 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         "Finish a fit left half done, check everything, then begin this mode's fit; inside a fit, a nested one"
         if self._outer is not None: return self._nest()
         kept = self._takes_kept()  # the layout the last fit left, as it is: nothing to check in the model, nothing to build
+        self._began_kept = kept  # a fit that fails leaves the learner as it found it: the layout kept stays, one it built goes
         if not kept: self._finish()
         self.device_type = autocast_device_type(training_device(self.dls, self.model))
         check_amp_support(self.device_type, self.amp_mode)
@@ -296,8 +298,9 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         with self.suspended(): pass
         return True
     def _leave_fit(self):
-        "End a nested fit or validation, else finish the fit: `after_fit`, or an exception that ends the fit"
+        "End a nested fit or validation, else an exception's fit: as it found the learner (a layout kept stays, one it built goes)"
         if self._outer: self._unnest()
+        elif self._began_kept: self._rest()
         else: self._finish()
     def _finish(self):
         "Leave autocast, settle a checked step's scale update, end the mode's fit: what `after_fit` does, safe to repeat"

@@ -221,14 +221,15 @@ class FusedSteps:
         self.ledger.close()
 
     def rest(self):
-        "Between fits, where the mode keeps the layout: the device's step counts to the host, the scratch buffers freed"
+        "Between fits, where the mode keeps the layout: writes since the last step taken, step counts to the host, scratch freed"
+        for b in self.buckets: b.adopt_weights()  # a weight written after the last step (a compensation reset)
         self.steps_to_host()
         self.ws.bufs.clear()
 
     def fp32_of(self, p:Tensor) -> Callable|None:
         "How to make parameter `p`'s fp32 value where the engine holds it otherwise (a bf16 weight, its compensation); None: `p` is it"
         h = self.home.get(id(p))
-        return None if h is None or h[0].kind.in_place else partial(h[0].kind.value, *h)
+        return None if h is None or h[0].kind.in_place else partial(_value_now, *h)
 
     def assign(self, p:Tensor, x:Tensor) -> bool:
         "Parameter `p` takes fp32 value `x`, held as a fit beginning from it would; False where the engine does not hold `p`"
@@ -275,6 +276,11 @@ class FusedSteps:
         self.lookahead.finish(self)
 
 _in_place = Kind()
+
+def _value_now(b:Bucket, i:int) -> Tensor:
+    "Parameter `i`'s fp32 value, a write since the last step taken first"
+    b.adopt_weights()
+    return b.kind.value(b, i)
 
 # %% ../nbs/01a_fused.ipynb #fz0014
 _grad = operator.attrgetter('grad')
