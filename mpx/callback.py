@@ -117,7 +117,7 @@ _instead = {AMPMode.FP16: 'train in bf16 (learn.to_bf16()) or fp32 (learn.to_fp3
 
 # %% ../nbs/02_callback.ipynb #91fae438
 class LoadsInto:
-    "`model.load_state_dict` into a layout a fit holds (a bf16 weight and its compensation): each value held as a fit beginning from it would hold it"
+    "`model.load_state_dict` into a layout a fit holds (a bf16 weight, its compensation): each value held as a fit from it holds it"
     def __init__(self, cb): self.cb,self.pending = weakref.ref(cb),[]  # the model's hooks hold this: no strong pointer to the callback
     def hook(self, model:nn.Module, ledger):
         "Hook `model`'s `load_state_dict`, until `ledger` closes"
@@ -286,8 +286,12 @@ class PrecisionCallback(Callback, ScaleTelemetry):
     def _rest(self):
         "`after_fit`: what `_finish` does, but a layout the mode keeps between fits (`resident`) stays for the next fit"
         if self.fused_steps is None or not self.resident: return self._finish()
-        try: self._end_forward(); self._close_step()
-        except BaseException: self._finish(); raise
+        try:
+            self._end_forward()
+            self._close_step()
+        except BaseException:
+            self._finish()
+            raise
         if self.step_log.pending: self._settle_overflows(self.loss_scale, self._at_floor)
         self.fused_steps.rest()
         self._autocast,self._loss_autocast,self._norms,self._outer = None,None,None,None
@@ -422,7 +426,7 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         if self.fused_steps is not None and self.fused_steps.assign(t, x): return True
         return self.fit_state is not None and self.fit_state.assign(t, x)
     def load_fp32_model_state(self, sd:dict, strict:bool=True) -> bool:
-        "A streamed checkpoint's model state (`Stored`) into the layout kept, a tensor at a time; False, changing nothing, where it does not fit"
+        "A streamed checkpoint's model state (`Stored`) into the layout kept, a tensor at a time; False, changing nothing, if it cannot"
         ts = get_model(self.model).state_dict(keep_vars=True)
         if strict and set(ts) != set(sd): return False  # fastai's own load says which keys differ
         if any(not isinstance(v, (Stored, Tensor)) or (k in ts and v.shape != ts[k].shape) for k,v in sd.items()): return False

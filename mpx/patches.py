@@ -223,7 +223,9 @@ def _load_streamed(learn:Learner, cb, file, with_opt:bool=True, strict:bool=True
         return True
     sd = state['opt']
     try: cb.fused_steps.load_state({k: v for k,v in sd.items() if k != 'mpx'})
-    except Exception: warn("Could not load the optimizer state."); return True
+    except Exception:  # fastai's own words where it cannot
+        warn("Could not load the optimizer state.")
+        return True
     got = read_stored(sd.get('mpx', {}))
     for c in _precision_cbs(learn):
         if c.name in got: c.load_state_dict(got[c.name])

@@ -127,6 +127,7 @@ def _lazy_leaves(o):
     return o
 
 def _storage_type(dtype:torch.dtype):
+    "The storage class a checkpoint names for `dtype` (`torch.FloatStorage`, ...)"
     return getattr(torch, torch.storage._dtype_to_storage_type_map()[dtype])
 
 def _storage_dtypes() -> dict:
@@ -139,7 +140,8 @@ def save_streamed(obj, file, pickle_protocol:int=2):
     records,real = {},{}
     def persistent_id(o):
         if isinstance(o, _Pending):
-            key = str(len(records) + len(real)); records[key] = o
+            key = str(len(records) + len(real))
+            records[key] = o
             return ('storage', _storage_type(o.lazy.dtype), key, 'cpu', o.lazy.shape.numel())
         if isinstance(o, torch.storage.TypedStorage):  # a tensor the walk did not reach (inside another object): as torch writes it
             key = real.setdefault(o._untyped_storage._cdata, (str(len(records) + len(real)), o._untyped_storage))[0]
@@ -177,11 +179,13 @@ class _Source:
         if self.last[0] != key:
             self.last = (None, None)  # the last record freed first
             nbytes = self.sizes[key] * torch.empty((), dtype=dtype).element_size()
-            self.last = (key, self.reader.get_storage_from_record(f'data/{key}', nbytes, torch.UntypedStorage)._typed_storage()._untyped_storage)
+            st = self.reader.get_storage_from_record(f'data/{key}', nbytes, torch.UntypedStorage)
+            self.last = (key, st._typed_storage()._untyped_storage)
         return self.last[1]
 
-_plain_globals = {('collections', 'OrderedDict'): collections.OrderedDict, ('fastcore.foundation', 'L'): L, **{('builtins', n): getattr(builtins, n) for n in
-                  ('set', 'frozenset', 'slice', 'complex', 'tuple', 'list', 'dict', 'int', 'float', 'bool')}}
+_plain_globals = {('collections', 'OrderedDict'): collections.OrderedDict, ('fastcore.foundation', 'L'): L,  # fastai's hypers are an `L`
+                  **{('builtins', n): getattr(builtins, n) for n in ('set', 'frozenset', 'slice', 'complex', 'tuple', 'list', 'dict',
+                                                                     'int', 'float', 'bool')}}
 
 def load_streamed(file):
     "A checkpoint's contents with each tensor a `Stored`, read when loaded; `pickle.UnpicklingError` where it holds other objects"

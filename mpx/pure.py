@@ -164,7 +164,9 @@ class StochasticKind(BF16Kind):
 class KeptKind(BF16Kind):
     "bf16 weights with their exact fp32 value kept aside (frozen when the fit began): stepped in it, written to nearest"
     def split(self, b, x): b.x = x; b.xv = b.views(x); b.w.copy_(x)
-    def assign(self, b, i, x): b.xv[i].copy_(x); b.slot(b.w, i).copy_(x)
+    def assign(self, b, i, x):
+        b.xv[i].copy_(x)
+        b.slot(b.w, i).copy_(x)
     def wide(self, b, i, j): return b.part(b.x, i, j),super().wide(b, i, j)[1]
     def widen(self, b, i, j, x): pass
     def written(self, b, idx):
@@ -207,7 +209,8 @@ class BF16Weights(FitState):
         "`t`, halved, takes fp32 value `x` (its exact value kept aside); False where `t` is not one of them"
         c = next((c for u,c in self.rest.kept if u is t), None)
         if c is None: return False
-        c.copy_(x); t.data.copy_(x)
+        c.copy_(x)
+        t.data.copy_(x)
         return True
 
     def _buckets(self, kind) -> list: return [b for b in getattr(self.engine, 'buckets', []) if b.kind is kind]
