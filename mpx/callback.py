@@ -12,7 +12,8 @@ from .core import *
 from .scaler import *
 from .fused import FusedSteps, why_not_lowbit
 from .lowbit import param_bytes
-from .plumbing import Ledger, LazyTensor, Stored
+from .plumbing import Ledger, LazyTensor, Stored, opt_params
+from .flat import overlapping
 from .patches import *
 from .warn import warn_user
 
@@ -204,6 +205,15 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         bad = first_not_fp32(model)
         if bad: raise ValueError(f"{type(self).__name__} needs an fp32 model: parameter {bad[0]!r} is {bad[1]}; "
                                  "call learn.to_fp32() or model.float() first")
+    def _check_untied(self):
+        "A mode that keeps a copy of each weight refuses two parameters sharing memory (it would untie them), before anything changes"
+        ps = opt_params(self.learn.opt) if self.learn.opt is not None else list(self.model.parameters())
+        tied = overlapping(ps)
+        if not tied: return
+        names = [n for n,p in get_model(self.model).named_parameters() if id(p) in tied]
+        raise ValueError(f"parameters {names} share memory (one a view of another, the transpose say): {type(self).__name__} keeps "
+                         "a half copy of each weight, which would untie them. Tie weights as modules do (one Parameter used twice), "
+                         "or train with AMP (learn.to_bf16() or learn.to_fp16()), which steps them where they lie")
     def _check_cbs(self, cbs):
         "Raise a `ValueError` before anything changes when another callback of the learner does what the mode cannot follow"
     def _new_fit_state(self):
@@ -246,6 +256,7 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         check_single_autocast(self.learn.cbs)
         self._check_cbs(self.learn.cbs)
         if not kept: self._check_model(get_model(self.model))
+        if not kept and self.input_dtype is not None: self._check_untied()
         why = None if kept else why_not_lowbit(self.learn.opt, self.fused, self.opt_state)  # kept: the step is the engine's own
         if why: raise ValueError(why)
         if not any(type(c).__name__ == 'SkipToEpoch' for c in self.learn.cbs): self._sched_skipped = 0  # a resumed fit keeps its count

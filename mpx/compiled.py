@@ -14,7 +14,7 @@ from .lowbit import kept
 from .warn import warn_user
 
 # %% auto #0
-__all__ = ['DeviceSteps', 'compile_plan', 'CompiledSteps']
+__all__ = ['StepCount', 'DeviceSteps', 'compile_plan', 'CompiledSteps']
 
 # %% ../nbs/01g_compiled.ipynb #cx0006
 _COMPILED = {}
@@ -154,18 +154,31 @@ def _kernel(kind, store, chain:tuple, sig:tuple=()) -> tuple:
 # %% ../nbs/01g_compiled.ipynb #cx0010
 def _step_of(d:dict|None) -> int: return (d or {}).get('step', 0)
 
+class StepCount(int):
+    "A step count the compiled step read from a dict: a callback's write is another object, whatever its value"
+    __slots__ = ()
+    def __reduce__(self): return int,(int(self),)  # pickled (a checkpoint) as a plain int
+
+def _marked(d:dict|None):
+    "The count in `d` as a `StepCount` of its own (None where `d` holds none)"
+    if d is None or 'step' not in d: return None
+    d['step'] = StepCount(d['step'])
+    return d['step']
+
 class DeviceSteps:
-    "A bucket's step counts on its device, derived from the dicts"
+    "A bucket's step counts on its device, derived from the dicts: each count read is marked, so that any write is seen"
     def __init__(self, b:Bucket):
-        self.dicts,self.host = list(b.dicts),[_step_of(d) for d in b.dicts]
+        self.host,self.marks = [_step_of(d) for d in b.dicts],[_marked(d) for d in b.dicts]
         self.t = torch.tensor([float(v) for v in self.host], device=b.device)
         self.hist = [hash(('at', v)) for v in self.host]
 
     def follow(self, b:Bucket):
-        "Counts that moved in the dicts since the last look, onto the device"
-        moved = [i for i,(d,e,h) in enumerate(zip(b.dicts, self.dicts, self.host)) if d is not e or _step_of(d) != h]
+        "Counts written in the dicts since the last look (a dict replaced by a copy keeps its mark: no write), onto the device"
+        moved = [i for i,(d,m) in enumerate(zip(b.dicts, self.marks)) if (d or {}).get('step') is not m]
         if not moved: return
-        for i in moved: self.dicts[i] = b.dicts[i]; self.host[i] = _step_of(b.dicts[i]); self.hist[i] = hash(('at', self.host[i]))
+        for i in moved:
+            self.host[i],self.marks[i] = _step_of(b.dicts[i]),_marked(b.dicts[i])
+            self.hist[i] = hash(('at', self.host[i]))
         idx = torch.tensor(moved, device=b.device)
         self.t.index_put_((idx,), torch.tensor([float(self.host[i]) for i in moved], device=b.device))
 
@@ -181,7 +194,6 @@ class DeviceSteps:
         for i,(d,v) in enumerate(zip(b.dicts, self.t.tolist())):
             if d is not None and ('step' in d or v > 0): d['step'] = int(v)
             self.host[i] = _step_of(d)
-        self.dicts = list(b.dicts)
 
 # %% ../nbs/01g_compiled.ipynb #cx0013
 def _hypers(chain:tuple, hyper:dict) -> dict:

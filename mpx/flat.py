@@ -10,7 +10,7 @@ from fastai.torch_basics import *
 from .lowbit import DenseStore
 
 # %% auto #0
-__all__ = ['slottable', 'set_data', 'Kind', 'merge_writes', 'Workspace', 'Bucket', 'scalar_keys']
+__all__ = ['slottable', 'overlapping', 'set_data', 'Kind', 'merge_writes', 'Workspace', 'Bucket', 'scalar_keys']
 
 # %% ../nbs/01e_flat.ipynb #fl0006
 _align = 64  # elements: every slot starts on 256 bytes of fp32
@@ -34,9 +34,28 @@ def _dense(t:Tensor) -> bool:
         n *= sz
     return True
 
+def _packed_stride(shape) -> tuple:
+    "The strides of a contiguous tensor of `shape`: a non-dense parameter's slot (a column slice, say)"
+    return torch.empty(shape, device='meta').stride()
+
 def slottable(t:Tensor) -> bool:
     "Whether `t` can take a slot: plain, strided, dense"
     return type(t) in (Tensor, nn.Parameter) and t.layout is torch.strided and _dense(t)
+
+def overlapping(ts:list) -> set:
+    "The ids of tensors in `ts` whose memory overlaps another's: tied through their storage (one the transpose of another, say)"
+    spans = []
+    for t in {id(t): t for t in ts}.values():
+        if t.layout is not torch.strided or t.numel() == 0: continue
+        a = t.storage_offset()
+        c = a + 1 + sum((n-1) * abs(s) for n,s in zip(t.shape, t.stride()))
+        spans.append((t.untyped_storage().data_ptr(), a * t.element_size(), c * t.element_size(), id(t)))
+    res,reach = set(),{}  # by storage: how far the spans so far reach, and whose
+    for st,a,c,i in sorted(spans):
+        far = reach.get(st)
+        if far is not None and a < far[0]: res |= {i, far[1]}
+        if far is None or c > far[0]: reach[st] = (c, i)
+    return res
 
 def _in_slot(t:Tensor, st, offset:int, spec:tuple, dtype) -> bool:
     "Whether `t` is the slot at element `offset` of storage `st`, shaped and strided as `spec` says"
@@ -124,7 +143,7 @@ class Bucket:
         self.params,self.kind,self.flat,self.group,self.base = params,kind,flat,group,base
         self.ws = ws if ws is not None else Workspace()  # the engine's scratch buffers: shared, never the engine itself
         self.store = store or DenseStore()  # how the optimizer's state is held (`mpx.lowbit`)
-        self.specs = [(p.shape, p.stride()) for p in params]
+        self.specs = [(p.shape, p.stride() if _dense(p) else _packed_stride(p.shape)) for p in params]  # a slot is dense
         self.sizes = [p.numel() for p in params]
         self.offs,self.n = _offsets(self.sizes, align or self.store.block)  # slots on the store's blocks
         self.dtype,self.device = params[0].dtype,params[0].device
@@ -255,7 +274,7 @@ def adopt_states(self:Bucket, state:dict, sdtype, same:bool=False):
         self.dicts[i] = d
         if not self.flat: continue
         for k,v in list(d.items()):
-            if not _flat_keys(p, v) or (v.dtype != sdtype and self.store.bits is None): continue
+            if not _flat_keys(p, v): continue  # another dtype too: its values, cast to the state's (the step computes in it)
             self.state_new(k, sdtype)
             if v is not self.stv[k][i]: self.store.put(self, k, i, v); d[k] = self.stv[k][i]
     self._seen = (list(map(id, ds)), self._held(ds))

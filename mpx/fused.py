@@ -88,13 +88,14 @@ class FusedSteps:
         "Lay out every group's buckets and extras, each parameter's `Kind` from `kind_of`"
         self.home,self.places,self.groups,base = {},{},[],0
         st = self.inner.state if self.native else {}
+        tied = overlapping([p for pg in self.lists for p in pg])  # stepped where they lie, so they stay tied
         for gi,pg in enumerate(self.lists):
             keys = {}
             for k,p in enumerate(pg):
                 self.places.setdefault((gi, id(p)), []).append(k)
                 if id(p) in self.home: continue
                 kind = (kind_of(p) if kind_of is not None else None) or _in_place
-                flat = not kind.in_place or (self.native and self.path is not Fused.LOOP and slottable(p))
+                flat = not kind.in_place or (self.native and self.path is not Fused.LOOP and slottable(p) and id(p) not in tied)
                 store = self.low if flat and p.numel() >= MIN_LOWBIT else self.dense
                 key = (id(kind), p.device, p.dtype, bool(st.get(p, {}).get('do_wd', True)), flat, id(store))
                 keys.setdefault(key, (kind, flat, store, []))[3].append(p)
@@ -256,9 +257,7 @@ class FusedSteps:
         x,h = v.load(),self.home.get(id(p))
         if h is None or not h[0].flat or not _flat_keys(p, x): return x.to(p.device)
         b,i = h
-        sdt = b.kind.sdtype(b)
-        if x.dtype != sdt and b.store.bits is None: return x.to(p.device)  # another dtype: the next step adopts it
-        b.state_new(k, sdt)
+        b.state_new(k, b.kind.sdtype(b))
         b.store.put(b, k, i, x.to(b.device))
         return b.stv[k][i]
 
