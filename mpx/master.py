@@ -31,6 +31,7 @@ class MasterKind(Kind):
         b.xv,b.gxv = b.views(b.x),b.views(b.gx)
         b.ms = [nn.Parameter(m, requires_grad=False) for m in b.xv]
         b.handed,b.seen = [(m._version, g._version) for m,g in zip(b.ms, b.gxv)],None
+        b.shown = None  # once `learn.parameters()` handed the masters out: the gradient each was last shown with
     def wide(self, b, i, j): return b.part(b.x, i, j),b.part(b.gx, i, j)
     def written(self, b, idx):
         for i in idx: merge_writes(b.xv[i], b.slot(b.w, i))  # the master takes what the write changed
@@ -38,7 +39,9 @@ class MasterKind(Kind):
     def checked(self, b): return [b.gx]
     def grad_of(self, b, i): return b.gxv[i] if b.live[i] else None
     def stepped(self, b, i):
-        m = b.ms[i]; m.grad = b.gxv[i] if b.live[i] else None
+        if b.shown is None: b.shown = [None]*len(b.ms)
+        m = b.ms[i]
+        m.grad = b.shown[i] = b.gxv[i] if b.live[i] else None
         return m
     def kio(self, b, a, c, phase=0): return dict(x=b.part(b.x, a, c), gx=b.part(b.gx, a, c), w=b.part(b.w, a, c)),{}
     @staticmethod
@@ -56,16 +59,34 @@ def take(self:MasterKind, b, fresh:bool):
         b.gxv[i].add_(b.params[i].grad); b.params[i].grad.zero_()
     if b.loose or not fresh: b.g.copy_(b.gx)
     b.seen = [g._version for g in b.gv]  # autograd's own writes (it adds into `p.grad`) are not a callback's
+    if b.shown is None: return
+    for i,(m,g,l) in enumerate(zip(b.ms, b.gxv, b.live)): m.grad = b.shown[i] = g if l else None  # as a backward sets `p.grad`
 
 @patch
 def merge(self:MasterKind, b, exposed:bool=False):
-    "Model gradients a callback wrote since they were shown (their versions moved): taken into the fp32 ones"
+    "Model gradients a callback wrote since they were shown (their versions moved), or assigned to the masters: taken"
+    self._take_assigned(b)
     if exposed: self._show_handed(b)
     now = [g._version for g in b.gv]
     if b.seen is not None and now != b.seen:
         for i,(v,u) in enumerate(zip(now, b.seen)):
             if v != u: merge_writes(b.gxv[i], b.gv[i])
     b.seen = now
+
+@patch
+def _take_assigned(self:MasterKind, b):
+    "Gradients assigned to the masters through `learn.parameters()`: None, not stepped (as fastai's loop skips it); a tensor, taken"
+    if b.shown is None: return  # never handed out
+    for i,(m,s) in enumerate(zip(b.ms, b.shown)):
+        g = m.grad
+        if g is s: continue
+        if g is None: b.live[i] = False
+        else:
+            b.gxv[i].copy_(g)
+            b.slot(b.g, i).copy_(b.gxv[i])  # shown in the model too
+            b.live[i] = True
+        m.grad = b.shown[i] = b.gxv[i] if b.live[i] else None
+        b._grads = None  # the next step asks the model's gradients again
 
 @patch
 def _show_handed(self:MasterKind, b):

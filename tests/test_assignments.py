@@ -3,7 +3,7 @@ in another dtype, non-dense parameters, parameters sharing one storage. Each aga
 the documented refusal, in every mode and fused setting where it applies."""
 from functools import partial
 import pytest, torch
-from fastai.basics import Adam, Callback, nn
+from fastai.basics import Adam, SGD, Callback, nn
 from mpx.all import *
 from mpx.test_utils import tiny_learner, fit_quiet, ALL_MODES, precision_cb, state_of, state_diffs, weights
 from mpx.pure import split_kahan
@@ -113,3 +113,25 @@ def test_storage_sharing_parameters_refused_where_copied(mode):
     with pytest.raises(ValueError, match=r"\['1.w', '1.wt'\] share memory"): fit_quiet(learn)
     assert all(p.dtype == torch.float32 and torch.equal(p, q) for p,q in zip(learn.model.parameters(), before))
     assert learn.model[1].wt.untyped_storage().data_ptr() == learn.model[1].w.untyped_storage().data_ptr()
+
+class AssignMasterGrad(Callback):
+    "In `before_step`, through `learn.parameters()` (the masters in the master mode): the first weight's gradient set to None or a tensor"
+    order = 50
+    def __init__(self, how:str): self.how,self.ps = how,None
+    def before_step(self):
+        if self.ps is None or self.how != 'kept': self.ps = list(self.learn.parameters())  # 'kept': the list of the first step
+        self.ps[0].grad = torch.full_like(self.ps[0], .5) if self.how == 'tensor' else None
+
+@pytest.mark.parametrize('fused', FUSED)
+@pytest.mark.parametrize('how', ['none', 'kept', 'tensor'])
+@pytest.mark.parametrize('mode', ['master_bf16', 'master_fp16', 'amp_bf16', 'pure_kahan'])
+def test_gradient_assigned_through_parameters(mode, how, fused):
+    "`p.grad = None` (not stepped) or `p.grad = t` (stepped with `t`) on what `learn.parameters()` gives, as in plain fastai"
+    def run(m):
+        l = tiny_learner(opt_func=partial(SGD, mom=0.), lr=.1, n_trn=4, cbs=[AssignMasterGrad(how)])
+        if m is not None: ALL_MODES[m](l, fused=fused)
+        fit_quiet(l)
+        return weights(l)[0]
+    got,want = run(mode),run(None)
+    if mode.startswith('master'): assert torch.equal(got, want), (got - want).abs().max()  # the masters are fp32: bit for bit
+    else: assert (got - want).abs().max() < 1e-2  # AMP's and pure bf16's forward rounds; a step taken or not is 0.1 or more
