@@ -674,6 +674,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                              'mpx.patches.Learner._set_precision': ('patches.html#learner._set_precision', 'mpx/patches.py'),
                              'mpx.patches.Learner._with_events': ('patches.html#learner._with_events', 'mpx/patches.py'),
                              'mpx.patches.Learner.add_cb': ('patches.html#learner.add_cb', 'mpx/patches.py'),
+                             'mpx.patches.Learner.add_cbs': ('patches.html#learner.add_cbs', 'mpx/patches.py'),
                              'mpx.patches.Learner.load': ('patches.html#learner.load', 'mpx/patches.py'),
                              'mpx.patches.Learner.remove_cb': ('patches.html#learner.remove_cb', 'mpx/patches.py'),
                              'mpx.patches.Learner.save': ('patches.html#learner.save', 'mpx/patches.py'),
