@@ -129,6 +129,12 @@ def _cast_floats(x, dtype):
     return apply(lambda t: t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t, x)
 
 _in_flight = ('_checked', '_found', '_norms_due', '_epoch_start', '_batch_skipped')  # what a nested fit or validation puts aside
+
+def _check_opt_state(opt_state:str, fused:Fused) -> str:
+    "`opt_state`, or a `ValueError` at the call where `fused` cannot hold it: only the step engine's own steps keep low-bit state"
+    if opt_state == 'fp32' or fused is not Fused.LOOP: return opt_state
+    raise ValueError(f"opt_state={opt_state!r} needs the step engine's own steps, and fused=False steps fastai's loop, which keeps "
+                     "each parameter's state tensors in fp32: pass fused=True or fused='compile' with it, or opt_state='fp32'")
 _no_kernel = ("not implemented for 'Half'", "not implemented for 'BFloat16'", 'could not create a primitive', 'Unsupported dtype')
 _instead = {AMPMode.FP16: 'train in bf16 (learn.to_bf16()) or fp32 (learn.to_fp32()) instead',
             AMPMode.BF16: 'train in fp16 (learn.to_fp16()) or fp32 (learn.to_fp32()) instead'}
@@ -146,7 +152,7 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         opt_state:str='fp32', # The optimizer's state in 'fp32', 'bf16', '8bit' or '4bit' (`mpx.lowbit`)
     ):
         check_args(check_finite=check_finite, schedule_skips=schedule_skips, opt_state=opt_state)
-        self.opt_state = opt_state
+        self.opt_state = _check_opt_state(opt_state, Fused.of(fused))
         self.amp_mode,self.check_finite,self.fused,self.step_log = AMPMode(amp_mode),check_finite,Fused.of(fused),StepLog()
         self.schedule_skips,self._sched_skipped,self._batch_skipped = schedule_skips,0,False
         self.device_type,self.fit_state,self.fused_steps,self.ledger = None,None,None,None
