@@ -121,7 +121,9 @@ def add_cbs(self:Learner, cbs):
     "fastai's `add_cbs`, all or none: when `add_cb` refuses one, those added before it are taken off again"
     n = len(self.cbs)
     try: return _fastai_add_cbs(self, cbs)
-    except BaseException: self.remove_cbs(list(self.cbs[n:])); raise
+    except BaseException:
+        self.remove_cbs(list(self.cbs[n:]))
+        raise
 
 Learner.add_cb._fastai,Learner.remove_cb._fastai,Learner.add_cbs._fastai = _fastai_add_cb,_fastai_remove_cb,_fastai_add_cbs
 

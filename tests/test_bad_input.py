@@ -84,7 +84,8 @@ PATCH_BAD = [
     # low-bit state needs the engine's own steps: refused at the call, the old callback (its scale, its step log) kept
     ('to_bf16', dict(opt_state='8bit', fused=False), ValueError, "opt_state='8bit' needs the step engine's own steps, and fused=False"),
     ('to_fp16', dict(opt_state='4bit', fused=False), ValueError, "opt_state='4bit' needs the step engine's own steps"),
-    ('to_fp16', dict(loss_scale=512, opt_state='bf16', fused=False), ValueError, "pass fused=True or fused='compile' with it, or opt_state='fp32'"),
+    ('to_fp16', dict(loss_scale=512, opt_state='bf16', fused=False), ValueError,
+     "pass fused=True or fused='compile' with it, or opt_state='fp32'"),
     ('to_bf16', dict(pure=True, opt_state='8bit', fused=False), ValueError, "opt_state='8bit' needs the step engine's own steps"),
 ]
 

@@ -140,8 +140,7 @@ def test_bad_input_changes_nothing():
                        (dict(module_filter=3), "module_filter=3 is not callable", TypeError),
                        (dict(fp8_eval='yes'), "fp8_eval='yes' is a str: fp8_eval must be True or False", TypeError),
                        (dict(module_filter=lambda fqn, m: False), 'No layer of this model can run in fp8', ValueError),
-                       (dict(fusd=True), "to_fp8() got an unexpected keyword argument 'fusd' (did you mean 'fused'?): it takes recipe and [",
-                        TypeError),
+                       (dict(fusd=True), "unexpected keyword argument 'fusd' (did you mean 'fused'?): it takes recipe", TypeError),
                        (dict(opt_state='8bit', fused=False), "opt_state='8bit' needs the step engine's own steps, and fused=False steps "
                         "fastai's loop", ValueError)]:
         with pytest.raises(err, match=None) as e: learn.to_fp8(**kw)

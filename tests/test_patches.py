@@ -65,7 +65,7 @@ def test_add_cb_sets_the_named_attribute():
     assert list(inspect.signature(fastai_('remove_cb')).parameters) == ['self', 'cb']
 
 def test_add_cbs_keeps_those_added_before_a_refusal():
-    "fastai's `add_cbs` adds through `add_cb` one at a time and keeps those added before one that fails; `added_cbs` (`fit(cbs=...)`) adds before its `try`."
+    "fastai's `add_cbs` adds one at a time and keeps those added before one that fails; `added_cbs` (`fit(cbs=...)`) adds before its `try`."
     learn,clip = tiny_learner().to_bf16(),GradientClip(1e-4)
     with pytest.raises(ValueError): fastai_('add_cbs')(learn, [clip, fastai_fp16.MixedPrecision()])
     assert clip in learn.cbs
@@ -79,7 +79,8 @@ def test_refused_fit_leaves_none_of_its_cbs():
     with pytest.raises(ValueError, match='already has the precision callback'):
         learn.fit(1, cbs=[GradientClip(1e-4), fastai_fp16.MixedPrecision()])
     assert list(learn.cbs) == before and 'gradient_clip' not in learn.__dict__
-    fit_quiet(learn); fit_quiet(ref)
+    fit_quiet(learn)
+    fit_quiet(ref)
     assert all(torch.equal(a, b) for a,b in zip(learn.model.parameters(), ref.model.parameters()))
 
 def test_save_and_load_go_through_the_optimizers_state_dict(tmp_path):

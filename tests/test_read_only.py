@@ -33,8 +33,8 @@ def _summary(learn):
     "fastai's `summary`, its draw of a batch (which moves the data's RNGs, in plain fastai too) put back"
     with _untouched(learn.dls.train): return learn.summary()
 
-READS = dict(precision_report=lambda l: l.precision_report(), summary=_summary, repr=lambda l: repr(precision_cb(l)),
-             telemetry=telemetry, cb_state_dict=lambda l: precision_cb(l).state_dict(), opt_state_dict=lambda l: l.opt and l.opt.state_dict())
+READS = dict(precision_report=lambda l: l.precision_report(), summary=_summary, repr=lambda l: repr(precision_cb(l)), telemetry=telemetry,
+             cb_state_dict=lambda l: precision_cb(l).state_dict(), opt_state_dict=lambda l: l.opt and l.opt.state_dict())
 MID_FIT = [k for k in READS if k != 'summary']
 
 def hidden(learn) -> dict:

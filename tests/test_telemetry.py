@@ -60,13 +60,16 @@ def test_overflow_scale_and_checkpoint(mode, fused, tmp_path):
 class ReadEachBatch(Callback):
     "Read the telemetry a user would during a fit, after every batch"
     order = 60
-    def after_batch(self): cb = precision_cb(self.learn); self.read = (cb.skipped_steps, cb.overflow_rate, cb.epoch_skipped_steps)
+    def after_batch(self):
+        cb = precision_cb(self.learn)
+        self.read = (cb.skipped_steps, cb.overflow_rate, cb.epoch_skipped_steps)
 
 @pytest.mark.parametrize('reader', ['log_loss_scale', 'each_batch'])
 @pytest.mark.parametrize('fused', FUSED)
 def test_reading_keeps_the_diagnosis(fused, reader):
     "Ten skipped steps in a row at the floor warn once and record the last, whether or not the telemetry is read during the fit."
-    learn = tiny_learner(lr=1e-2, cbs=InjectGrad(at=range(15), names=('2.bias',), micro=True)).to_fp16(loss_scale=512, fused=fused)  # static: the floor
+    inject = InjectGrad(at=range(15), names=('2.bias',), micro=True)
+    learn = tiny_learner(lr=1e-2, cbs=inject).to_fp16(loss_scale=512, fused=fused)  # a static scale: at its floor
     if reader == 'log_loss_scale': learn.log_loss_scale()
     else: learn.add_cb(ReadEachBatch())
     with warnings.catch_warnings(record=True) as ws:
