@@ -49,7 +49,6 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                              'mpx.advisor._restored': ('advisor.html#_restored', 'mpx/advisor.py'),
                              'mpx.advisor._rng_states': ('advisor.html#_rng_states', 'mpx/advisor.py'),
                              'mpx.advisor._set_rng_states': ('advisor.html#_set_rng_states', 'mpx/advisor.py'),
-                             'mpx.advisor._set_versions': ('advisor.html#_set_versions', 'mpx/advisor.py'),
                              'mpx.advisor._step': ('advisor.html#_step', 'mpx/advisor.py'),
                              'mpx.advisor._stepper': ('advisor.html#_stepper', 'mpx/advisor.py'),
                              'mpx.advisor._sync': ('advisor.html#_sync', 'mpx/advisor.py'),

@@ -8,6 +8,7 @@ from fastai.basics import *
 import html, math, random, re, statistics, warnings
 from contextlib import contextmanager, nullcontext
 from copy import copy
+from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from dataclasses import dataclass, field
 from time import perf_counter
 from typing import NamedTuple
@@ -72,11 +73,6 @@ def _kept(o) -> tuple[dict, dict]:
     attrs = dict(vars(o))
     return attrs, {k: copy(v) for k,v in attrs.items() if isinstance(v, (dict, list))}
 
-def _set_versions(ts:list, versions:list):
-    "Put the version counters of tensors `ts` back to `versions`: a counter that moved says the tensor was written"
-    moved = [(t, v) for t,v in zip(ts, versions) if t._version != v]
-    if moved: torch._C._autograd._unsafe_set_version_counter(*zip(*moved))
-
 def _put_back(o, attrs:dict, contents:dict):
     "Give `o` back the attributes and the dict and list contents `_kept` returned, in the same objects"
     for k,c in contents.items():
@@ -92,7 +88,7 @@ def fp32_trial(
     "Inside, `model` runs in fp32 and train mode on `device`, on copies of its tensors, without grads or callbacks' hooks; put back on exit"
     dev,mods,memo = device or model_device(model),list(model.modules()),{}
     kept,params = [_kept(m) for m in mods],[(p, p.data, p.grad) for p in model.parameters()]
-    versions = [p._version for p,_,_ in params]  # a trial step writes the copies in place, and moves these counters
+    versions = [_unsafe_preserve_version_counter(p) for p,_,_ in params]  # a trial step writes the copies in place: it moves them
     try:
         for p,data,_ in params: p.grad = None; p.data = _fp32_copies(data, dev, memo)
         for m,(attrs,_) in zip(mods, kept):
@@ -103,7 +99,7 @@ def fp32_trial(
         yield model.train()
     finally:
         for p,data,grad in params: p.grad = None; p.data = data; p.grad = grad
-        _set_versions([p for p,_,_ in params], versions)
+        for v in versions: v.__exit__(None, None, None)  # each counter as it was
         for m,(attrs,contents) in zip(mods, kept): _put_back(m, attrs, contents)
 
 # %% ../nbs/06_advisor.ipynb #cec42e8c
