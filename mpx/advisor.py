@@ -8,6 +8,7 @@ from fastai.basics import *
 import html, math, random, re, statistics, warnings
 from contextlib import contextmanager, nullcontext
 from copy import copy
+from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from dataclasses import dataclass, field
 from time import perf_counter
 from typing import NamedTuple
@@ -87,6 +88,7 @@ def fp32_trial(
     "Inside, `model` runs in fp32 and train mode on `device`, on copies of its tensors, without grads or callbacks' hooks; put back on exit"
     dev,mods,memo = device or model_device(model),list(model.modules()),{}
     kept,params = [_kept(m) for m in mods],[(p, p.data, p.grad) for p in model.parameters()]
+    versions = [_unsafe_preserve_version_counter(p) for p,_,_ in params]  # a trial step writes the copies in place: it moves them
     try:
         for p,data,_ in params: p.grad = None; p.data = _fp32_copies(data, dev, memo)
         for m,(attrs,_) in zip(mods, kept):
@@ -97,6 +99,7 @@ def fp32_trial(
         yield model.train()
     finally:
         for p,data,grad in params: p.grad = None; p.data = data; p.grad = grad
+        for v in versions: v.__exit__(None, None, None)  # each counter as it was
         for m,(attrs,contents) in zip(mods, kept): _put_back(m, attrs, contents)
 
 # %% ../nbs/06_advisor.ipynb #cec42e8c

@@ -111,8 +111,13 @@ class MixedPrecision(PrecisionCallback):
     # ---- state
     def _scaler_state(self) -> dict:
         "The scaler's state as plain Python values, the hysteresis budget left among them (one host sync)"
-        if self.scaler is None: return self._scaler_state_to_load or {}
+        if self.scaler is None: return self._scaler_state_to_load or self._initial_state()
         return {**self.scaler.state_dict(), 'hysteresis_left': int(self._left.item()) if self._left is not None else self.hysteresis}
+    def _initial_state(self) -> dict:
+        "What a new `GradScaler` says in `state_dict`: before the first fit the state is the same as after a `get_preds` built one"
+        if not self.scaling: return {}
+        return dict(scale=self.init_scale, growth_factor=self.growth_factor, backoff_factor=self.backoff_factor,
+                    growth_interval=self.growth_interval, _growth_tracker=0, hysteresis_left=self.hysteresis)
     def _load_scaler_state(self, sd:dict):
         if self.scaler is not None:
             self.scaler.load_state_dict(sd)

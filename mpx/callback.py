@@ -24,6 +24,8 @@ __all__ = ['ScaleTelemetry', 'check_single_autocast', 'NormStats', 'first_not_fp
 class ScaleTelemetry:
     "Loss-scale telemetry read from `self.step_log`: `skipped_steps`, `total_steps`, `overflow_rate`, `scales`, `plot_loss_scale`"
     last_overflow,warn_after = None,10
+    _lazy_from = None  # the first step whose skip flag stayed on the device (`fused='compile'`) and is not diagnosed yet
+    _at_floor = True  # whether the scale can fall no further (a mode's own where it scales)
     @property
     def skipped_steps(self) -> int: return self.step_log.skipped
     @property
@@ -48,6 +50,12 @@ _hints = {
     AMPMode.BF16: "bf16 has fp32's range, so the model itself produces them: check the data and the loss, or lower the learning rate"}
 
 @patch
+def _record(self:ScaleTelemetry, scale, skipped=False):
+    "Log one optimizer step; a skip flag left on the device (`fused='compile'`) is diagnosed later, by `_settle_overflows`"
+    if isinstance(skipped, Tensor) and self._lazy_from is None: self._lazy_from = self.step_log.total
+    self.step_log.record(scale, skipped)
+
+@patch
 def _on_overflow(self:ScaleTelemetry, named_grads, scale:float, at_floor:bool=True):
     "On a skipped step: record where the gradients first went non-finite; warn once when `warn_after` steps in a row are skipped"
     param,kind = first_nonfinite(named_grads) or (None, 'inf')
@@ -65,14 +73,24 @@ def _warn_if_stuck(self:ScaleTelemetry, skips:list, scale:float, at_floor:bool, 
 
 # %% ../nbs/02_callback.ipynb #cb000008b
 @patch
-def _settle_overflows(self:ScaleTelemetry, scale:float, at_floor:bool=True):
+def _newest_overflow(self:ScaleTelemetry) -> Overflow|None:
+    "`last_overflow`, or the last step skipped on the device since the last diagnosis: what `_settle_overflows` records; changes nothing"
+    start,known = self._lazy_from,self.last_overflow
+    if start is None: return known
+    skips = self.step_log.skips  # one host sync where flags are still on the device
+    last = next((i for i in range(len(skips)-1, start-1, -1) if skips[i]), None)
+    if last is None or (known is not None and known.step >= last): return known
+    return Overflow(last, None, 'inf or nan', self.step_log.scales[last])  # the gradients are gone: which parameter is not known
+
+@patch
+def _settle_overflows(self:ScaleTelemetry):
     "After steps skipped on the device (`fused='compile'`): the last one into `last_overflow`, the warning as `_on_overflow` gives it"
-    if not self.step_log.pending: return
-    skips = self.step_log.skips  # one host sync, at most once an epoch
-    last = next((i for i in range(len(skips)-1, -1, -1) if skips[i]), None)
-    if last is None or (self.last_overflow is not None and self.last_overflow.step >= last): return
-    self.last_overflow = Overflow(last, None, 'inf or nan', scale)  # the gradients are gone: which parameter is not known
-    self._warn_if_stuck(skips, scale, at_floor, " (with fused=True the warning names the first parameter whose gradient went non-finite)")
+    if self._lazy_from is None: return
+    new,self._lazy_from = self._newest_overflow(),None
+    if new is self.last_overflow: return
+    self.last_overflow = new
+    where = " (with fused=True the warning names the first parameter whose gradient went non-finite)"
+    self._warn_if_stuck(self.step_log.skips, new.scale, self._at_floor, where)
 
 # %% ../nbs/02_callback.ipynb #cb000014
 def check_single_autocast(cbs) -> None:
@@ -112,6 +130,12 @@ def _cast_floats(x, dtype):
     return apply(lambda t: t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t, x)
 
 _in_flight = ('_checked', '_found', '_norms_due', '_epoch_start', '_batch_skipped')  # what a nested fit or validation puts aside
+
+def _check_opt_state(opt_state:str, fused:Fused) -> str:
+    "`opt_state`, or a `ValueError` at the call where `fused` cannot hold it: only the step engine's own steps keep low-bit state"
+    if opt_state == 'fp32' or fused is not Fused.LOOP: return opt_state
+    raise ValueError(f"opt_state={opt_state!r} needs the step engine's own steps, and fused=False steps fastai's loop, which keeps "
+                     "each parameter's state tensors in fp32: pass fused=True or fused='compile' with it, or opt_state='fp32'")
 _no_kernel = ("not implemented for 'Half'", "not implemented for 'BFloat16'", 'could not create a primitive', 'Unsupported dtype')
 _instead = {AMPMode.FP16: 'train in bf16 (learn.to_bf16()) or fp32 (learn.to_fp32()) instead',
             AMPMode.BF16: 'train in fp16 (learn.to_fp16()) or fp32 (learn.to_fp32()) instead'}
@@ -150,7 +174,7 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         opt_state:str='fp32', # The optimizer's state in 'fp32', 'bf16', '8bit' or '4bit' (`mpx.lowbit`)
     ):
         check_args(check_finite=check_finite, schedule_skips=schedule_skips, opt_state=opt_state)
-        self.opt_state = opt_state
+        self.opt_state = _check_opt_state(opt_state, Fused.of(fused))
         self.amp_mode,self.check_finite,self.fused,self.step_log = AMPMode(amp_mode),check_finite,Fused.of(fused),StepLog()
         self.schedule_skips,self._sched_skipped,self._batch_skipped = schedule_skips,0,False
         self.device_type,self.fit_state,self.fused_steps,self.ledger = None,None,None,None
@@ -271,7 +295,7 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         else: self._rest()
     def before_epoch(self): self._epoch_start = self.step_log.total
     def after_epoch(self):
-        if self.step_log.pending: self._settle_overflows(self.loss_scale, self._at_floor)
+        self._settle_overflows()  # compiled: the epoch's skips diagnosed, once
         if self.fused_steps is not None: self.fused_steps.steps_to_host()  # compiled: the device's counts, once an epoch
     def before_train(self):
         "fastai sets `pct_train` from the epoch at each epoch's start: the steps skipped so far come off at its first batch"
@@ -321,7 +345,7 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         "Leave autocast, settle a checked step's scale update, end the mode's fit: what `after_fit` does, safe to repeat"
         try: self._end_forward(); self._close_step()
         finally: self._end_fit()  # whatever failed before, the fit is undone
-        if self.step_log.pending: self._settle_overflows(self.loss_scale, self._at_floor)
+        self._settle_overflows()
         self._autocast,self._loss_autocast,self._norms,self._outer = None,None,None,None
     def _nest(self):
         "Begin a fit or validation nested in the one under way: put aside what the outer one has in flight"
@@ -385,11 +409,11 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         "Unscale and check the gradients in one fused pass and skip a step that holds inf/nan: one host sync, or none on the device"
         self._norms_due = True
         self._restart_if_stale()
-        if not self.checking: return self.step_log.record(1.0)
+        if not self.checking: return self._record(1.0)
         lazy = self._on_device()
         scale,self._found = self._unscale_and_find_overflow(lazy)
         self._checked = True
-        self.step_log.record(scale, skipped=self._found)
+        self._record(scale, skipped=self._found)
         if lazy: return self._skip_on_device(self._found)
         self._batch_skipped = self._found
         if self._found: self._skip(scale)
@@ -450,11 +474,15 @@ class PrecisionCallback(Callback, ScaleTelemetry):
 
     # ---- state
     def state_dict(self) -> dict:
-        "The scaler's state, the step log, and the steps the schedule has not counted, as plain Python values"
-        return dict(scaler=self._scaler_state(), log=self.step_log.state_dict(), sched_skipped=self._sched_skipped)
+        "The scaler's state, the step log, its last overflow and the steps the schedule has not counted, as plain Python values"
+        last = self._newest_overflow()
+        return dict(scaler=self._scaler_state(), log=self.step_log.state_dict(), sched_skipped=self._sched_skipped,
+                    last_overflow=None if last is None else last._asdict())
     def load_state_dict(self, sd:dict):
         "Restore what `state_dict` returned; a checkpoint without a scaler state starts the scale afresh"
         self.step_log.load_state_dict(sd['log'])
+        last = sd.get('last_overflow')  # the log's own: `lr_find` loads the log of before its trial steps
+        self.last_overflow,self._lazy_from = (None if last is None else Overflow(**last)),None
         self._sched_skipped = sd.get('sched_skipped', 0)
         if sd['scaler']: self._load_scaler_state(sd['scaler'])
         else: self.reset_scaler()

@@ -4,7 +4,7 @@
 
 # %% ../nbs/00_core.ipynb #d4140f72
 from __future__ import annotations
-import itertools, math, numbers
+import difflib, itertools, math, numbers
 from collections import defaultdict
 from enum import Enum
 import torch
@@ -13,8 +13,8 @@ from fastai.torch_core import apply
 
 # %% auto #0
 __all__ = ['MODE_ARGS', 'AMPMode', 'model_device', 'training_device', 'autocast_device_type', 'check_amp_support', 'to_float32',
-           'stored_values', 'unscale_and_find_inf_', 'has_inf_or_nan', 'check_args', 'Fused', 'default', 'passed',
-           'mode_args', 'check_mode_args']
+           'stored_values', 'unscale_and_find_inf_', 'has_inf_or_nan', 'check_args', 'check_known', 'Fused', 'default',
+           'passed', 'mode_args', 'check_mode_args']
 
 # %% ../nbs/00_core.ipynb #9dc79e19
 _dtype2mode = {torch.float16: 'fp16', torch.bfloat16: 'bf16'}
@@ -151,6 +151,18 @@ def check_args(**kwargs) -> None:
         if not ok(v): raise ValueError(f"{k}={v!r} is {'not allowed' if isinstance(v, str) else 'out of range'}: {k} must be {allowed}")
     if kwargs.get('min_scale', 0) > kwargs.get('max_scale', math.inf):
         raise ValueError(f"min_scale={kwargs['min_scale']!r} > max_scale={kwargs['max_scale']!r}: min_scale must be <= max_scale")
+
+# %% ../nbs/00_core.ipynb #e805bdd5
+def check_known(call:str, # the call's name, as the user wrote it: 'to_fp8'
+                kwargs:dict, known, # the keywords passed, and those `call` takes
+                before:str=''): # what the message lists before `known` ('recipe and ')
+    "Raise a `TypeError` naming the first keyword in `kwargs` that `call` does not take, a close match, and those it takes"
+    known = sorted(known)
+    for k in kwargs:
+        if k in known: continue
+        close = difflib.get_close_matches(k, known, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ''
+        raise TypeError(f"{call}() got an unexpected keyword argument {k!r}{hint}: it takes {before}{known}")
 
 # %% ../nbs/00_core.ipynb #fu000002
 class Fused(str, Enum):

@@ -37,8 +37,14 @@ _refused = dict(
              "learn.to_bf16(): FSDP2 all-gathers and computes in bf16 from fp32 shards",
     FP8Precision="Float8Linear under FSDP2 needs torchao's fp8 all-gather, which mpx does not set up. Train in bf16 with learn.to_bf16()")
 
+_lowbit = ("mpx's low-bit optimizer state is not built for DTensor shards, which would be stepped with fp32 state all the same. "
+           "Sharded training takes opt_state='fp32' (the default): switch with learn.to_bf16() or learn.to_fp16(), master=True or not, "
+           "without opt_state, before to_fsdp()")
+
 def fsdp_policy(cb:Callback|None) -> MixedPrecisionPolicy:
     "FSDP2's `MixedPrecisionPolicy` for precision callback `cb` (None: fp32): 16-bit parameters for AMP and master, fp32 reductions"
+    if getattr(cb, 'opt_state', 'fp32') != 'fp32':
+        raise ValueError(f"{type(cb).__name__}(opt_state={cb.opt_state!r}) cannot train a model sharded with FSDP2: {_lowbit}")
     if cb is None or (isinstance(cb, MixedPrecision) and not cb.enabled): return _fp32
     if isinstance(cb, (MixedPrecision, MasterPrecision)): return MixedPrecisionPolicy(cb.amp_mode.dtype, reduce_dtype=torch.float32)
     why = _refused.get(type(cb).__name__, 'train with learn.to_fp16() or learn.to_bf16()')

@@ -285,4 +285,5 @@ class FP8Precision(PrecisionCallback):
 @delegates(FP8Precision)
 def to_fp8(self:Learner, recipe:str='tensorwise', **kwargs):
     "fp8 training: bf16 autocast, and fp8 matmuls (torchao's `Float8Linear`) in the `nn.Linear` layers that can take them, during each fit"
+    check_known('to_fp8', kwargs, list(inspect.signature(FP8Precision).parameters)[1:], 'recipe and ')  # as to_fp16 and to_bf16 say it
     return self._set_precision(FP8Precision(recipe, **kwargs)._ready(self))

@@ -4,7 +4,6 @@
 
 # %% ../nbs/07_learner.ipynb #f136417a
 from __future__ import annotations
-import difflib
 from fastai.basics import *
 from .core import *
 from .scaler import *
@@ -28,13 +27,8 @@ def _only(cb:str, kwargs:dict) -> list:
 
 def _check_known(mode:AMPMode, kwargs:dict):
     "Raise a `TypeError` naming a keyword no precision callback takes, a close match, and the allowed ones"
-    known = sorted(k for k,takes in MODE_ARGS.items() if mode is AMPMode.BF16 or set(takes) != {'pure'})
-    for k in kwargs:
-        if k in known: continue
-        close = difflib.get_close_matches(k, known, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ''
-        raise TypeError(f"to_{mode}() got an unexpected keyword argument {k!r}{hint}: "
-                        f"it takes master, {'pure, ' * (mode is AMPMode.BF16)}and {known}")
+    known = [k for k,takes in MODE_ARGS.items() if mode is AMPMode.BF16 or set(takes) != {'pure'}]
+    check_known(f'to_{mode}', kwargs, known, f"master, {'pure, ' * (mode is AMPMode.BF16)}and ")
 
 def _check_pure_mode(mode:AMPMode, pure:bool, kwargs:dict):
     "Raise a `ValueError` when fp16 is asked for pure training (`pure=True`, `update`, `seed`): pure training is bf16 only"

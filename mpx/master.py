@@ -124,6 +124,12 @@ def restore(self:MasterKind, b, grads:dict):
     b._grads,b.seen = None,[g._version for g in b.gv]
 
 # %% ../nbs/04_master.ipynb #8802bdff
+class _LoadHook:
+    "`MasterCopies`' load pre-hook: a copy or a pickle of the model (an EMA's, say) gets one that does nothing, not the fit"
+    def __init__(self, f): self.f = f
+    def __call__(self, *args): return self.f(*args)
+    def __reduce__(self): return (_LoadHook, (noop,))
+
 class MasterCopies(FitState):
     "A master fit's half model: the optimizer's halvable parameters stepped through fp32 masters, the rest halved exactly"
     def __init__(self,
@@ -133,8 +139,19 @@ class MasterCopies(FitState):
         halved,ours = halvable(learn.model),{id(p) for p in opt_params(learn.opt)}
         self.halves,self.kind,self.plain = {id(t) for t in halved},MasterKind(dtype),Kind()
         self.rest = HalvedRest([t for t in halved if id(t) not in ours], dtype)
+        owners = [m for m in learn.model.modules() if any(id(p) in self.halves for p in m.parameters(recurse=False))]
+        self.hooks = [m.register_load_state_dict_pre_hook(_LoadHook(self._load_masters)) for m in owners]
     def kind_of(self, p) -> Kind: return self.kind if id(p) in self.halves else self.plain
-    def undo(self): self.rest.undo()
+    def undo(self):
+        for h in self.hooks: h.remove()
+        self.rest.undo()
+    def _load_masters(self, module, state_dict, prefix, *args):
+        "`module.load_state_dict` mid-fit: the values it loads go into the masters whole, not only their half rounding"
+        homes = getattr(self.engine, 'home', {})
+        for n,p in module.named_parameters(recurse=False):
+            v,home = state_dict.get(prefix + n),homes.get(id(p))
+            if isinstance(v, Tensor) and v.shape == p.shape and home is not None and home[0].kind is self.kind:
+                with torch.no_grad(): home[0].xv[home[1]].copy_(v)  # the model's half weight then rounds it: merged, it changes nothing
 
     @property
     def params(self) -> list:

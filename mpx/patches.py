@@ -116,7 +116,18 @@ def remove_cb(self:Learner, cb):
     if not isinstance(cb, type) and self.__dict__.get('mixed_precision') is cb: del self.__dict__['mixed_precision']
     return _fastai_remove_cb(self, cb)
 
-Learner.add_cb._fastai,Learner.remove_cb._fastai = _fastai_add_cb,_fastai_remove_cb
+_fastai_add_cbs = getattr(Learner.add_cbs, '_fastai', Learner.add_cbs)
+
+@patch
+def add_cbs(self:Learner, cbs):
+    "fastai's `add_cbs`, all or none: when `add_cb` refuses one, those added before it are taken off again"
+    n = len(self.cbs)
+    try: return _fastai_add_cbs(self, cbs)
+    except BaseException:
+        self.remove_cbs(list(self.cbs[n:]))
+        raise
+
+Learner.add_cb._fastai,Learner.remove_cb._fastai,Learner.add_cbs._fastai = _fastai_add_cb,_fastai_remove_cb,_fastai_add_cbs
 
 # %% ../nbs/01c_patches.ipynb #123e880b
 def _float_(model:nn.Module):

@@ -183,6 +183,20 @@ def fsdp_lr_find(path):
     fit(learn, 4, 'fit_one_cycle', cbs=ValidateInside())
     return dict(restored=before == after, same_opt=same_opt, weights=full_weights(learn), files=sorted(os.listdir(path/'models')))
 
+def fsdp_opt_state(path):
+    "A sharded learner switched to low-bit optimizer state: its fit refused before anything changes; switched back, it trains"
+    learn = shard(learner(path, lambda l: l.to_bf16(), Adam))
+    fit(learn, 2)
+    before,state = full_weights(learn),opt_state(learn)
+    learn.to_bf16(opt_state='8bit')
+    err = None
+    try: fit(learn, 2)
+    except ValueError as e: err = str(e)
+    unchanged = full_weights(learn) == before and opt_state(learn) == state
+    fit(learn.to_bf16(), 2)
+    kinds = sorted({f'{type(v).__name__} {v.dtype}' for s in learn.opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)})
+    return dict(err=err, unchanged=unchanged, steps=learn.mixed_precision.total_steps, state=kinds)
+
 def ckpt(l): return l.to_fp16(init_scale=2.**8, growth_interval=3)
 
 def fsdp_ckpt(path):
@@ -203,7 +217,8 @@ def one_ckpt(path):
 
 CASES = dict(ddp_fp32=ddp_fp32, ddp_master=ddp_master, ddp_pure=ddp_pure, ddp_bf16=ddp_bf16, ddp_fp16=ddp_fp16, ddp_fp16_sum=ddp_fp16_sum,
              ddp_fp32_sum=ddp_fp32_sum, ddp_lifecycle=ddp_lifecycle, fsdp_bf16=fsdp_bf16, fsdp_fp16=fsdp_fp16, fsdp_master=fsdp_master,
-             fsdp_master_bf16=fsdp_master_bf16, fsdp_opts=fsdp_opts, fsdp_lr_find=fsdp_lr_find, fsdp_ckpt=fsdp_ckpt, one_ckpt=one_ckpt)
+             fsdp_master_bf16=fsdp_master_bf16, fsdp_opts=fsdp_opts, fsdp_lr_find=fsdp_lr_find, fsdp_ckpt=fsdp_ckpt, one_ckpt=one_ckpt,
+             fsdp_opt_state=fsdp_opt_state)
 
 def main(out, *cases):
     for case in cases:

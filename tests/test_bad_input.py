@@ -81,6 +81,12 @@ PATCH_BAD = [
     ('to_fp16', dict(enabled=False, hysteresis=2), ValueError, 'hysteresis=2 has no effect with enabled=False'),
     ('to_bf16', dict(schedule_skips='no'), TypeError, "schedule_skips='no' is a str"),
     ('to_bf16', dict(check_finite=False, schedule_skips=False), ValueError, 'schedule_skips=False has no effect with check_finite=False'),
+    # low-bit state needs the engine's own steps: refused at the call, the old callback (its scale, its step log) kept
+    ('to_bf16', dict(opt_state='8bit', fused=False), ValueError, "opt_state='8bit' needs the step engine's own steps, and fused=False"),
+    ('to_fp16', dict(opt_state='4bit', fused=False), ValueError, "opt_state='4bit' needs the step engine's own steps"),
+    ('to_fp16', dict(loss_scale=512, opt_state='bf16', fused=False), ValueError,
+     "pass fused=True or fused='compile' with it, or opt_state='fp32'"),
+    ('to_bf16', dict(pure=True, opt_state='8bit', fused=False), ValueError, "opt_state='8bit' needs the step engine's own steps"),
 ]
 
 @pytest.mark.parametrize('patch,kwargs,exc,msg', PATCH_BAD, ids=[f'{p}:{k}' for p,k,*_ in PATCH_BAD])

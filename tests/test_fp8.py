@@ -139,7 +139,10 @@ def test_bad_input_changes_nothing():
     for kw,msg,err in [(dict(recipe='delayed'), f"Unknown fp8 recipe 'delayed': torchao offers {recipes}", ValueError),
                        (dict(module_filter=3), "module_filter=3 is not callable", TypeError),
                        (dict(fp8_eval='yes'), "fp8_eval='yes' is a str: fp8_eval must be True or False", TypeError),
-                       (dict(module_filter=lambda fqn, m: False), 'No layer of this model can run in fp8', ValueError)]:
+                       (dict(module_filter=lambda fqn, m: False), 'No layer of this model can run in fp8', ValueError),
+                       (dict(fusd=True), "unexpected keyword argument 'fusd' (did you mean 'fused'?): it takes recipe", TypeError),
+                       (dict(opt_state='8bit', fused=False), "opt_state='8bit' needs the step engine's own steps, and fused=False steps "
+                        "fastai's loop", ValueError)]:
         with pytest.raises(err, match=None) as e: learn.to_fp8(**kw)
         assert msg in str(e.value), str(e.value)
         assert type(learn.mixed_precision) is MixedPrecision and len([c for c in learn.cbs if is_mpx_precision(c)]) == 1

@@ -189,12 +189,11 @@ def test_small_tensors_stay_fp32():
 class MyOpt(Optimizer):
     def step(self, closure=None): super().step()
 
-REFUSED = [(dict(fused=False), "fused=False steps fastai's loop"),
-           (dict(opt_func=lambda ps, **kw: OptimWrapper(ps, opt=torch.optim.AdamW, **kw)), 'OptimWrapper'),
+REFUSED = [(dict(opt_func=lambda ps, **kw: OptimWrapper(ps, opt=torch.optim.AdamW, **kw)), 'OptimWrapper'),
            (dict(opt_func=lambda ps, **kw: MyOpt(ps, [sgd_step], **kw)), 'overrides Optimizer.step'),
            (dict(opt_func=lambda ps, **kw: Optimizer(ps, [sgd_step, lambda p, **k: None], **kw)), "a step function is not fastai's own")]
 
-@pytest.mark.parametrize('kw,why', REFUSED, ids=['loop', 'torch', 'subclass', 'user_fn'])
+@pytest.mark.parametrize('kw,why', REFUSED, ids=['torch', 'subclass', 'user_fn'])
 def test_refused_before_the_fit(kw, why):
     "What cannot hold low-bit state is refused before the fit changes anything, with the reason."
     learn = tiny_learner(model=wide, lr=1e-2, n_trn=2, **{k: v for k,v in kw.items() if k == 'opt_func'})
@@ -202,6 +201,16 @@ def test_refused_before_the_fit(kw, why):
     w = weights(learn)
     with pytest.raises(ValueError, match=why.replace('(', r'\(')): fit_quiet(learn)
     assert all(torch.equal(a, b) for a,b in zip(w, weights(learn))) and {p.dtype for p in learn.model.parameters()} == {torch.float32}
+
+def test_loop_refused_at_the_call():
+    "`fused=False` (fastai's loop, fp32 state) with low-bit state is refused at the call: the learner keeps its callback, scale and log."
+    learn = fit_quiet(tiny_learner(model=wide, lr=1e-2, n_trn=2).to_fp16(loss_scale=64., opt_state='8bit'))
+    cb,sd = precision_cb(learn),precision_cb(learn).state_dict()
+    for to in (lambda: learn.to_bf16(opt_state='8bit', fused=False), lambda: learn.to_bf16(pure=True, opt_state='4bit', fused=False),
+               lambda: learn.to_fp16(opt_state='bf16', fused=False)):
+        with pytest.raises(ValueError, match="needs the step engine's own steps, and fused=False steps fastai's loop"): to()
+        assert precision_cb(learn) is cb and cb.state_dict() == sd
+    assert precision_cb(fit_quiet(learn)).total_steps == 4
 
 @pytest.mark.parametrize('bad,exc,msg', [('3bit', ValueError, "opt_state='3bit' is not allowed: opt_state must be 'fp32', 'bf16', '8bit' or '4bit'"),
                                          (8, TypeError, "opt_state=8 is a int: opt_state must be")])

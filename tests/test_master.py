@@ -162,3 +162,48 @@ def test_cancel_batch_after_check():
             if self.i == 3: raise CancelBatchException()
     mp = fit_quiet(tiny_learner(lr=1e-2, cbs=[MasterPrecision(loss_scale=8., dynamic=True, growth_interval=2), CancelAt()])).master_precision
     assert mp.total_steps == 10 and mp.scales == [8., 8., 16., 16., 32., 32., 64., 64., 128., 128.]
+
+class LoadAt(Callback):
+    "At training batch `at`, `learn.model.load_state_dict(weights)`, or of the model's own weights then (`weights=None`: exact in half)"
+    order = 60
+    def __init__(self, weights, at): self.weights,self.at,self.n = weights,at,0
+    def before_batch(self):
+        if not self.training or self.n != self.at: return
+        if self.weights is None: self.weights = {k: v.float().clone() for k,v in self.learn.model.state_dict().items()}
+        self.learn.model.load_state_dict(self.weights)
+    def after_batch(self):
+        if self.training: self.n += 1
+
+COMPILE = pytest.param('compile', marks=pytest.mark.compiled)
+
+@pytest.mark.parametrize('fused', [False, True, COMPILE])
+@pytest.mark.parametrize('exact', [True, False], ids=['half_exact', 'any_fp32'])
+@pytest.mark.parametrize('mode', ['fp16', 'bf16'])
+def test_load_state_dict_mid_fit_is_a_fresh_start(mode, exact, fused):
+    """`learn.model.load_state_dict(w)` at the start of a fit's second epoch: that epoch is, bit for bit, one fit from `w` (stateless SGD,
+    a fixed learning rate, the data unshuffled). `w` exact in half (the model's own weights then), or any fp32 weights."""
+    def learner(cbs=None):
+        learn = tiny_learner(n_trn=4, lr=1e-2, opt_func=partial(SGD, mom=0.), cbs=cbs)
+        learn.dls.train.shuffle = False
+        return learn.to_fp16(loss_scale=512, fused=fused) if mode == 'fp16' else learn.to_bf16(master=True, fused=fused)
+    g = torch.Generator().manual_seed(1)
+    given = None if exact else {k: v + .3*torch.randn(v.shape, generator=g) for k,v in tiny_learner().model.state_dict().items()}
+    load = LoadAt(given, at=4)
+    got = weights(fit_quiet(learner(load), 2))
+    fresh = learner()
+    fresh.model.load_state_dict(load.weights)
+    assert all(torch.equal(a, b) for a,b in zip(got, weights(fit_quiet(fresh))))
+
+def test_model_copied_mid_fit_holds_no_fit():
+    "A copy of the half model made mid-fit (an EMA's) carries no part of the fit: its load hook does nothing, the masters stay as they are."
+    import copy, pickle
+    class Copy(Callback):
+        order = 60
+        def after_step(self):
+            if hasattr(self, 'ok'): return
+            cb,m = self.learn.master_precision,copy.deepcopy(self.learn.model)
+            masters = [t.clone() for t in cb.masters.masters]
+            m.load_state_dict({k: torch.zeros_like(v) for k,v in m.state_dict().items()})
+            self.ok = all(torch.equal(a, b) for a,b in zip(masters, cb.masters.masters)) and len(pickle.dumps(m)) < 5000
+    learn = tiny_learner(cbs=Copy()).to_bf16(master=True)
+    assert fit_quiet(learn).copy.ok

@@ -4,6 +4,7 @@ import json
 import pytest, torch
 from fastai.basics import first
 from mpx.all import *
+from mpx.test_utils import tiny_learner
 import parallel_worker as pw
 from torchrun import launch
 
@@ -88,6 +89,22 @@ def test_fsdp_lr_find_and_fit_one_cycle(runs):
     r0,r1 = runs['two']['fsdp_lr_find']
     assert r0['restored'] and r1['restored'] and r0['same_opt'] and r1['same_opt'] and r0['files'] == r1['files'] == []
     assert r0['weights'] == r1['weights'] and close(r0['weights'], runs['one']['fsdp_lr_find']['weights'], TOL['bf16'])
+
+def test_fsdp_refuses_lowbit_state(runs):
+    "A sharded learner switched to low-bit state: its fit is refused, naming opt_state, before anything changes; back in fp32 it trains."
+    for r in runs['two']['fsdp_opt_state']:
+        assert "MixedPrecision(opt_state='8bit') cannot train a model sharded with FSDP2" in r['err'] and r['unchanged']
+        assert r['steps'] == 2 and r['state'] == ['DTensor torch.float32']
+
+@pytest.mark.parametrize('to', [lambda l: l.to_bf16(opt_state='8bit'), lambda l: l.to_fp16(loss_scale=512, opt_state='8bit')],
+                         ids=['amp', 'master'])
+def test_to_fsdp_refuses_lowbit_state(to):
+    "`to_fsdp()` with low-bit optimizer state raises, naming it and what is allowed, before it joins a process group or shards anything."
+    learn = to(tiny_learner())
+    cbs,ps = list(learn.cbs),list(learn.model.parameters())
+    with pytest.raises(ValueError, match=r"\(opt_state='8bit'\) cannot train a model sharded with FSDP2.*takes opt_state='fp32'"):
+        learn.to_fsdp()
+    assert list(learn.cbs) == cbs and list(learn.model.parameters()) == ps and not any(hasattr(p, 'device_mesh') for p in ps)
 
 def test_checkpoint_one_process_to_two(runs):
     "A 1-process checkpoint loads into a sharded learner on each rank: the same weights, Adam state and loss scale."

@@ -6,13 +6,15 @@ from fastai.basics import Learner, Callback, ContextManagers, noop, save_model, 
 import fastai.learner
 from mpx.all import *
 import mpx.patches as patches
-from mpx.test_utils import tiny_learner
+from mpx.test_utils import tiny_learner, fit_quiet
+from fastai.callback.training import GradientClip
+import fastai.callback.fp16 as fastai_fp16
 
 fastai_ = lambda name: getattr(getattr(Learner, name), '_fastai')
 
 def test_every_patch_keeps_fastais_original():
     "Each patched method keeps fastai's original on `_fastai` (fastcore's on `_fastcore`), so a reload wraps nothing twice."
-    for name in ('_with_events', '__enter__', 'add_cb', 'remove_cb', 'save', 'load'):
+    for name in ('_with_events', '__enter__', 'add_cb', 'remove_cb', 'add_cbs', 'save', 'load'):
         orig = fastai_(name)
         assert orig.__module__.startswith('fastai'), (name, orig.__module__)
     assert ContextManagers.__enter__._fastcore.__module__.startswith('fastcore')
@@ -61,6 +63,25 @@ def test_add_cb_sets_the_named_attribute():
     assert cb.learn is learn and getattr(learn, cb.name) is cb
     assert 'mixed_precision' in inspect.getsource(fastai.learner.load_learner)
     assert list(inspect.signature(fastai_('remove_cb')).parameters) == ['self', 'cb']
+
+def test_add_cbs_keeps_those_added_before_a_refusal():
+    "fastai's `add_cbs` adds one at a time and keeps those added before one that fails; `added_cbs` (`fit(cbs=...)`) adds before its `try`."
+    learn,clip = tiny_learner().to_bf16(),GradientClip(1e-4)
+    with pytest.raises(ValueError): fastai_('add_cbs')(learn, [clip, fastai_fp16.MixedPrecision()])
+    assert clip in learn.cbs
+    src = inspect.getsource(Learner.added_cbs)
+    assert src.index('self.add_cbs(cbs)') < src.index('try:')
+
+def test_refused_fit_leaves_none_of_its_cbs():
+    "A fit refused for one of its `cbs` (a second precision callback) leaves none of them on the learner: the next fit does not clip."
+    learn,ref = tiny_learner(lr=1e-2).to_bf16(),tiny_learner(lr=1e-2).to_bf16()
+    before = list(learn.cbs)
+    with pytest.raises(ValueError, match='already has the precision callback'):
+        learn.fit(1, cbs=[GradientClip(1e-4), fastai_fp16.MixedPrecision()])
+    assert list(learn.cbs) == before and 'gradient_clip' not in learn.__dict__
+    fit_quiet(learn)
+    fit_quiet(ref)
+    assert all(torch.equal(a, b) for a,b in zip(learn.model.parameters(), ref.model.parameters()))
 
 def test_save_and_load_go_through_the_optimizers_state_dict(tmp_path):
     "`save_model` writes `opt.state_dict()` and `load_model` reads it back through `opt.load_state_dict`: where the loss scale rides."
