@@ -130,6 +130,7 @@ def _cast_floats(x, dtype):
     return apply(lambda t: t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t, x)
 
 _in_flight = ('_checked', '_found', '_norms_due', '_epoch_start', '_batch_skipped')  # what a nested fit or validation puts aside
+_not_pickled = ('ledger', 'fit_state', 'fused_steps', '_autocast', '_loss_autocast', '_entered', '_norms', '_outer')  # a fit's
 
 def _check_opt_state(opt_state:str, fused:Fused) -> str:
     "`opt_state`, or a `ValueError` at the call where `fused` cannot hold it: only the step engine's own steps keep low-bit state"
@@ -143,7 +144,8 @@ _instead = {AMPMode.FP16: 'train in bf16 (learn.to_bf16()) or fp32 (learn.to_fp3
 # %% ../nbs/02_callback.ipynb #91fae438
 class LoadsInto:
     "`model.load_state_dict` into a layout a fit holds (a bf16 weight, its compensation): each value held as a fit from it holds it"
-    def __init__(self, cb): self.cb,self.pending = weakref.ref(cb),[]  # the model's hooks hold this: no strong pointer to the callback
+    def __init__(self, cb=None): self.cb,self.pending = (weakref.ref(cb) if cb is not None else noop),[]  # no strong pointer back
+    def __reduce__(self): return LoadsInto,()  # a copy of the model (an export mid-fit, an EMA copy) gets hooks that do nothing
     def hook(self, model:nn.Module, ledger):
         "Hook `model`'s `load_state_dict`, until `ledger` closes"
         for h in (model.register_load_state_dict_pre_hook(self.pre), model.register_load_state_dict_post_hook(self.post)):
@@ -327,7 +329,7 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         except BaseException:
             self._finish()
             raise
-        if self.step_log.pending: self._settle_overflows(self.loss_scale, self._at_floor)
+        self._settle_overflows()
         self.fused_steps.rest()
         self._autocast,self._loss_autocast,self._norms,self._outer = None,None,None,None
     def _restart_if_stale(self) -> bool:
@@ -460,6 +462,26 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         "Model tensor `t`, held otherwise by the fit, takes fp32 value `x`; False where `t` is itself"
         if self.fused_steps is not None and self.fused_steps.assign(t, x): return True
         return self.fit_state is not None and self.fit_state.assign(t, x)
+    @contextlib.contextmanager
+    def fp32_model(self):
+        "While inside, each model tensor the layout holds otherwise holds its fp32 value (an `export` pickles them), gradients aside"
+        ts = [t for t in get_model(self.model).state_dict(keep_vars=True).values()
+              if isinstance(t, Tensor) and self._fp32_of(t) is not None]
+        vals = [self.fp32_value(t) for t in ts]  # all read before any is swapped: a swap would read as a write to the engine
+        held = [(t, t.data, t.grad) for t in ts]
+        try:
+            for t,v in zip(ts, vals):
+                t.grad = None  # a half gradient cannot stay on an fp32 tensor; `export` pickles none
+                t.data = v
+            del vals
+            yield
+        finally:
+            for t,d,g in held:
+                t.data = d
+                t.grad = g
+    def __getstate__(self):
+        "What `export` pickles: the settings and telemetry, not a fit's (or a layout kept's) engine, ledger and fit state"
+        return {**self.__dict__, **{k: None for k in _not_pickled}}
     def load_fp32_model_state(self, sd:dict, strict:bool=True) -> bool:
         "A streamed checkpoint's model state (`Stored`) into the layout kept, a tensor at a time; False, changing nothing, if it cannot"
         ts = get_model(self.model).state_dict(keep_vars=True)

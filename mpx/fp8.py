@@ -275,7 +275,7 @@ class FP8Precision(PrecisionCallback):
 
     def __getstate__(self):
         "What `export` pickles: a `module_filter` that cannot be pickled is left out, and the loaded callback's first fit says so"
-        d = dict(self.__dict__)
+        d = super().__getstate__()
         try: pickle.dumps(self.module_filter)
         except Exception: d['module_filter'],d['_lost_filter'] = None,repr(self.module_filter)  # `export` hides warnings: next fit warns
         return d

@@ -10,7 +10,7 @@ import fastai
 from fastai.basics import *
 from fastai.learner import save_model, load_model
 import fastai.callback.fp16 as fastai_fp16
-import pickle
+import pickle, cloudpickle
 from .parallel import is_sharded, save_sharded, load_sharded
 from .plumbing import Ledger, save_streamed, load_streamed, read_stored
 
@@ -247,7 +247,21 @@ _fastai_export = getattr(Learner.export, '_fastai', Learner.export)
 
 @patch
 def export(self:Learner, fname='export.pkl', **kwargs):
-    "fastai's `export`, of the fp32 model: a fit under way, or a layout kept between fits, suspended around it"
+    "fastai's `export`, of the fp32 model: a fit under way suspended around it; a layout kept, its fp32 values shown while pickled"
+    kept = _kept_layout(self)
+    if kept: return _export_kept(self, kept[0], fname, **kwargs)
     with _suspended(self): return _fastai_export(self, fname, **kwargs)
+
+def _export_kept(learn:Learner, cb, fname='export.pkl', pickle_module=cloudpickle, pickle_protocol:int=2):
+    "fastai's `export` of a layout kept: the fp32 values in the model while it is pickled, the optimizer (and its layout) kept"
+    if rank_distrib(): return
+    learn._end_cleanup()
+    dls,opt = learn.dls,learn.opt
+    learn.dls,learn.opt = dls.new_empty(),None  # as fastai's: the optimizer is not exported; it is given back, not made again
+    try:
+        with cb.fp32_model(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.save(learn, learn.path/fname, pickle_module=pickle_module, pickle_protocol=pickle_protocol)
+    finally: learn.dls,learn.opt = dls,opt
 
 Learner.export._fastai = _fastai_export

@@ -124,8 +124,16 @@ class KahanKind(BF16Kind):
     "bf16 weights with a bf16 Kahan compensation each: stepped as `w + c`, split back canonically"
     def split(self, b, x):
         b.c = b.zeros(torch.bfloat16); b.cv = b.views(b.c)
-        fold_kahan([x], [b.w], [b.c])
-    def assign(self, b, i, x): fold_kahan([x], [b.slot(b.w, i)], [b.cv[i]])
+        self._fold_whole(b, x, b.w, b.c)
+    def assign(self, b, i, x):
+        w,c = b.slot(b.w, i),b.cv[i]
+        if w.is_contiguous(): self._fold_whole(b, x.reshape(-1), w.view(-1), c.view(-1))
+        else: fold_kahan([x], [w], [c])  # another order of its elements (transposed): whole
+    def _fold_whole(self, b, x, w, c, chunk:int=1<<20):
+        "`fold_kahan` of flat `x` into `w` and `c` a chunk at a time: its fp32 temporaries a chunk's, in the workspace, not the buffer's"
+        for a in range(0, x.numel(), chunk):
+            xa = x[a:a+chunk]
+            fold_kahan([xa], [w[a:a+chunk]], [c[a:a+chunk]], self._ws(b, xa, 2), self._ws(b, xa, 3))
     def written(self, b, idx:list): torch._foreach_zero_([b.cv[i] for i in idx])  # what was written, exactly
     def widen(self, b, i, j, x): widen_kahan([x], [b.part(b.w, i, j)], [b.part(b.c, i, j)], self._ws(b, x, 3))
     def fold(self, b, i, j, x, phase=0):

@@ -92,9 +92,10 @@ def test_export_writes_the_fp32_model(mode):
     got = load_learner(a.path/'mid.pkl').model.state_dict()
     assert {v.dtype for v in got.values() if v.is_floating_point()} == {torch.float32}
     assert not state_diffs(dict(got), dict(mid)), 'the export mid-fit is not the fp32 model the checkpoint holds'
-    want = weights(a)
+    want,eng = weights(a),precision_cb(a).fused_steps
     a.export('end.pkl')
     assert not state_diffs([p.detach() for p in load_learner(a.path/'end.pkl').model.parameters()], want)
+    assert precision_cb(a).fused_steps is eng and not state_diffs(weights(a), want)  # a layout kept stays as it was
 
 @pytest.mark.parametrize('mode,opt_state', [('pure_kahan', '8bit'), ('amp_bf16', '4bit')])
 def test_calls_between_fits(mode, opt_state):
