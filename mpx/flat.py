@@ -46,7 +46,7 @@ def overlapping(ts:list) -> set:
     "The ids of tensors in `ts` whose memory overlaps another's: tied through their storage (one the transpose of another, say)"
     spans = []
     for t in {id(t): t for t in ts}.values():
-        if t.layout is not torch.strided or t.numel() == 0: continue
+        if type(t) not in (Tensor, nn.Parameter) or t.layout is not torch.strided or t.numel() == 0: continue  # a DTensor: its own
         a = t.storage_offset()
         c = a + 1 + sum((n-1) * abs(s) for n,s in zip(t.shape, t.stride()))
         spans.append((t.untyped_storage().data_ptr(), a * t.element_size(), c * t.element_size(), id(t)))
