@@ -97,7 +97,7 @@ def run_one(name:str, width:int) -> dict:
         _reset_peak()
         with learn.no_bar(), learn.no_logging(): calls[c]()
         res['peak'][c],res['after'][c] = per(_status('VmHWM')),per(_status('VmRSS'))
-    del learn
+    del learn, calls  # `calls` holds bound methods of the learner (`learn.validate`)
     import gc
     gc.collect()  # fastai's learner and its callbacks point at each other: `del learn` alone waits for the collector
     res['after del'] = per(_status('VmRSS'))

@@ -187,7 +187,12 @@ class DeviceSteps:
         ks = tuple(b.st)
         return [(d.get('do_wd', True), *(k in d for k in ks), h) for d,h in zip(b.dicts, self.hist)]
 
-    def advance(self, b:Bucket): self.hist = [hash((h, l)) for h,l in zip(self.hist, b.live)]
+    def advance(self, b:Bucket, counts:bool=True):
+        "After a compiled step: each run's history moves; a stepped parameter's dict holds a marked count (`counts`: the chain keeps one)"
+        self.hist = [hash((h, l)) for h,l in zip(self.hist, b.live)]
+        if not counts or None not in self.marks: return
+        for i,(d,l) in enumerate(zip(b.dicts, b.live)):  # as fastai's `step_stat` adds `step` at a parameter's first step
+            if l and d is not None and self.marks[i] is None: self.marks[i] = d['step'] = StepCount(self.host[i])
 
     def to_host(self, b:Bucket):
         "The device's counts into the dicts (one host sync)"
@@ -244,7 +249,8 @@ class CompiledSteps:
 
     def bucket(self, eng, b:Bucket, hyper:dict):
         ds = self._steps(b)
-        if self._step(eng, b, hyper, b.runs(0, len(b.params), ds.keys(b)), 0): ds.advance(b)
+        if self._step(eng, b, hyper, b.runs(0, len(b.params), ds.keys(b)), 0):
+            ds.advance(b, any(base_fn(cb) is step_stat for cb in eng.inner.cbs))
     def extra(self, eng, b:Bucket, i:int, n:int, hyper:dict): self._step(eng, b, hyper, [(i, i+1)], n)
 
     def _step(self, eng, b:Bucket, hyper:dict, runs:list, phase:int) -> bool:

@@ -5,6 +5,7 @@
 # %% ../nbs/01b_plumbing.ipynb #a52e4f38
 from __future__ import annotations
 import itertools, collections, pickle, io, sys, os, builtins
+from typing import Callable
 import torch
 from torch import Tensor
 from torch import nn

@@ -61,6 +61,9 @@ def test_fused_installed_and_removed(mode):
             def before_step(self): seen.append('step' in vars(self.learn.opt) or 'zero_grad' in vars(self.learn.opt))
         fit_quiet(learn, 1, cbs=Probe())
         assert set(seen) == {fused or not mode.startswith('amp')}
+        kept = mode.startswith('pure')  # pure bf16 keeps its layout, and its steps, between fits
+        assert ('step' in vars(learn.opt) or 'zero_grad' in vars(learn.opt)) == kept
+        learn.to_fp32()
         assert 'step' not in vars(learn.opt) and 'zero_grad' not in vars(learn.opt)
 
 # ---- per-step work does not grow with the number of parameter tensors

@@ -176,7 +176,9 @@ learn.save('ck', with_opt=True); learn.load('ck', with_opt=True)
 from mpx.pure import *
 learn = learner()
 learn.add_cb(PureBF16())
-assert fit(learn).mixed_precision.total_steps > 0 and {p.dtype for p in learn.model.parameters()} == {torch.float32}
+assert fit(learn).mixed_precision.total_steps > 0 and {p.dtype for p in learn.model.parameters()} == {torch.bfloat16}  # kept
+learn.remove_cb(learn.mixed_precision)  # ends the layout kept between fits
+assert {p.dtype for p in learn.model.parameters()} == {torch.float32}
 ''',
     fp8='''
 from mpx.fp8 import *
