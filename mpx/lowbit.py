@@ -9,7 +9,7 @@ from fastai.torch_basics import *
 
 # %% auto #0
 __all__ = ['OPT_STATES', 'MIN_LOWBIT', 'MODE_BYTES', 'dynamic_map', 'root_map', 'quantize', 'dequantize', 'pack4', 'unpack4',
-           'LowBitState', 'DenseStore', 'BF16Store', 'kept', 'bf16_round', 'Float8Codes', 'MapCodes', 'static_rows',
+           'LowBitState', 'DenseStore', 'BF16Store', 'kept', 'bf16_nearest', 'Float8Codes', 'MapCodes', 'static_rows',
            'QuantStore', 'make_store', 'state_bytes', 'param_bytes']
 
 # %% ../nbs/01i_lowbit.ipynb #lb0006
@@ -119,8 +119,7 @@ class BF16Store(DenseStore):
     def value(self, b, k, i): return b.slot(b.st[k], i).float()
     def window(self, b, k, i, j, ws=None): ws.copy_(b.part(b.st[k], i, j)); return ws
     def back(self, b, k, i, j, x): b.part(b.st[k], i, j).copy_(x)
-    def kload(self, t, k): return t[k].float()
-    def kstore(self, t, k, x, keep): return {k: kept(keep, t[k], bf16_round(x))}
+    def kload(self, t, k): return t[k].float()  # `kstore` is the dense one: `kept`'s conversion rounds as `back`'s copy
 
 def kept(keep:Tensor, old:Tensor, new:Tensor) -> Tensor:
     "A kernel's `old` where `keep` (a skipped step), else `new`, in `old`'s dtype"
@@ -128,10 +127,20 @@ def kept(keep:Tensor, old:Tensor, new:Tensor) -> Tensor:
     # bytes (4-bit codes) through a mask: inductor's CPU blend of bytes is slow
     return old ^ ((old ^ new) & torch.where(keep, 0, 255).to(torch.uint8))
 
-def bf16_round(x:Tensor) -> Tensor:
-    "fp32 `x` rounded to bf16 (ties to even), still fp32"
-    b = x.view(torch.int32)  # integer ops, which a kernel keeps
-    return ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).view(torch.float32)
+
+# %% ../nbs/01i_lowbit.ipynb #lb0015c
+_BIG,_TINY = 2.**111,2.**-126  # above: `65537 * x` could overflow; below: bf16's subnormals, 2**-133 apart
+
+def bf16_nearest(x:Tensor) -> Tensor:
+    "fp32 `x` rounded to the nearest bf16 (ties to even), still fp32, in float arithmetic alone"
+    a = x.abs()
+    y = x * torch.where(a < _BIG, 1., 2.**-32)
+    t = y * 65537.
+    r = (t + (y - t)) * torch.where(a < _BIG, 1., 2.**32)  # Veltkamp's split: `y`'s 8 high significant bits, to nearest
+    k = torch.where(x < 0, -2.**-110, 2.**-110)
+    sub = (x + k) - k  # to a multiple of 2**-133
+    r = torch.where(a < _TINY, torch.where(sub == 0, x * 0., sub), r)  # `x * 0.`: a zero of `x`'s sign
+    return torch.where(a == float('inf'), x, r)
 
 # %% ../nbs/01i_lowbit.ipynb #lb0018
 class Float8Codes:
