@@ -129,18 +129,11 @@ def kept(keep:Tensor, old:Tensor, new:Tensor) -> Tensor:
 
 
 # %% ../nbs/01i_lowbit.ipynb #lb0015c
-_BIG,_TINY = 2.**111,2.**-126  # above: `65537 * x` could overflow; below: bf16's subnormals, 2**-133 apart
-
 def bf16_nearest(x:Tensor) -> Tensor:
-    "fp32 `x` rounded to the nearest bf16 (ties to even), still fp32, in float arithmetic alone"
-    a = x.abs()
-    y = x * torch.where(a < _BIG, 1., 2.**-32)
-    t = y * 65537.
-    r = (t + (y - t)) * torch.where(a < _BIG, 1., 2.**32)  # Veltkamp's split: `y`'s 8 high significant bits, to nearest
-    k = torch.where(x < 0, -2.**-110, 2.**-110)
-    sub = (x + k) - k  # to a multiple of 2**-133
-    r = torch.where(a < _TINY, torch.where(sub == 0, x * 0., sub), r)  # `x * 0.`: a zero of `x`'s sign
-    return torch.where(a == float('inf'), x, r)
+    "fp32 `x` rounded to the nearest bf16 (ties to even), still fp32: integer ops on its bits, as `x.bfloat16().float()`"
+    b = x.view(torch.int32)
+    r = ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).view(torch.float32)  # the low 16 bits dropped, rounded first
+    return torch.where(x != x, x, r)  # a NaN's payload would carry into its exponent (inf) or sign (-0)
 
 # %% ../nbs/01i_lowbit.ipynb #lb0018
 class Float8Codes:

@@ -132,7 +132,7 @@ class KahanKind(BF16Kind):
     def kwiden(t, s): return t['w'].float() + t['c'].float(),t['g'].float()
     @staticmethod
     def kfold(t, s, x):
-        "`fold_kahan` in fp32: the weight and the remainder to nearest, then the canonical split of their sum"
+        "`fold_kahan` in a kernel: the weight and the remainder to nearest, then the canonical split of their sum"
         w = bf16_nearest(x)
         v = w + bf16_nearest(x - w)
         w = bf16_nearest(v)

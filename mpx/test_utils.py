@@ -290,14 +290,15 @@ def needs_mode(mode:str, # A mode id (`amp_bf16`, `pure_kahan`, 'fp16', ...): bf
 
 # %% ../nbs/99_test_utils.ipynb #tu480001
 def bf16_edges() -> Tensor:
-    "fp32 values where rounding to bf16 is delicate: ties of both parities, subnormals, zeros, the largest, inf, NaN"
+    "fp32 values where rounding to bf16 is delicate: ties of both parities, subnormals, zeros, the largest, inf, NaNs"
     t = lambda *v: torch.tensor(v, dtype=torch.float64).float()
     ties = t(1 + 2**-8, 1 + 3*2**-8, 1 + 2**-8 + 2**-23, 1 + 2**-8 - 2**-23, 2 - 2**-8, 2 - 2**-9, 2**-126 * (1 + 2**-8))
     sub = t(2**-149, 2**-134, 3*2**-134, 5*2**-134, 2**-133, 2**-126 - 2**-149, 2**-126 - 2**-134, 2**-127 + 2**-134)
     top = (2 - 2**-7) * 2.**127  # bf16's largest; past the tie above it a conversion gives inf
     big = t(top, (2 - 2**-8) * 2.**127, (2 - 2**-8) * 2.**127 * (1 - 2**-23), 3.4028234663852886e38, 2.**111 * (2 - 2**-8))
     x = torch.cat([ties, sub, big, t(0., float('inf'), 2.**-126, 2.**111)])
-    return torch.cat([x, -x, t(float('nan'))])
+    nans = torch.tensor([0x7FC00000, 0x7FFFFFFF, 0x7F800001, 0x7FBF8000, -1], dtype=torch.int32).view(torch.float32)  # payloads that carry
+    return torch.cat([x, -x, nans])
 
 # %% ../nbs/99_test_utils.ipynb #bb5336ab
 class InjectGrad(Callback):

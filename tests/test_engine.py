@@ -4,7 +4,6 @@ import pytest, torch
 from fastai.basics import Adam
 from mpx.all import *
 from mpx.pure import KahanKind, StochasticKind, split_kahan, round_stochastic, stream_key
-from mpx.lowbit import bf16_nearest, BF16Store
 from mpx.test_utils import tiny_learner, fit_quiet, state_of, state_diffs, bf16_edges
 from conftest import compiles
 
@@ -25,40 +24,22 @@ def test_stochastic_rounding_same_eager_and_compiled():
         got = kernel(x, torch.tensor(key, dtype=torch.int32), torch.tensor(base, dtype=torch.int32))
         assert torch.equal(got.view(torch.int32), round_stochastic(x, key, base).view(torch.int32))
 
+def _bits(x, ref): return torch.where(ref.isnan(), 0, x.view(torch.int16))  # every NaN alike
+
+def _kfold(x):
+    "`KahanKind.kfold` compiled, its results as stored (bf16)"
+    return {k: v.bfloat16() for k,v in KahanKind.kfold({}, {}, x).items()}
+
 def test_kahan_split_same_eager_and_compiled():
-    "The compiled kernel's Kahan split is the eager fold's, bit for bit, ties and extremes included."
+    """The compiled kernel's Kahan split is the eager fold's, bit for bit: bf16's edge cases (ties of both parities, subnormals, zeros,
+    the largest values, inf, NaN), values over 40 orders of magnitude and 2**22 random fp32 bit patterns."""
     if not compiles(): pytest.skip('torch.compile cannot build a kernel here (no C++ compiler): only the eager path runs')
-    x = _values(seed=1)
-    out = torch.compile(lambda x: KahanKind.kfold({}, {}, x), dynamic=True)(x)
+    g = torch.Generator().manual_seed(1)
+    x = torch.cat([bf16_edges(), _values(seed=1), torch.randint(-2**31, 2**31, (1 << 22,), dtype=torch.int32, generator=g).view(torch.float32)])
+    out = torch.compile(_kfold, dynamic=True)(x)
     w,c = split_kahan(x)
-    assert torch.equal(out['w'].view(torch.int32), w.float().view(torch.int32))
-    assert torch.equal(out['c'].bfloat16().view(torch.int16), c.view(torch.int16))  # as the kernel stores it
-
-def _bits(x, ref): return torch.where(ref.isnan(), 0, x.view(torch.int32))  # every NaN alike
-
-def test_bf16_nearest_compiled_is_the_conversion():
-    "`bf16_nearest` in a compiled kernel rounds as the conversion does, bit for bit: bf16's edge cases and 2**22 random fp32 bit patterns."
-    if not compiles(): pytest.skip('torch.compile cannot build a kernel here (no C++ compiler): only the eager path runs')
-    g = torch.Generator().manual_seed(0)
-    x = torch.cat([bf16_edges(), torch.randint(-2**31, 2**31, (1 << 22,), dtype=torch.int32, generator=g).view(torch.float32)])
-    got,ref = torch.compile(bf16_nearest, dynamic=True)(x),x.bfloat16().float()
-    assert torch.equal(_bits(got, ref), _bits(ref, ref)) and torch.equal(got.isnan(), ref.isnan())
-
-def _kahan_kernel(w, c, g, keep):
-    "The compiled Kahan widen and fold around an update, the store's write of a bf16 state"
-    x,gf = KahanKind.kwiden(dict(w=w, c=c, g=g), {})
-    out = KahanKind.kfold({}, {}, x - 1e-3 * gf)
-    return out['w'].bfloat16(),out['c'].bfloat16(),BF16Store().kstore(dict(m=g), 'm', gf * .9, keep)['m']
-
-def test_kernels_round_without_bit_casts():
-    "The compiled Kahan split and a bf16 store's write round in float arithmetic: no bit cast, which inductor's CPU code makes a scalar loop."
-    if not compiles(): pytest.skip('torch.compile cannot build a kernel here (no C++ compiler): only the eager path runs')
-    from torch._inductor.utils import run_and_get_code
-    n = 4096
-    w,c,g = torch.randn(n).bfloat16(),torch.zeros(n, dtype=torch.bfloat16),torch.randn(n).bfloat16()
-    torch._dynamo.reset()
-    _,code = run_and_get_code(torch.compile(_kahan_kernel, dynamic=True), w, c, g, torch.tensor(False))
-    assert code and 'bit_cast' not in ''.join(code), 'a bit cast in the kernel'
+    assert torch.equal(_bits(out['w'], w), _bits(w, w)) and torch.equal(_bits(out['c'], c), _bits(c, c))
+    assert torch.equal(out['w'].isnan(), w.isnan())
 
 def _stochastic(fused, tmp_path, load=None):
     learn = tiny_learner(opt_func=Adam, lr=1e-2, n_trn=4, path=tmp_path).to_bf16(pure=True, update='stochastic', fused=fused)
