@@ -130,10 +130,9 @@ def kept(keep:Tensor, old:Tensor, new:Tensor) -> Tensor:
 
 # %% ../nbs/01i_lowbit.ipynb #lb0015c
 def bf16_nearest(x:Tensor) -> Tensor:
-    "fp32 `x` rounded to the nearest bf16 (ties to even), still fp32: integer ops on its bits, as `x.bfloat16().float()`"
+    "fp32 `x` rounded to the nearest bf16 (ties to even), still fp32, on its bits; a NaN is its caller's to keep"
     b = x.view(torch.int32)
-    r = ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).view(torch.float32)  # the low 16 bits dropped, rounded first
-    return torch.where(x != x, x, r)  # a NaN's payload would carry into its exponent (inf) or sign (-0)
+    return ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).view(torch.float32)  # the low 16 bits dropped, rounded first
 
 # %% ../nbs/01i_lowbit.ipynb #lb0018
 class Float8Codes:

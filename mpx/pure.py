@@ -136,7 +136,8 @@ class KahanKind(BF16Kind):
         w = bf16_nearest(x)
         v = w + bf16_nearest(x - w)
         w = bf16_nearest(v)
-        return dict(w=w, c=v - w)  # the remainder rounded by the store's conversion, as `fold_kahan`'s copy rounds it
+        nan = x != x  # a NaN's bits may have carried into an inf or a -0: kept a NaN, as the conversions keep it
+        return dict(w=torch.where(nan, x, w), c=torch.where(nan, x, v - w))  # `c` rounded by the store's conversion
 
 class StochasticKind(BF16Kind):
     "bf16 weights rounded stochastically after each step, the bits from (seed, step, element)"
