@@ -395,7 +395,8 @@ def chain_fits(args):
         for f,l in learns.items():
             t = clock(); fit_quiet(l); res[f].append(clock() - t)
     rs = sorted(a / b for a,b in zip(res[False], res[True]))
-    table(['arm', 'fit ms (median)', 'rounds ms'], [[f'fused={f}', f'{med(v)*1e3:.0f}', ' '.join(f'{x*1e3:.0f}' for x in v)] for f,v in res.items()])
+    rows = [[f'fused={f}', f'{med(v)*1e3:.0f}', ' '.join(f'{x*1e3:.0f}' for x in v)] for f,v in res.items()]
+    table(['arm', 'fit ms (median)', 'rounds ms'], rows)
     print(f"speed-up of fused=True (median of paired ratios): {med(rs):.2f}x (rounds {rs[0]:.2f}-{rs[-1]:.2f}); target (issue 48) >= 1.5x: "
           f"{'yes' if med(rs) >= 1.5 else 'no'}; load average at the end: {os.getloadavg()[0]:.2f}")
 

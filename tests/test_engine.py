@@ -35,7 +35,8 @@ def test_kahan_split_same_eager_and_compiled():
     the largest values, inf, NaN), values over 40 orders of magnitude and 2**22 random fp32 bit patterns."""
     if not compiles(): pytest.skip('torch.compile cannot build a kernel here (no C++ compiler): only the eager path runs')
     g = torch.Generator().manual_seed(1)
-    x = torch.cat([bf16_edges(), _values(seed=1), torch.randint(-2**31, 2**31, (1 << 22,), dtype=torch.int32, generator=g).view(torch.float32)])
+    patterns = torch.randint(-2**31, 2**31, (1 << 22,), dtype=torch.int32, generator=g).view(torch.float32)
+    x = torch.cat([bf16_edges(), _values(seed=1), patterns])
     out = torch.compile(_kfold, dynamic=True)(x)
     w,c = split_kahan(x)
     assert torch.equal(_bits(out['w'], w), _bits(w, w)) and torch.equal(_bits(out['c'], c), _bits(c, c))
