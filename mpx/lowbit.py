@@ -9,7 +9,7 @@ from fastai.torch_basics import *
 
 # %% auto #0
 __all__ = ['OPT_STATES', 'MIN_LOWBIT', 'MODE_BYTES', 'dynamic_map', 'root_map', 'quantize', 'dequantize', 'pack4', 'unpack4',
-           'LowBitState', 'DenseStore', 'BF16Store', 'kept', 'bf16_round', 'Float8Codes', 'MapCodes', 'static_rows',
+           'LowBitState', 'DenseStore', 'BF16Store', 'kept', 'bf16_nearest', 'Float8Codes', 'MapCodes', 'static_rows',
            'QuantStore', 'make_store', 'state_bytes', 'param_bytes']
 
 # %% ../nbs/01i_lowbit.ipynb #lb0006
@@ -119,8 +119,7 @@ class BF16Store(DenseStore):
     def value(self, b, k, i): return b.slot(b.st[k], i).float()
     def window(self, b, k, i, j, ws=None): ws.copy_(b.part(b.st[k], i, j)); return ws
     def back(self, b, k, i, j, x): b.part(b.st[k], i, j).copy_(x)
-    def kload(self, t, k): return t[k].float()
-    def kstore(self, t, k, x, keep): return {k: kept(keep, t[k], bf16_round(x))}
+    def kload(self, t, k): return t[k].float()  # `kstore` is the dense one: `kept`'s conversion rounds as `back`'s copy
 
 def kept(keep:Tensor, old:Tensor, new:Tensor) -> Tensor:
     "A kernel's `old` where `keep` (a skipped step), else `new`, in `old`'s dtype"
@@ -128,10 +127,12 @@ def kept(keep:Tensor, old:Tensor, new:Tensor) -> Tensor:
     # bytes (4-bit codes) through a mask: inductor's CPU blend of bytes is slow
     return old ^ ((old ^ new) & torch.where(keep, 0, 255).to(torch.uint8))
 
-def bf16_round(x:Tensor) -> Tensor:
-    "fp32 `x` rounded to bf16 (ties to even), still fp32"
-    b = x.view(torch.int32)  # integer ops, which a kernel keeps
-    return ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).view(torch.float32)
+
+# %% ../nbs/01i_lowbit.ipynb #lb0015c
+def bf16_nearest(x:Tensor) -> Tensor:
+    "fp32 `x` rounded to the nearest bf16 (ties to even), still fp32, on its bits; a NaN is its caller's to keep"
+    b = x.view(torch.int32)
+    return ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).view(torch.float32)  # the low 16 bits dropped, rounded first
 
 # %% ../nbs/01i_lowbit.ipynb #lb0018
 class Float8Codes:

@@ -10,10 +10,11 @@ from .core import *
 from .callback import *
 from .plumbing import *
 from .flat import Kind, set_data, merge_writes
+from .lowbit import bf16_nearest
 
 # %% auto #0
-__all__ = ['stream_key', 'random_bits16', 'round_stochastic', 'fold_kahan', 'split_kahan', 'widen_kahan', 'bf16_nearest',
-           'BF16Kind', 'KahanKind', 'StochasticKind', 'KeptKind', 'BF16Weights', 'PureBF16']
+__all__ = ['stream_key', 'random_bits16', 'round_stochastic', 'fold_kahan', 'split_kahan', 'widen_kahan', 'BF16Kind', 'KahanKind',
+           'StochasticKind', 'KeptKind', 'BF16Weights', 'PureBF16']
 
 # %% ../nbs/05_pure.ipynb #pb000007
 _hi = -65536  # 0xFFFF0000 as an int32: the bits of an fp32 that a bf16 keeps
@@ -74,12 +75,6 @@ def widen_kahan(xs:list, ws:list, cs:list|None=None, t:list|None=None):
     t = _fp32_like(xs, t)
     torch._foreach_copy_(t, cs)
     torch._foreach_add_(xs, t)
-
-# %% ../nbs/05_pure.ipynb #pb000017f
-def bf16_nearest(x:Tensor) -> Tensor:
-    "fp32 `x` rounded to the nearest bf16 value (ties to even), still fp32: integer ops on its bits, as `x.bfloat16().float()`"
-    b = x.view(torch.int32)
-    return ((b + 0x7FFF + ((b >> 16) & 1)) & _hi).view(torch.float32)
 
 # %% ../nbs/05_pure.ipynb #pb000019
 class BF16Kind(Kind):
@@ -147,10 +142,12 @@ class KahanKind(BF16Kind):
     def kwiden(t, s): return t['w'].float() + t['c'].float(),t['g'].float()
     @staticmethod
     def kfold(t, s, x):
-        "`fold_kahan` on fp32 bits: the weight and the remainder to nearest, then the canonical split of their sum"
-        w = bf16_nearest(x); c = bf16_nearest(x - w)
-        v = w + c; w = bf16_nearest(v)
-        return dict(w=w, c=bf16_nearest(v - w))  # each an fp32 holding a bf16 value: stored exactly
+        "`fold_kahan` in a kernel: the weight and the remainder to nearest, then the canonical split of their sum"
+        w = bf16_nearest(x)
+        v = w + bf16_nearest(x - w)
+        w = bf16_nearest(v)
+        nan = x != x  # a NaN's bits may have carried into an inf or a -0: kept a NaN, as the conversions keep it
+        return dict(w=torch.where(nan, x, w), c=torch.where(nan, x, v - w))  # `c` rounded by the store's conversion
 
 class StochasticKind(BF16Kind):
     "bf16 weights rounded stochastically after each step, the bits from (seed, step, element)"

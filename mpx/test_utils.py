@@ -7,12 +7,12 @@ __all__ = ['MASTER_MODES', 'MODES', 'BASIC_MODES', 'ALL_MODES', 'OPTIMIZERS', 'A
            'tiny_model', 'tiny_split', 'tiny_learner', 'fit_quiet', 'TupleModel', 'first_mse', 'tabular_split',
            'tabular_app_learner', 'collab_app_learner', 'text_app_learner', 'Tied', 'tied_split', 'tied_learner',
            'SparseEmb', 'sparse_learner', 'fastai_gan', 'gan_learner', 'precision_cbs', 'precision_cb', 'CountSyncs',
-           'CountOps', 'count_step_ops', 'count_syncs', 'one_thread', 'bf16_lstm_runs', 'needs_mode', 'InjectGrad',
-           'PoisonLoss', 'PoisonInput', 'weights', 'state_of', 'state_diffs', 'same_state', 'all_stepped_changed',
-           'Snapshot', 'check_skips_change_nothing', 'assert_same_state', 'learner_problems', 'suspended', 'rel_err',
-           'grad_norm', 'GradNormProbe', 'DtypeHook', 'PredProbe', 'LossProbe', 'replay', 'stepped_opt', 'opt_diffs',
-           'ramp_learner', 'check_stochastic_rounding', 'StepLrs', 'step_lr_tol', 'check_step_lrs', 'raised',
-           'StepProfile', 'check_compiled_steps', 'KernelRuns']
+           'CountOps', 'count_step_ops', 'count_syncs', 'one_thread', 'bf16_lstm_runs', 'needs_mode', 'bf16_edges',
+           'InjectGrad', 'PoisonLoss', 'PoisonInput', 'weights', 'state_of', 'state_diffs', 'same_state',
+           'all_stepped_changed', 'Snapshot', 'check_skips_change_nothing', 'assert_same_state', 'learner_problems',
+           'suspended', 'rel_err', 'grad_norm', 'GradNormProbe', 'DtypeHook', 'PredProbe', 'LossProbe', 'replay',
+           'stepped_opt', 'opt_diffs', 'ramp_learner', 'check_stochastic_rounding', 'StepLrs', 'step_lr_tol',
+           'check_step_lrs', 'raised', 'StepProfile', 'check_compiled_steps', 'KernelRuns']
 
 # %% ../nbs/99_test_utils.ipynb #29d10340
 import functools, os, re, sys
@@ -287,6 +287,18 @@ def needs_mode(mode:str, # A mode id (`amp_bf16`, `pure_kahan`, 'fp16', ...): bf
     import pytest
     bf16 = 'bf16' in mode or mode.startswith('pure')
     if bf16 and torch.device(device).type == 'cuda' and not torch.cuda.is_bf16_supported(): pytest.skip('GPU without bf16 support')
+
+# %% ../nbs/99_test_utils.ipynb #tu480001
+def bf16_edges() -> Tensor:
+    "fp32 values where rounding to bf16 is delicate: ties of both parities, subnormals, zeros, the largest, inf, NaNs"
+    t = lambda *v: torch.tensor(v, dtype=torch.float64).float()
+    ties = t(1 + 2**-8, 1 + 3*2**-8, 1 + 2**-8 + 2**-23, 1 + 2**-8 - 2**-23, 2 - 2**-8, 2 - 2**-9, 2**-126 * (1 + 2**-8))
+    sub = t(2**-149, 2**-134, 3*2**-134, 5*2**-134, 2**-133, 2**-126 - 2**-149, 2**-126 - 2**-134, 2**-127 + 2**-134)
+    top = (2 - 2**-7) * 2.**127  # bf16's largest; past the tie above it a conversion gives inf
+    big = t(top, (2 - 2**-8) * 2.**127, (2 - 2**-8) * 2.**127 * (1 - 2**-23), 3.4028234663852886e38, 2.**111 * (2 - 2**-8))
+    x = torch.cat([ties, sub, big, t(0., float('inf'), 2.**-126, 2.**111)])
+    nans = torch.tensor([0x7FC00000, 0x7FFFFFFF, 0x7F800001, 0x7FBF8000, -1], dtype=torch.int32).view(torch.float32)  # payloads that carry
+    return torch.cat([x, -x, nans])
 
 # %% ../nbs/99_test_utils.ipynb #bb5336ab
 class InjectGrad(Callback):

@@ -4,7 +4,7 @@ import pytest, torch
 from fastai.basics import Adam
 from mpx.all import *
 from mpx.pure import KahanKind, StochasticKind, split_kahan, round_stochastic, stream_key
-from mpx.test_utils import tiny_learner, fit_quiet, state_of, state_diffs
+from mpx.test_utils import tiny_learner, fit_quiet, state_of, state_diffs, bf16_edges
 from conftest import compiles
 
 pytestmark = pytest.mark.filterwarnings('ignore::UserWarning')
@@ -24,14 +24,23 @@ def test_stochastic_rounding_same_eager_and_compiled():
         got = kernel(x, torch.tensor(key, dtype=torch.int32), torch.tensor(base, dtype=torch.int32))
         assert torch.equal(got.view(torch.int32), round_stochastic(x, key, base).view(torch.int32))
 
+def _bits(x, ref): return torch.where(ref.isnan(), 0, x.view(torch.int16))  # every NaN alike
+
+def _kfold(x):
+    "`KahanKind.kfold` compiled, its results as stored (bf16)"
+    return {k: v.bfloat16() for k,v in KahanKind.kfold({}, {}, x).items()}
+
 def test_kahan_split_same_eager_and_compiled():
-    "The compiled kernel's Kahan split is the eager fold's, bit for bit, ties and extremes included."
+    """The compiled kernel's Kahan split is the eager fold's, bit for bit: bf16's edge cases (ties of both parities, subnormals, zeros,
+    the largest values, inf, NaN), values over 40 orders of magnitude and 2**22 random fp32 bit patterns."""
     if not compiles(): pytest.skip('torch.compile cannot build a kernel here (no C++ compiler): only the eager path runs')
-    x = _values(seed=1)
-    out = torch.compile(lambda x: KahanKind.kfold({}, {}, x), dynamic=True)(x)
+    g = torch.Generator().manual_seed(1)
+    patterns = torch.randint(-2**31, 2**31, (1 << 22,), dtype=torch.int32, generator=g).view(torch.float32)
+    x = torch.cat([bf16_edges(), _values(seed=1), patterns])
+    out = torch.compile(_kfold, dynamic=True)(x)
     w,c = split_kahan(x)
-    assert torch.equal(out['w'].view(torch.int32), w.float().view(torch.int32))
-    assert torch.equal(out['c'].view(torch.int32), c.float().view(torch.int32))
+    assert torch.equal(_bits(out['w'], w), _bits(w, w)) and torch.equal(_bits(out['c'], c), _bits(c, c))
+    assert torch.equal(out['w'].isnan(), w.isnan())
 
 def _stochastic(fused, tmp_path, load=None):
     learn = tiny_learner(opt_func=Adam, lr=1e-2, n_trn=4, path=tmp_path).to_bf16(pure=True, update='stochastic', fused=fused)
