@@ -194,10 +194,13 @@ class DeviceSteps:
         for i,(d,l) in enumerate(zip(b.dicts, b.live)):  # as fastai's `step_stat` adds `step` at a parameter's first step
             if l and d is not None and self.marks[i] is None: self.marks[i] = d['step'] = StepCount(self.host[i])
 
-    def to_host(self, b:Bucket):
-        "The device's counts into the dicts (one host sync)"
-        for i,(d,v) in enumerate(zip(b.dicts, self.t.tolist())):
-            if d is not None and ('step' in d or v > 0): d['step'] = int(v)
+    def to_host(self, b:Bucket, dicts:list|None=None):
+        "The device's counts into the dicts (`dicts`: the optimizer's now, copies too) where no count was written since (one sync)"
+        for i,(d,v,m) in enumerate(zip(dicts or b.dicts, self.t.tolist(), self.marks)):
+            if d is None: continue
+            s = d.get('step')
+            if s is None or s is m:  # else a callback wrote it since the last step: that count is the truth
+                if s is not None or v > 0: d['step'] = int(v)
             self.host[i] = _step_of(d)
 
 # %% ../nbs/01g_compiled.ipynb #cx0013
@@ -282,7 +285,7 @@ class CompiledSteps:
         "Each bucket's (or `b`'s) device counts into fastai's dicts"
         for bb in ([b] if b is not None else eng.buckets):
             ds = self.dev.pop(id(bb), None)  # dropped: the counts are read from the dicts again after
-            if ds is not None: ds.to_host(bb)
+            if ds is not None: ds.to_host(bb, [eng.inner.state.get(p) for p in bb.params] if eng.native else None)
 
     def _scalars(self, device, vals:dict) -> dict:
         "Reused 0-dim tensors on `device` holding `vals`"

@@ -135,3 +135,38 @@ def test_gradient_assigned_through_parameters(mode, how, fused):
     got,want = run(mode),run(None)
     if mode.startswith('master'): assert torch.equal(got, want), (got - want).abs().max()  # the masters are fp32: bit for bit
     else: assert (got - want).abs().max() < 1e-2  # AMP's and pure bf16's forward rounds; a step taken or not is 0.1 or more
+
+EVENTS = ['before_batch', 'after_pred', 'after_loss', 'before_backward', 'after_backward', 'before_step', 'after_step', 'after_batch']
+
+class AssignSame(Callback):
+    "At every event of every training batch, assign (not write in place) what is already there: new tensors, new dicts, same values"
+    order = 50
+    def __init__(self): self.n = 0
+    def __getattr__(self, k):
+        if k in EVENTS: return self._assign
+        return super().__getattr__(k)
+    def _assign(self):
+        if not self.training: return
+        self.n += 1
+        with torch.no_grad():
+            for p in list(self.learn.model.parameters()) + list(self.learn.parameters()):  # the masters too, in the master mode
+                if p.grad is not None: p.grad = p.grad.clone()
+            st = self.learn.opt.state
+            for p in list(st):
+                st[p] = {k: v.clone() if torch.is_tensor(v) else v for k,v in st[p].items()}  # a new dict of new tensors
+
+def _case(mode:str, opt_state:str, fused):
+    return pytest.param(mode, opt_state, fused, marks=pytest.mark.compiled) if fused == 'compile' else (mode, opt_state, fused)
+_SAME = [_case(m, 'fp32', f) for m in ('amp_bf16', 'master_bf16', 'pure_kahan') for f in (True, False, 'compile')]
+_SAME += [_case('pure_stochastic', '8bit', f) for f in (True, 'compile')]
+
+@pytest.mark.parametrize('mode,opt_state,fused', _SAME)  # low-bit state with fused=False is refused at the call
+def test_assigning_the_same_at_every_event_changes_nothing(mode, opt_state, fused):
+    "Gradients (the model's and the masters') and state dicts assigned anew at every event, with the same values: bit for bit no assignment"
+    kw = {} if opt_state == 'fp32' else dict(opt_state=opt_state)
+    cb = AssignSame()
+    got,ref = learner(mode, fused, [cb], **kw),learner(mode, fused, **kw)
+    for l in (got, ref): fit_quiet(l, 2)
+    assert cb.n >= 8 * 6
+    diffs = state_diffs(state_of(got), state_of(ref))
+    assert not diffs, diffs[:3]
