@@ -244,7 +244,7 @@ class FusedSteps:
     def load_state(self, sd:dict):
         "fastai's `load_state_dict` of a streamed checkpoint (`Stored` tensors): each state tensor read into its store, then freed"
         o = self.inner
-        if not self.native or self.las:  # another optimizer, or `Lookahead`'s own state beside: loaded whole
+        if not self.native or self.las:  # `Lookahead`'s own state beside: loaded whole (a torch optimizer's: `Learner.load`'s own)
             return self.opt.load_state_dict(read_stored(sd))
         if len(sd['hypers']) != len(o.param_lists) or len(sd['state']) != sum(map(len, o.param_lists)):
             raise ValueError(f"the checkpoint's optimizer state has {len(sd['state'])} parameters in {len(sd['hypers'])} groups")

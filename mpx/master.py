@@ -4,6 +4,7 @@
 
 # %% ../nbs/04_master.ipynb #55689d66
 from __future__ import annotations
+import operator
 from fastai.basics import *
 from .core import *
 from .scaler import *
@@ -73,10 +74,12 @@ def merge(self:MasterKind, b, exposed:bool=False):
             if v != u: merge_writes(b.gxv[i], b.gv[i])
     b.seen = now
 
+_grad_of = operator.attrgetter('grad')
+
 @patch
 def _take_assigned(self:MasterKind, b):
     "Gradients assigned to the masters through `learn.parameters()`: None, not stepped (as fastai's loop skips it); a tensor, taken"
-    if b.shown is None: return  # never handed out
+    if b.shown is None or all(map(operator.is_, map(_grad_of, b.ms), b.shown)): return  # never handed out, or none assigned
     for i,(m,s) in enumerate(zip(b.ms, b.shown)):
         g = m.grad
         if g is s: continue

@@ -223,6 +223,7 @@ def _save_streamed(learn:Learner, cb, file, with_opt:bool=True, pickle_protocol:
 
 def _load_streamed(learn:Learner, cb, file, with_opt:bool=True, strict:bool=True, **kwargs) -> bool:
     "`Learner.load` into a layout kept, a tensor at a time; False, changing nothing, where the file needs fastai's own load"
+    if not cb.fused_steps.native: return False  # a torch optimizer's `load_state_dict` casts its state to its (half) parameters'
     file = join_path_file(file, learn.path/learn.model_dir, ext='.pth')
     try: state = load_streamed(file)
     except (pickle.UnpicklingError, RuntimeError): return False  # objects of other kinds, or torch's legacy format

@@ -4,6 +4,7 @@ that hands fastai's fp32 layout back after each fit; `save` and `load` stream it
 import tempfile, weakref
 from pathlib import Path
 import pytest, torch
+from functools import partial
 from fastai.basics import Adam, Callback, nn, set_seed, load_learner
 import fastai.callback.hook, fastai.callback.schedule  # `Learner.summary`, `lr_find`
 from mpx.all import *
@@ -136,3 +137,20 @@ def test_model_load_state_dict_between_fits(update):
     assert precision_cb(a).kept  # `a` holds each value split (as a fit does), `b` the fp32 values, which its next fit splits
     fit_both(a, b, seed=9)
     assert_same(a, b, 'the fit after')
+
+def test_torch_optimizer_load_into_the_layout_kept():
+    "A torch optimizer's `load_state_dict` casts its state to its parameters' dtype: its load goes through fastai's, in fp32"
+    from fastai.basics import OptimWrapper
+    path = Path(tempfile.mkdtemp())
+    def mk(kept):
+        l = ALL_MODES['pure_kahan'](tiny_learner(opt_func=partial(OptimWrapper, opt=torch.optim.AdamW), lr=1e-2, n_trn=4, model=model))
+        if not kept: precision_cb(l).keeps_layout = False
+        l.path = path
+        return l
+    a,b = mk(True),mk(False)
+    fit_both(a, b)
+    a.save('t')
+    for l in (a, b): l.load('t')
+    assert {v.dtype for s in a.opt.opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()} == {torch.float32}
+    fit_both(a, b, seed=10)
+    assert_same(a, b, 'resumed with a torch optimizer')
