@@ -65,7 +65,7 @@ def unpack4(packed:Tensor) -> Tensor:
 
 # %% ../nbs/01i_lowbit.ipynb #lb0015
 class LowBitState:
-    "A state dict's handle on low-bit state: `float()` dequantises"
+    "A state dict's handle on low-bit state: it reads as its fp32 values"
     __slots__ = ('_b', 'k', 'i')
     def __init__(self, b, k:str, i:int): self._b,self.k,self.i = weakref.ref(b),k,i  # its bucket owns it: no strong pointer back
     @property
@@ -76,18 +76,44 @@ class LowBitState:
         return b
     @property
     def shape(self): return self.b.specs[self.i][0]
+    @property
+    def dtype(self) -> torch.dtype: return torch.float32  # what a read gives
+    @property
+    def device(self) -> torch.device: return self.b.device
     def float(self) -> Tensor: return self.b.store.value(self.b, self.k, self.i)
     def __repr__(self):
         b = self._b()
         if b is None: return f"LowBitState({self.k!r}, of an ended fit)"
         return f"LowBitState({self.k!r}, {b.store.name}, shape={tuple(b.specs[self.i][0])})"
-    def __getattr__(self, name:str):
-        "A tensor's method or attribute asked of the handle: how to read and write the state instead"
-        if name.startswith('__') or name in LowBitState.__slots__: raise AttributeError(name)  # a copy's reads, an unset slot
+    def refusal(self, name:str) -> AttributeError:
+        "The error for a write in place (`name`): how to write the state instead"
         s = self.b.store.name
-        raise AttributeError(f"{self!r} has no `{name}`: with opt_state='{s}' the optimizer's state is held in {s} during a fit, "
-                             "and its state dicts hold this handle. Read the fp32 values with `.float()`, and write by assigning "
-                             f"a tensor (`opt.state[p]['{self.k}'] = t`), which the next step takes")
+        return AttributeError(f"{self!r} cannot `{name}` in place: with opt_state='{s}' the optimizer's state is held in {s}, "
+                              "and its state dicts hold this handle. It reads as its fp32 values (`.float()`, `h * 2`, `h.mean()`); "
+                              f"write by assigning a tensor (`opt.state[p]['{self.k}'] = t`), which the next step takes")
+    def __getattr__(self, name:str):
+        "A tensor's method or attribute asked of the handle: that of its fp32 values; a write in place is refused"
+        if name.startswith('__') or name in LowBitState.__slots__: raise AttributeError(name)  # a copy's reads, an unset slot
+        if name.endswith('_'): raise self.refusal(name)
+        return getattr(self.float(), name)
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        "A torch function given handles runs on their fp32 values; one that writes into a handle is refused"
+        kwargs = kwargs or {}
+        name = getattr(func, '__name__', str(func))
+        target = kwargs.get('out', args[0] if args and name.endswith('_') and not name.endswith('__') else None)
+        if isinstance(target, LowBitState): raise target.refusal(name)
+        read = lambda o: o.float() if isinstance(o, LowBitState) else [read(v) for v in o] if type(o) in (list, tuple) else o
+        return func(*map(read, args), **{k: read(v) for k,v in kwargs.items()})
+
+def _read(name:str) -> Callable:
+    "The operator `name` of a handle: that of its fp32 values"
+    def op(self, *args): return getattr(self.float(), name)(*args)
+    return op
+
+for _name in ('__add__ __radd__ __sub__ __rsub__ __mul__ __rmul__ __truediv__ __rtruediv__ __pow__ __rpow__ __matmul__ __rmatmul__ '
+              '__neg__ __abs__ __lt__ __le__ __gt__ __ge__ __getitem__ __len__ __iter__ __array__').split():
+    setattr(LowBitState, _name, _read(_name))
 
 class DenseStore:
     "Flat state in the stepped dtype (`opt_state='fp32'`)"

@@ -154,3 +154,24 @@ def test_torch_optimizer_load_into_the_layout_kept():
     assert {v.dtype for s in a.opt.opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()} == {torch.float32}
     fit_both(a, b, seed=10)
     assert_same(a, b, 'resumed with a torch optimizer')
+
+@pytest.mark.parametrize('mode,opt_state,fused', ARMS[1:])  # the low-bit arms
+def test_state_read_between_fits_is_fp32(mode, opt_state, fused):
+    "Low-bit state read between fits (`opt.state[p][k]`) reads as the reference's fp32 tensors; the reads change nothing"
+    a,b = learner(mode, opt_state, fused),learner(mode, opt_state, fused, kept=False)
+    fit_both(a, b)
+    before = state_of(a)
+    for pa,pb in zip(a.model.parameters(), b.model.parameters()):
+        for k,vb in b.opt.state[pb].items():
+            va = a.opt.state[pa][k]
+            if not torch.is_tensor(vb): continue
+            assert va.dtype == torch.float32 and tuple(va.shape) == tuple(vb.shape)
+            assert torch.equal(va * 1, vb) and torch.equal(va.clone(), vb) and torch.equal(torch.zeros_like(vb) + va, vb), k
+            assert torch.equal(va.abs().max(), vb.abs().max()), k
+    with pytest.raises(AttributeError, match='cannot `zero_` in place'):
+        for s in a.opt.state.values():
+            for v in s.values():
+                if isinstance(v, LowBitState): v.zero_()
+    assert not state_diffs(before, state_of(a)), 'a read changed the state'
+    fit_both(a, b, seed=2)
+    assert_same(a, b, 'after the next fit')
