@@ -36,6 +36,15 @@ ARMS = {
     'mpx pure stochastic 8bit': _mpx(pure=True, update='stochastic', opt_state='8bit'),
 }
 
+PREDICTED = {  # arm -> the call in `precision_report().memory` that predicts its training peak
+    'fastai fp32': 'to_fp32()', 'mpx AMP bf16': 'to_bf16()', 'mpx AMP bf16 8bit': "to_bf16(opt_state='8bit')",
+    'mpx master bf16': 'to_bf16(master=True)', 'mpx pure kahan': 'to_bf16(pure=True)',
+    'mpx pure kahan 8bit': "to_bf16(pure=True, opt_state='8bit')",
+    'mpx pure stochastic 8bit': "to_bf16(pure=True, update='stochastic', opt_state='8bit')",
+    'mpx AMP bf16 compile': "to_bf16(fused='compile')", 'mpx master bf16 compile': "to_bf16(master=True, fused='compile')",
+    'mpx pure kahan 8bit compile': "to_bf16(pure=True, opt_state='8bit', fused='compile')",
+}
+
 def _status(key:str) -> int:
     "`VmHWM` or `VmRSS` of this process, in bytes"
     for l in open('/proc/self/status'):
@@ -44,18 +53,41 @@ def _status(key:str) -> int:
 
 def _reset_peak(): open('/proc/self/clear_refs', 'w').write('5')  # the peak resident set starts again from the current one
 
-def _learner(width:int, n_in:int=64, bs:int=16, n:int=8):
-    "The arm's learner: an MLP of three `width` layers on synthetic regression data that `export` can empty"
-    from fastai.basics import Learner, nn, torch, MSELossFlat, Adam, set_seed
-    from mpx.test_utils import _ExportableDS, _quiet
+def _mlp_data(n_in:int, n_out:int, bs:int, n:int):
+    "Synthetic regression data that `export` can empty: `n` training batches of `bs`, two validation ones"
+    from fastai.basics import torch
+    from mpx.test_utils import _ExportableDS
     from fastai.data.core import TfmdDL, DataLoaders
+    def ds(k): x = torch.randn(bs*k, n_in); return _ExportableDS(x, x[:, :n_out] * 2 + .1 * torch.randn(bs*k, n_out))
+    return DataLoaders(TfmdDL(ds(n), bs=bs, shuffle=True), TfmdDL(ds(2), bs=bs))
+
+def _mlp(sizes:list):
+    from fastai.basics import nn
+    layers = [nn.Linear(a, b) for a,b in zip(sizes[:-1], sizes[1:])]
+    return nn.Sequential(*[m for l in layers[:-1] for m in (l, nn.ReLU())], layers[-1])
+
+MODELS = {  # name: its description, the widths of the MLP (None: the text model)
+    'issue': ('MLP 64-4096x3-1 (34M parameters, two 16.8M weights)', [64, 4096, 4096, 4096, 1]),
+    'small': ('MLP 64-576x3-1 (0.7M parameters), for a quick look', [64, 576, 576, 576, 1]),
+    'wide': ("bench/memory.py's 'wide': MLP 1024-4096-4096-10 (21.0M parameters, 16.8M in one weight)", [1024, 4096, 4096, 10]),
+    'deep': ("bench/memory.py's 'deep': MLP 1024-1024x20-10 (21.0M parameters, none over 1.05M)", [1024] * 21 + [10]),
+    'text': ("fastai's AWD_LSTM classifier (pretrained=False, one LSTM layer of 1536, WeightDropout), 12-word vocabulary, "
+             "sequences of 8", None),
+}
+
+def _learner(model:str, bs:int=16, n:int=8):
+    "The arm's learner, and the process's resident bytes once its data is made (before the model)"
+    from fastai.basics import Learner, MSELossFlat, Adam, set_seed
+    from mpx.test_utils import _quiet, text_app_learner
     set_seed(0)
-    def ds(k): x = torch.randn(bs*k, n_in); return _ExportableDS(x, x[:, :1] * 2 + .1 * torch.randn(bs*k, 1))
-    dls = DataLoaders(TfmdDL(ds(n), bs=bs, shuffle=True), TfmdDL(ds(2), bs=bs))
+    sizes = MODELS[model][1]
+    if sizes is None:  # the text model: its data is made with it; the data alone is measured first and subtracted
+        text_app_learner(n=bs*(n+1), bs=bs, emb_sz=8)
+        base = _status('VmRSS')
+        return text_app_learner(n=bs*(n+1), bs=bs, emb_sz=1536, lin_ftrs=(64,), opt_func=Adam, lr=1e-3),base
+    dls = _mlp_data(sizes[0], sizes[-1], bs, n)
     base = _status('VmRSS')  # the data made: what the model, the optimizer and the mode take is measured from here
-    model = nn.Sequential(nn.Linear(n_in, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
-                          nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 1))
-    return _quiet(Learner(dls, model, loss_func=MSELossFlat(), opt_func=Adam, lr=1e-3)),base
+    return _quiet(Learner(dls, _mlp(sizes), loss_func=MSELossFlat(), opt_func=Adam, lr=1e-3)),base
 
 def _other(l, which:str):
     "fastai + optimi's Kahan AdamW on a bf16 model, or fastai + torchao's `AdamW8bit` on the fp32 model"
@@ -76,12 +108,12 @@ def _other(l, which:str):
     l.opt_func = partial(OptimWrapper, opt=partial(optimi.AdamW, kahan_sum=True, **ADAM_KW), hp_map=hp_map)
     return l.add_cb(BF16Model())
 
-def run_one(name:str, width:int) -> dict:
+def run_one(name:str, model:str) -> dict:
     "The arm's session in this process: each call's peak and what stays after it, in bytes a parameter"
     import torch
     torch.set_num_threads(1)
     import fastai.callback.schedule, mpx.all  # noqa: F401 (lr_find, fit_one_cycle; mpx patches Learner)
-    learn,base = _learner(width)
+    learn,base = _learner(model)
     make = ARMS[name]
     learn = _other(learn, make) if isinstance(make, str) else make(learn)
     n = sum(p.numel() for p in learn.model.parameters())
@@ -103,35 +135,52 @@ def run_one(name:str, width:int) -> dict:
     res['after del'] = per(_status('VmRSS'))
     return res
 
+def predict(model:str) -> dict:
+    "`precision_report()`'s predicted session peak of each mode, in bytes a parameter above the process before the model"
+    import torch
+    torch.set_num_threads(1)
+    import mpx.all  # noqa: F401
+    learn,_ = _learner(model)
+    return {call: round(b, 2) for call,b in learn.precision_report().memory['B/param'].items()}
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument('--arms', default='', help='comma-separated substrings of arm names (default: every arm)')
-    ap.add_argument('--small', action='store_true', help='a 1M-parameter MLP (width 576), for a quick look')
+    ap.add_argument('--model', default='issue', choices=list(MODELS), help="the model ('issue': the issue's session)")
+    ap.add_argument('--small', action='store_true', help="the 'small' model, for a quick look")
     ap.add_argument('--one', default='', help=argparse.SUPPRESS)
+    ap.add_argument('--predict', action='store_true', help=argparse.SUPPRESS)
     a = ap.parse_args()
-    width = 576 if a.small else 4096
-    if a.one: return print(json.dumps(run_one(a.one, width)))
+    model = 'small' if a.small else a.model
+    if a.one: return print(json.dumps(run_one(a.one, model)))
+    if a.predict: return print(json.dumps(predict(model)))
     names = [n for n in ARMS if not a.arms or any(s.strip() in n for s in a.arms.split(','))]
     env = {**os.environ, 'MALLOC_MMAP_THRESHOLD_': '65536', 'PYTHONWARNINGS': 'ignore'}
+    run = lambda *args: subprocess.run([sys.executable, __file__, '--model', model, *args], env=env, capture_output=True, text=True)
     import torch, fastai
     print(f"# Memory over a session (bench/session_memory.py): torch {torch.__version__}, fastai {fastai.__version__}, "
-          f"MLP 64-{width}x3-1, Adam, batch 16, 8 batches an epoch; bytes a parameter above the process before the model\n")
+          f"{MODELS[model][0]}, Adam, batch 16, 8 batches an epoch; bytes a parameter above the process before the model\n")
+    out = run('--predict')
+    pred = json.loads(out.stdout.strip().splitlines()[-1]) if not out.returncode else {}
+    if out.returncode: print(f"precision_report's prediction failed\n{out.stderr[-2000:]}")
     rows = []
     for name in names:
         t = time.time()
-        out = subprocess.run([sys.executable, __file__, '--one', name] + (['--small'] if a.small else []), env=env,
-                             capture_output=True, text=True)
+        out = run('--one', name)
         if out.returncode: print(f"{name}: failed\n{out.stderr[-2000:]}"); continue
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
         print(f"  {name}: {time.time() - t:.0f} s", file=sys.stderr)
     base = next((r for r in rows if r['arm'] == 'fastai fp32'), None)
     train_peak = lambda r: max(r['peak'][c] for c in TRAINING)
-    print('| arm | training peak | x fastai | after fit 1 | after fit 3 | growth fit 1->3 | save peak | export peak | end | after del |')
-    print('|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|')
+    print('| arm | training peak | x fastai | predicted | predicted / measured | after fit 1 | after fit 3 | growth fit 1->3 | '
+          'save peak | export peak | end | after del |')
+    print('|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|')
     for r in rows:
         ratio = f"{train_peak(r) / train_peak(base):.2f}" if base else ''
         p,af = r['peak'],r['after']
-        print(f"| {r['arm']} | {train_peak(r):.1f} | {ratio} | {af['fit_one_cycle']:.1f} | {af['fit 3']:.1f} | "
+        pr = pred.get(PREDICTED.get(r['arm']))
+        said = f"{pr:.1f} | {pr / train_peak(r):.2f}" if pr else ' | '
+        print(f"| {r['arm']} | {train_peak(r):.1f} | {ratio} | {said} | {af['fit_one_cycle']:.1f} | {af['fit 3']:.1f} | "
               f"{af['fit 3'] - af['fit_one_cycle']:+.1f} | {p['save']:.1f} | {p['export']:.1f} | {af['export']:.1f} | "
               f"{r['after del']:.1f} |")
     print('\nEach call, peak / after:')

@@ -17,12 +17,15 @@ from .hardware import *
 from .warn import warn_user
 from .callback import _no_kernel
 from .fp8 import fp8_table, linear_rows, real_fp8
-from .lowbit import param_bytes
+from .lowbit import param_bytes, state_bytes, MIN_LOWBIT, MODE_BYTES
+from .plumbing import state_owners
+from .fused import default_chunk
 
 # %% auto #0
-__all__ = ['precision_report', 'fp32_trial', 'ModuleStats', 'module_numerics', 'time_steps', 'ModeFailure', 'mode_failure',
-           'assess_numerics', 'PrecisionReport', 'plain_text', 'memory_line', 'Hardware', 'cpu_hardware',
-           'cuda_hardware', 'mps_hardware', 'detect_hardware', 'slow_reason', 'warn_if_slow', 'reset_slow_warnings']
+__all__ = ['MEMORY_MODES', 'precision_report', 'fp32_trial', 'ModuleStats', 'module_numerics', 'time_steps', 'ModeFailure',
+           'mode_failure', 'assess_numerics', 'MemoryTerms', 'memory_terms', 'session_peaks', 'PrecisionReport',
+           'plain_text', 'memory_line', 'device_free', 'memory_frame', 'Hardware', 'cpu_hardware', 'cuda_hardware',
+           'mps_hardware', 'detect_hardware', 'slow_reason', 'warn_if_slow', 'reset_slow_warnings']
 
 # %% ../nbs/06_advisor.ipynb #62e927f3
 _all_ = ['Hardware', 'cpu_hardware', 'cuda_hardware', 'mps_hardware', 'detect_hardware', 'slow_reason', 'warn_if_slow',
@@ -387,6 +390,95 @@ def _timing_reasons(timings:dict, rec:str) -> list:
 
 def _ms(t:float) -> str: return f'{t*1e3:.3g} ms' if t < 1 else f'{t:.3g} s'
 
+# %% ../nbs/06_advisor.ipynb #2106befc
+_CASTS = (nn.Linear, nn.Bilinear, nn.modules.conv._ConvNd, nn.RNNBase, nn.MultiheadAttention)  # the layers autocast runs in 16 bits
+
+class MemoryTerms(NamedTuple):
+    "What a model brings to each mode's memory: elements by role, and one batch's activations"
+    params:int # trainable elements
+    lowbit:int # of them, those in tensors large enough for low-bit state (`MIN_LOWBIT` elements or more)
+    largest:int # elements of the largest trainable tensor
+    cast:int # trainable elements autocast copies to 16 bits for the forward (the weights of the layers it casts)
+    fixed:int # bytes every mode keeps as they are: frozen parameters and buffers
+    n_state:int # state tensors the optimizer keeps a parameter (Adam: 2)
+    activations:int # bytes one fp32 training forward keeps for its backward
+    autocast_activations:int # the same under bf16 autocast (fp16 where bf16 has no autocast), its copies of the weights included
+    chunk:int # elements of the step engine's eager window on the device
+
+def _n_state(opt_func) -> int:
+    "State tensors of a parameter's size `opt_func`'s optimizer keeps, counted after one step of a small one"
+    p = nn.Parameter(torch.ones(MIN_LOWBIT))
+    p.grad = torch.ones_like(p)
+    try:
+        opt = opt_func([p], lr=1e-3)
+        opt.step()
+    except Exception: return 2  # an optimizer that cannot take a lone parameter: Adam's count
+    return sum(1 for o in state_owners(opt) for v in getattr(o, 'state', {}).get(p, {}).values()
+               if isinstance(v, Tensor) and v.shape == p.shape)
+
+def _saved_bytes(model:nn.Module, xb:tuple, yb:tuple, loss_func, autocast:bool=False) -> int|None:
+    "Bytes one forward and its loss keep for the backward (each storage once, the parameters left out); None if it fails"
+    params,saved = {p.untyped_storage().data_ptr() for p in model.parameters()},{}
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in params: saved[s.data_ptr()] = s.nbytes()
+        return t
+    dt = model_device(model).type
+    half = torch.bfloat16 if dt != 'cuda' or torch.cuda.is_bf16_supported() else torch.float16
+    ctx = torch.autocast(dt, dtype=half) if autocast else _no_autocast(dt)
+    try:
+        with ctx, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t): loss_func(model(*xb), *yb)
+    except Exception:
+        if autocast: return None  # no 16-bit kernel for one of its ops here (`mode_failure` says which)
+        raise
+    return sum(saved.values())
+
+def memory_terms(
+    model:nn.Module, # an fp32 model (the advisor's `fp32_trial`)
+    xb:tuple, yb:tuple, loss_func, # one training batch and the learner's loss
+    opt_func=Adam, # the learner's optimizer function
+) -> MemoryTerms:
+    "The `MemoryTerms` of `model` training on batches like `xb` with `opt_func`: runs one forward"
+    ps = [p for p in model.parameters() if p.requires_grad]
+    cast = {id(p) for m in model.modules() if isinstance(m, _CASTS) for p in m.parameters()}
+    fixed = sum(t.nbytes for t in [*model.buffers(), *(p for p in model.parameters() if not p.requires_grad)])
+    cast = sum(p.numel() for p in ps if id(p) in cast)
+    act = _saved_bytes(model, xb, yb, loss_func)
+    half = _saved_bytes(model, xb, yb, loss_func, autocast=True)
+    return MemoryTerms(sum(p.numel() for p in ps), sum(p.numel() for p in ps if p.numel() >= MIN_LOWBIT),
+                       max((p.numel() for p in ps), default=0), cast, fixed, _n_state(opt_func), act,
+                       act // 2 + 2 * cast if half is None else half, default_chunk(model_device(model)))
+
+# %% ../nbs/06_advisor.ipynb #95919c5e
+def _kept_between_fits(mode:str, opt_state:str) -> bool: return mode in ('kahan', 'stochastic') or (mode == 'amp' and opt_state != 'fp32')
+
+def _state_bytes(t:MemoryTerms, opt_state:str) -> float:
+    "Bytes of optimizer state: low-bit where a tensor is large enough, fp32 in the rest"
+    return t.n_state * (state_bytes(opt_state) * t.lowbit + 4 * (t.params - t.lowbit))
+
+def session_peaks(
+    t:MemoryTerms, # the model's terms
+    mode:str='amp', # 'fp32' (fastai's loop), 'amp', 'master', 'kahan' or 'stochastic' (`MODE_BYTES`)
+    opt_state:str='fp32', # the optimizer state's kind
+    fused:bool|str=True, # the engine's setting: True, or 'compile'
+) -> dict:
+    "Bytes `mode` holds in a fit and between fits, and its peak over a session, with the moment it comes at"
+    P,L = t.params,t.largest
+    fastai_layout = 8 * P + _state_bytes(t, 'fp32') + t.fixed  # fp32 weights, gradients and state, as fastai holds them
+    held = 2 * P if fused == 'compile' else 0  # inductor's buffers: the process keeps them from the first compiled step on
+    fit = MODE_BYTES[mode] * P + _state_bytes(t, opt_state) + t.fixed + held
+    kept = _kept_between_fits(mode, opt_state)
+    grads = dict(fp32=4, amp=4).get(mode, 2) * L  # a new gradient of the largest weight, before it is added to the one held
+    step = 8 * L if mode == 'fp32' else 0 if fused == 'compile' else 16 * min(t.chunk, P)  # fastai's Adam; the engine's windows
+    half_model = max(t.autocast_activations - 2 * t.cast, 0)  # a half model's forward: as autocast's, without its weight copies
+    act = dict(fp32=t.activations, amp=t.autocast_activations).get(mode, half_model)
+    moments = {'a training step': fit + max(act + grads, step),
+               "lr_find's load": fit + 4 * L if kept else fastai_layout + held + 4 * P}
+    if mode == 'master': moments['a set-up'] = fastai_layout + held + 8 * P  # half weights and gradients, fp32 master gradients
+    if mode in ('kahan', 'stochastic'): moments['a set-up'] = 4 * P + MODE_BYTES[mode] * P + t.fixed  # beside the fp32 model
+    at = max(moments, key=moments.get)
+    return dict(fit=fit, between=fit if kept else fastai_layout + held, peak=moments[at], at=at)
+
 # %% ../nbs/06_advisor.ipynb #cc5a01a7
 @dataclass
 class PrecisionReport:
@@ -401,6 +493,8 @@ class PrecisionReport:
     fp8:pd.DataFrame|None=None # each `nn.Linear`: would `to_fp8()` run it in fp8, its M×K×N and `fp8_gain` class
     fp8_real:bool=False # whether the device computes fp8 (else `to_fp8()` emulates it, slowly: never recommended)
     cannot_run:dict=field(default_factory=dict) # mode -> the `ModeFailure` of a 16-bit mode that cannot train the model here
+    memory:pd.DataFrame|None=None # each mode's call: its predicted bytes in a fit, between fits, at its session's peak, and whether it fits
+    room:int|None=None # bytes the device has for the learner: free now, plus what the learner holds
 
     @property
     def speedups(self) -> dict:
@@ -431,7 +525,8 @@ def _head(self:PrecisionReport) -> list:
     t = ' | '.join(f"{m} {_ms(s)}{speed(m)}" for m,s in self.timings.items()) if self.timings else None
     return [f"hardware: {self.hardware}", *( [f"step time: {t}"] if t else []),
             f"fp16 underflow at the loss scale 2**16: {self.underflow:.2%} of the nonzero gradient elements",
-            "at risk in 16 bits: " + (', '.join(f"`{n}`" for n in self.at_risk) or 'none'), self._fp8_line(), memory_line()]
+            "at risk in 16 bits: " + (', '.join(f"`{n}`" for n in self.at_risk) or 'none'), self._fp8_line(),
+            memory_line() if self.memory is None else self._memory_line()]
 
 def memory_line() -> str:
     "Bytes a large parameter holds in each mode with Adam, its state in fp32 or (`opt_state`) in 8 bits"
@@ -463,6 +558,54 @@ def _repr_html_(self:PrecisionReport):
     return (f"<p><b>recommended: {self.recommended}</b></p><ul>" + ''.join(f"<li>{_html(r)}</li>" for r in self.reasons) + "</ul><p>"
             + '<br>'.join(_html(l) for l in self._head()) + "</p>" + self.to_frame().to_html(**_table))
 
+# %% ../nbs/06_advisor.ipynb #7c64d2d6
+MEMORY_MODES = {  # a mode's call: (its short name, then `session_peaks`'s mode, opt_state and fused)
+    'to_fp32()': ('fp32', 'fp32', 'fp32', False),
+    'to_bf16()': ('AMP', 'amp', 'fp32', True),
+    "to_bf16(opt_state='8bit')": ('AMP 8-bit state', 'amp', '8bit', True),
+    'to_bf16(master=True)': ('master', 'master', 'fp32', True),
+    'to_bf16(pure=True)': ('pure kahan', 'kahan', 'fp32', True),
+    "to_bf16(pure=True, opt_state='8bit')": ('pure kahan 8-bit state', 'kahan', '8bit', True),
+    "to_bf16(pure=True, update='stochastic', opt_state='8bit')": ('pure stochastic 8-bit state', 'stochastic', '8bit', True),
+    "to_bf16(fused='compile')": ('AMP compiled', 'amp', 'fp32', 'compile'),
+    "to_bf16(master=True, fused='compile')": ('master compiled', 'master', 'fp32', 'compile'),
+    "to_bf16(pure=True, opt_state='8bit', fused='compile')": ('pure kahan 8-bit state compiled', 'kahan', '8bit', 'compile'),
+}
+
+def device_free(device) -> int|None:
+    "Bytes free on `device` now: CUDA's free memory, a Linux CPU's available memory; else None"
+    device = torch.device(device)
+    if device.type == 'cuda': return torch.cuda.mem_get_info(device)[0]
+    if device.type != 'cpu': return None
+    try: return next(int(l.split()[1]) * 1024 for l in open('/proc/meminfo') if l.startswith('MemAvailable:'))
+    except (OSError, StopIteration): return None
+
+def _held(learn:Learner) -> int:
+    "Bytes the learner holds now in its model (weights, gradients, buffers) and optimizer state, each storage once"
+    ts = [*learn.model.parameters(), *(p.grad for p in learn.model.parameters() if p.grad is not None), *learn.model.buffers()]
+    if learn.opt is not None: ts += [v for o in state_owners(learn.opt) for s in o.state.values() for v in s.values() if isinstance(v, Tensor)]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in ts}.values())
+
+def memory_frame(t:MemoryTerms, room:int|None=None) -> pd.DataFrame:
+    "`session_peaks` of each mode in `MEMORY_MODES`, one row a call, and whether its peak fits in `room` bytes"
+    rows = {call: session_peaks(t, *args) for call,(_,*args) in MEMORY_MODES.items()}
+    df = pd.DataFrame.from_dict(rows, orient='index')[['fit', 'between', 'peak', 'at']]
+    df['B/param'] = df['peak'] / max(t.params, 1)
+    df['fits'] = [None if room is None else p <= room for p in df['peak']]
+    return df
+
+def _gb(b:float) -> str: return f'{b / 2**30:.3g} GiB' if b >= 2**30 else f'{b / 2**20:.3g} MiB'
+
+@patch
+def _memory_line(self:PrecisionReport) -> str:
+    "The predicted session peak of each eager mode, the room the device has, and the modes that do not fit"
+    eager = self.memory[[MEMORY_MODES[c][3] is True or c == 'to_fp32()' for c in self.memory.index]]
+    peaks = ' | '.join(f"{MEMORY_MODES[c][0]} {_gb(p)}" for c,p in eager['peak'].items())
+    if self.room is None: return f"memory, predicted session peak (`report.memory`): {peaks}"
+    out = [MEMORY_MODES[c][0] for c,f in eager['fits'].items() if not f]
+    verdict = 'every mode fits' if not out else 'no mode fits' if len(out) == len(eager) else 'too large: ' + ', '.join(out)
+    return f"memory, predicted session peak (`report.memory`): {peaks}; {_gb(self.room)} here for the learner: {verdict}"
+
 # %% ../nbs/06_advisor.ipynb #ec012913
 def _failed(learn:Learner, e:Exception) -> RuntimeError:
     "The error `precision_report` raises when `learn`'s model fails on a training batch: it names mpx, the model and the cause"
@@ -485,6 +628,7 @@ def precision_report(
         loss_func = _learner_loss(learn)
         try: mods,underflow = module_numerics(model, xb, yb, loss_func)
         except Exception as e: raise _failed(learn, e) from e
+        terms = memory_terms(model, xb, yb, loss_func, learn.opt_func)
         safe,at_risk,why = assess_numerics(mods, underflow, max_underflow)
         fp8 = fp8_table(model, rows=linear_rows(model, *xb))
         tried = [m for m in ('bf16', 'fp16') if safe[m] and (time or getattr(hw, f'{m}_fast'))]  # the modes that could be recommended
@@ -494,7 +638,9 @@ def precision_report(
     for f in fails.values():
         if f.module: at_risk.setdefault(f.module, f"no {f.mode} kernel here" if f.no_kernel else f"fails in {f.mode}")
     reasons = [verdict, *hw.notes[:2], *why, *map(str, fails.values()), *(_timing_reasons(timings, rec) if time else [])]
-    return PrecisionReport(hw, mods, underflow, at_risk, rec, reasons, timings, fp8, real_fp8(dev), fails)
+    free = device_free(dev)
+    room = None if free is None else free + _held(learn)
+    return PrecisionReport(hw, mods, underflow, at_risk, rec, reasons, timings, fp8, real_fp8(dev), fails, memory_frame(terms, room), room)
 
 # %% ../nbs/06_advisor.ipynb #e101f421
 _report = precision_report  # fastcore 1.x's `@patch` returns None, not the function the name had: kept here, restored below

@@ -12,7 +12,7 @@ from fastai.learner import save_model, load_model
 import fastai.callback.fp16 as fastai_fp16
 import pickle, cloudpickle
 from .parallel import is_sharded, save_sharded, load_sharded
-from .plumbing import Ledger, save_streamed, load_streamed, read_stored
+from .plumbing import Ledger, LazyTensor, save_streamed, load_streamed, read_stored
 
 # %% auto #0
 __all__ = ['check_fastai_version', 'is_mpx_precision', 'check_one_precision']
@@ -248,21 +248,23 @@ _fastai_export = getattr(Learner.export, '_fastai', Learner.export)
 
 @patch
 def export(self:Learner, fname='export.pkl', **kwargs):
-    "fastai's `export`, of the fp32 model: a fit under way suspended around it; a layout kept, its fp32 values shown while pickled"
+    "fastai's `export`, of the fp32 model: a fit under way suspended around it; a layout kept, written a tensor at a time"
     kept = _kept_layout(self)
     if kept: return _export_kept(self, kept[0], fname, **kwargs)
     with _suspended(self): return _fastai_export(self, fname, **kwargs)
 
 def _export_kept(learn:Learner, cb, fname='export.pkl', pickle_module=cloudpickle, pickle_protocol:int=2):
-    "fastai's `export` of a layout kept: the fp32 values in the model while it is pickled, the optimizer (and its layout) kept"
+    "fastai's `export` of a layout kept: each model tensor it holds otherwise written as its fp32 value, made and freed in turn"
     if rank_distrib(): return
     learn._end_cleanup()
+    ts = [t for t in get_model(learn.model).state_dict(keep_vars=True).values() if isinstance(t, Tensor)]
+    swap = {id(t): LazyTensor(f, torch.float32, t.shape) for t in ts if (f := cb._fp32_of(t)) is not None}
     dls,opt = learn.dls,learn.opt
     learn.dls,learn.opt = dls.new_empty(),None  # as fastai's: the optimizer is not exported; it is given back, not made again
     try:
-        with cb.fp32_model(), warnings.catch_warnings():
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            torch.save(learn, learn.path/fname, pickle_module=pickle_module, pickle_protocol=pickle_protocol)
+            save_streamed(learn, learn.path/fname, pickle_protocol, pickler=pickle_module.Pickler, swap=swap)
     finally: learn.dls,learn.opt = dls,opt
 
 Learner.export._fastai = _fastai_export

@@ -136,9 +136,19 @@ def _storage_dtypes() -> dict:
     return {getattr(torch, n): dt for dt,n in torch.storage._dtype_to_storage_type_map().items()}
 
 # %% ../nbs/01b_plumbing.ipynb #c19fd374
-def save_streamed(obj, file, pickle_protocol:int=2):
+def _lazy_reduce(t:Tensor, lazy:LazyTensor) -> tuple:
+    "How tensor `t` pickles with `lazy` written as its values: a parameter stays a parameter"
+    if not isinstance(t, nn.Parameter): return lazy.__reduce_ex__(2)
+    state = torch._utils._get_obj_state(t)
+    if state: return torch._utils._rebuild_parameter_with_state,(lazy, t.requires_grad, collections.OrderedDict(), state)
+    return torch._utils._rebuild_parameter,(lazy, t.requires_grad, collections.OrderedDict())
+
+def save_streamed(obj, file, pickle_protocol:int=2,
+                  pickler=pickle.Pickler, # the pickler class (`cloudpickle.Pickler` for a learner's `export`)
+                  swap:dict|None=None, # `id` of a tensor in `obj` -> the `LazyTensor` written in its place
+                 ):
     "`torch.save(obj, file)` holding one tensor at a time: each tensor (or `LazyTensor`) made, written and freed in turn"
-    records,real = {},{}
+    records,real,swap = {},{},swap or {}
     def persistent_id(o):
         if isinstance(o, _Pending):
             key = str(len(records) + len(real))
@@ -147,8 +157,11 @@ def save_streamed(obj, file, pickle_protocol:int=2):
         if isinstance(o, torch.storage.TypedStorage):  # a tensor the walk did not reach (inside another object): as torch writes it
             key = real.setdefault(o._untyped_storage._cdata, (str(len(records) + len(real)), o._untyped_storage))[0]
             return ('storage', getattr(torch, o._pickle_storage_type()), key, 'cpu', o._size())
-    class Pickler(pickle.Pickler):
+    class Pickler(pickler):
         def persistent_id(self, o): return persistent_id(o)
+        def reducer_override(self, o):
+            if id(o) in swap: return _lazy_reduce(o, swap[id(o)])
+            return super().reducer_override(o) if hasattr(pickler, 'reducer_override') else NotImplemented
     buf = io.BytesIO()
     Pickler(buf, protocol=pickle_protocol).dump(_lazy_leaves(obj))
     data = buf.getvalue()

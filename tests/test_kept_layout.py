@@ -98,6 +98,28 @@ def test_export_writes_the_fp32_model(mode):
     assert not state_diffs([p.detach() for p in load_learner(a.path/'end.pkl').model.parameters()], want)
     assert precision_cb(a).fused_steps is eng and not state_diffs(weights(a), want)  # a layout kept stays as it was
 
+def test_export_makes_one_fp32_tensor_at_a_time():
+    "`export` of a layout kept makes each fp32 value as it writes it and frees it before the next: never the whole fp32 model"
+    a = learner('pure_kahan', '8bit')
+    fit_quiet(a)
+    cb,made,most = precision_cb(a),[],[0]
+    fp32_of = cb._fp32_of
+    def tracked(t):
+        f = fp32_of(t)
+        if f is None: return None
+        def make():
+            v = f()
+            made.append(weakref.ref(v))
+            most[0] = max(most[0], sum(r() is not None for r in made))
+            return v
+        return make
+    cb._fp32_of = tracked
+    try: a.export('streamed.pkl')
+    finally: del cb._fp32_of
+    assert len(made) >= 4 and most[0] == 1, (len(made), most[0])
+    got = load_learner(a.path/'streamed.pkl').model
+    assert not state_diffs([p.detach() for p in got.parameters()], weights(a)) and isinstance(got[0].weight, nn.Parameter)
+
 @pytest.mark.parametrize('mode,opt_state', [('pure_kahan', '8bit'), ('amp_bf16', '4bit')])
 def test_calls_between_fits(mode, opt_state):
     "`get_preds`, `validate`, `summary` keep the layout and give the rebuilt layout's results; `lr_find` and a fit go on bit for bit"
