@@ -93,6 +93,7 @@ def _other(l, which:str):
     "fastai + optimi's Kahan AdamW on a bf16 model, or fastai + torchao's `AdamW8bit` on the fp32 model"
     from functools import partial
     from fastai.basics import OptimWrapper, Callback
+    from mpx.core import to_float32 as to_float
     if which == 'torchao':
         sys.path.insert(0, str(Path(__file__).parent))
         from _common import torchao_adamw8bit
@@ -101,8 +102,8 @@ def _other(l, which:str):
     import optimi
     class BF16Model(Callback):
         order = 10
-        def before_batch(self): self.learn.xb = tuple(x.bfloat16() for x in self.xb)
-        def after_pred(self): self.learn.pred = self.pred.float()
+        def before_batch(self): self.learn.xb = tuple(x.bfloat16() if x.is_floating_point() else x for x in self.xb)
+        def after_pred(self): self.learn.pred = to_float(self.pred)  # a text classifier's is a tuple
     l.model.bfloat16()
     hp_map = {'beta1': 'mom', 'beta2': 'sqr_mom', 'weight_decay': 'wd'}  # optimi's names, so fit_one_cycle can schedule `mom`
     l.opt_func = partial(OptimWrapper, opt=partial(optimi.AdamW, kahan_sum=True, **ADAM_KW), hp_map=hp_map)

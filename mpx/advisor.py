@@ -36,79 +36,94 @@ _FP16_MAX,_BF16_MAX = torch.finfo(torch.float16).max,torch.finfo(torch.bfloat16)
 _FP16_SCALE = 2.**16  # the default `init_scale` of `GradScaler` and `LossScaler`
 
 def _rng_states() -> dict:
-    "The state of every RNG a batch or a forward pass may draw from: torch's (CPU and initialized CUDA), `random`'s, numpy's"
+    "The state of every RNG a batch or a forward may draw from"
     s = dict(torch=torch.get_rng_state(), random=random.getstate(), numpy=np.random.get_state())
     if torch.cuda.is_available() and torch.cuda.is_initialized(): s['cuda'] = torch.cuda.get_rng_state_all()
     return s
 
 def _set_rng_states(s:dict):
-    torch.set_rng_state(s['torch']); random.setstate(s['random']); np.random.set_state(s['numpy'])
+    torch.set_rng_state(s['torch'])
+    random.setstate(s['random'])
+    np.random.set_state(s['numpy'])
     if 'cuda' in s: torch.cuda.set_rng_state_all(s['cuda'])
 
 @contextmanager
 def _untouched(dl):
-    "Inside, draw batches from `dl` freely: on exit the RNGs and `dl`'s attributes (its own `random.Random` included) are as before"
+    "Draw batches from `dl` inside; on exit its RNGs and attributes are as before"
     rngs,attrs = _rng_states(),dict(vars(dl))
     own = {k: v.getstate() for k,v in attrs.items() if isinstance(v, random.Random)}
     try: yield
     finally:
         _set_rng_states(rngs)
-        vars(dl).clear(); vars(dl).update(attrs)
+        vars(dl).clear()
+        vars(dl).update(attrs)
         for k,s in own.items(): attrs[k].setstate(s)
 
 # %% ../nbs/06_advisor.ipynb #dfb69590
 def _one_batch(learn:Learner) -> tuple:
-    "A training batch of `learn` as (inputs, targets), split as `Learner` splits it"
+    "A training batch of `learn` as (inputs, targets)"
     b,i = learn.dls.train.one_batch(),getattr(learn.dls, 'n_inp', 1)
     return tuple(b[:i]), tuple(b[i:])
 
-_post_hooks = ('_forward_hooks', '_forward_hooks_with_kwargs', '_forward_hooks_always_called', '_backward_hooks', '_backward_pre_hooks')
+_post_hooks = ('_forward_hooks', '_forward_hooks_with_kwargs', '_forward_hooks_always_called', '_backward_hooks',
+               '_backward_pre_hooks')
 
 def _fp32_copies(o, device, memo:dict):
-    "`o` with each tensor in it (`o` a tensor, or lists and tuples of them), parameters aside, copied to `device`, in fp32 if floating"
+    "`o`'s tensors, parameters aside, copied to `device` (floats in fp32)"
     if isinstance(o, torch.Tensor) and not isinstance(o, nn.Parameter):
-        if id(o) not in memo: memo[id(o)] = o.detach().to(device, torch.float32 if o.is_floating_point() else o.dtype, copy=True)
+        dtype = torch.float32 if o.is_floating_point() else o.dtype
+        if id(o) not in memo: memo[id(o)] = o.detach().to(device, dtype, copy=True)
         return memo[id(o)]
     return type(o)(_fp32_copies(x, device, memo) for x in o) if type(o) in (list, tuple) else o
 
 def _kept(o) -> tuple[dict, dict]:
-    "`o`'s attributes, and a shallow copy of each dict and list among them (a module's parameters, buffers, hooks, an RNN's weights)"
+    "`o`'s attributes, and a shallow copy of each dict and list among them"
     attrs = dict(vars(o))
     return attrs, {k: copy(v) for k,v in attrs.items() if isinstance(v, (dict, list))}
 
 def _put_back(o, attrs:dict, contents:dict):
-    "Give `o` back the attributes and the dict and list contents `_kept` returned, in the same objects"
+    "Give `o` back what `_kept` returned, in the same objects"
     for k,c in contents.items():
-        if isinstance(c, dict): attrs[k].clear(); attrs[k].update(c)
+        if isinstance(c, dict):
+            attrs[k].clear()
+            attrs[k].update(c)
         else: attrs[k][:] = c
-    vars(o).clear(); vars(o).update(attrs)
+    vars(o).clear()
+    vars(o).update(attrs)
 
 @contextmanager
 def fp32_trial(
     model:nn.Module, # run as it is, on copies of its tensors: any module, whether or not `copy.deepcopy` can copy it
     device=None, # where the copies go; `None`: `model`'s device
 ):
-    "Inside, `model` runs in fp32 and train mode on `device`, on copies of its tensors, without grads or callbacks' hooks; put back on exit"
+    "Inside, `model` trains in fp32 on copies of its tensors; put back on exit"
     dev,mods,memo = device or model_device(model),list(model.modules()),{}
     kept,params = [_kept(m) for m in mods],[(p, p.data, p.grad) for p in model.parameters()]
-    versions = [_unsafe_preserve_version_counter(p) for p,_,_ in params]  # a trial step writes the copies in place: it moves them
+    # a trial step writes the copies in place, which moves the version counters: they are put back
+    versions = [_unsafe_preserve_version_counter(p) for p,_,_ in params]
     try:
-        for p,data,_ in params: p.grad = None; p.data = _fp32_copies(data, dev, memo)
+        for p,data,_ in params:
+            p.grad = None
+            p.data = _fp32_copies(data, dev, memo)
         for m,(attrs,_) in zip(mods, kept):
             for k,v in attrs.items():
-                if k not in ('_parameters', '_modules'): vars(m)[k] = _fp32_copies(v, dev, memo)  # tensor attributes: an RNN's hidden state
+                # tensor attributes: an RNN's hidden state
+                if k not in ('_parameters', '_modules'): vars(m)[k] = _fp32_copies(v, dev, memo)
             for k,b in m._buffers.items(): m._buffers[k] = _fp32_copies(b, dev, memo)
-            for h in _post_hooks: getattr(m, h, {}).clear()  # forward pre-hooks (weight norm, pruning) are part of the model: kept
+            # forward pre-hooks (weight norm, pruning) are part of the model: kept
+            for h in _post_hooks: getattr(m, h, {}).clear()
         yield model.train()
     finally:
-        for p,data,grad in params: p.grad = None; p.data = data; p.grad = grad
+        for p,data,grad in params:
+            p.grad = None  # a gradient of the copy's dtype cannot stay while the data changes back
+            p.data,p.grad = data,grad
         for v in versions: v.__exit__(None, None, None)  # each counter as it was
         for m,(attrs,contents) in zip(mods, kept): _put_back(m, attrs, contents)
 
 # %% ../nbs/06_advisor.ipynb #cec42e8c
 def _learner_loss(learn:Learner) -> callable:
-    "`f(pred, *yb)`: `learn.loss_func` on what `learn`'s `after_pred` callbacks make of `pred`; `learn` and its callbacks unchanged"
-    cbs = [cb for cb in learn.cbs.sorted('order') if getattr(type(cb), 'after_pred', None) is not None]  # in fastai's order
+    "`f(pred, *yb)`: the loss of what `learn`'s `after_pred` makes of `pred`"
+    cbs = [cb for cb in learn.cbs.sorted('order') if getattr(type(cb), 'after_pred', None) is not None]
     def loss(pred, *yb):
         attrs,kept = dict(vars(learn)),[_kept(cb) for cb in cbs]
         try:
@@ -116,14 +131,15 @@ def _learner_loss(learn:Learner) -> callable:
             for cb in cbs: cb('after_pred')
             pred = learn.pred
         finally:
-            vars(learn).clear(); vars(learn).update(attrs)
+            vars(learn).clear()
+            vars(learn).update(attrs)
             for cb,(cb_attrs,contents) in zip(cbs, kept): _put_back(cb, cb_attrs, contents)
         return learn.loss_func(pred, *yb)
     return loss
 
 # %% ../nbs/06_advisor.ipynb #7ea24c4d
 class ModuleStats(NamedTuple):
-    "One module's numerics on one batch in fp32: its largest |output|, largest |gradient| w.r.t. its output, and fp16 underflow"
+    "One module's numerics on one batch in fp32"
     name:str # the module's name in `model.named_modules()`; '(model)' for the whole model, '(input)' for the batch
     kind:str # the module's class name
     act_max:float # the largest |activation| it outputs (inf where inf or nan)
@@ -134,7 +150,7 @@ class ModuleStats(NamedTuple):
     def underflow(self) -> float: return self.n_under/self.n_grad if self.n_grad else 0.
 
 def _floats(o) -> list:
-    "The floating-point tensors in `o`: a tensor, or tuples, lists and dicts of them"
+    "The floating-point tensors in `o` (nested)"
     if isinstance(o, torch.Tensor): return [o] if o.is_floating_point() and o.numel() else []
     if isinstance(o, dict): o = list(o.values())
     return [t for x in o for t in _floats(x)] if isinstance(o, (tuple, list)) else []
@@ -143,7 +159,7 @@ def _abs_max(t:torch.Tensor) -> float: return t.detach().float().abs().nan_to_nu
 
 # %% ../nbs/06_advisor.ipynb #1d10cbde
 class _Probe:
-    "Forward hooks on every module of a model: each output's largest |value|, and through a tensor hook its gradient's"
+    "Hooks recording each module's largest |output| and |gradient|"
     def __init__(self, model:nn.Module, scale:float=_FP16_SCALE):
         self.scale = scale
         self.recs = {}  # id(output) -> its stats: an output shared by modules counts once
@@ -151,7 +167,7 @@ class _Probe:
         self.handles = [m.register_forward_hook(partial(self.forward, n or '(model)')) for n,m in model.named_modules()]
 
     def record(self, t:torch.Tensor) -> int:
-        "Stats of `t`, kept once per tensor; its gradient fills them during backward"
+        "Stats of `t`, kept once; its gradient fills them"
         if id(t) not in self.recs:
             self.recs[id(t)] = rec = dict(t=t, act=_abs_max(t), grad=math.nan, n_grad=0, n_under=0)
             if t.requires_grad: t.register_hook(partial(self.backward, rec))
@@ -161,12 +177,13 @@ class _Probe:
         self.mods.setdefault(name, (type(mod).__name__, []))[1].extend(self.record(t) for t in _floats(out))
 
     def backward(self, rec:dict, g:torch.Tensor):
-        g = g.detach().float(); nz = g != 0
+        g = g.detach().float()
+        nz = g != 0
         rec.update(grad=max(_abs_max(g), 0. if math.isnan(rec['grad']) else rec['grad']), n_grad=rec['n_grad']+int(nz.sum()),
                    n_under=rec['n_under']+int((nz & ((g*self.scale).half() == 0)).sum()))
 
     def stats(self, name:str, kind:str, ids:list) -> ModuleStats:
-        "The `ModuleStats` of module `name` from the records of its outputs `ids`"
+        "The `ModuleStats` of module `name`"
         rs = [self.recs[i] for i in ids]
         grads = [r['grad'] for r in rs if not math.isnan(r['grad'])]
         act_max,grad_max = max((r['act'] for r in rs), default=0.),max(grads, default=math.nan)
@@ -185,7 +202,7 @@ def module_numerics(
     loss_func:callable, # called as `loss_func(pred, *yb)`
     scale:float=_FP16_SCALE, # the fp16 loss scale to test the gradients against
 ) -> tuple[list, float]:
-    "`ModuleStats` of the input and each module (as their forwards end) from one fp32 step, and the gradients' fp16 underflow at `scale`"
+    "`ModuleStats` of the input and each module from one fp32 step, and the underflow"
     probe,dt = _Probe(model, scale),(_floats(list(xb)) or [next(model.parameters())])[0].device.type
     try:
         ids = [probe.record(t) for t in _floats(list(xb))]
@@ -202,10 +219,15 @@ def _sync(dt:str):
     elif dt == 'mps': torch.mps.synchronize()
 
 def _step(model, xb, yb, loss_func, opt, ctx, scaler):
-    "One training step: forward and loss under `ctx`, backward, optimizer step (through `scaler` if there is one)"
+    "One training step: forward and loss under `ctx`, backward, optimizer step"
     with ctx: loss = loss_func(to_float32(model(*xb)), *yb)
-    if scaler is None: loss.backward(); opt.step()
-    else: scaler.scale(loss).backward(); scaler.step(opt); scaler.update()
+    if scaler is None:
+        loss.backward()
+        opt.step()
+    else:
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
     opt.zero_grad()
 
 def _stepper(model:nn.Module, mode:str) -> callable:
@@ -219,7 +241,7 @@ def _stepper(model:nn.Module, mode:str) -> callable:
 
 @contextmanager
 def _restored(model:nn.Module):
-    "Inside, `f()` gives each module of `model` back its attributes of now (an RNN's hidden state), as does the exit"
+    "Inside, `f()` puts `model`'s module attributes back as they are now; so does the exit"
     kept = [(m, *_kept(m)) for m in model.modules()]
     def restore():
         for m,attrs,contents in kept: _put_back(m, attrs, contents)
@@ -227,7 +249,10 @@ def _restored(model:nn.Module):
     finally: restore()
 
 def _timed(f, dt:str, *args) -> float:
-    _sync(dt); t0 = perf_counter(); f(*args); _sync(dt)
+    _sync(dt)
+    t0 = perf_counter()
+    f(*args)
+    _sync(dt)
     return perf_counter()-t0
 
 # %% ../nbs/06_advisor.ipynb #41cdc760
@@ -239,15 +264,22 @@ def time_steps(
     min_time:float=.2, # seconds: short steps are repeated (up to `10*n`) until they took this long
     budget:float=10., # seconds: stop after fewer than `n` once the steps took this long (very slow modes)
 ) -> dict:
-    "Median seconds of a training step of `model` on one batch in each of `modes`, their steps interleaved. Syncs the device each step"
+    "Median seconds of a training step in each of `modes`, interleaved. Syncs each step"
     dt,run = model_device(model).type,{}
-    with _restored(model) as restore:  # each step starts from the same state: a bf16 step's hidden state would reach the fp32 step
+    # each step starts from the same state: a bf16 step's hidden state would reach the fp32 step
+    with _restored(model) as restore:
         for m in modes:
-            try: f = _stepper(model, m); restore(); _timed(f, dt, xb, yb, loss_func); run[m] = f  # warm-up
+            try:
+                f = _stepper(model, m)
+                restore()
+                _timed(f, dt, xb, yb, loss_func)  # a warm-up step
+                run[m] = f
             except Exception as e: warn_user(f"{m} could not run here, so it is not timed: {e}")
         times,t0 = {m: [] for m in run},perf_counter()
         while run:  # one step of each mode per round: a burst of load elsewhere hits every mode alike
-            for m,f in run.items(): restore(); times[m].append(_timed(f, dt, xb, yb, loss_func))
+            for m,f in run.items():
+                restore()
+                times[m].append(_timed(f, dt, xb, yb, loss_func))
             k,spent = len(times[first(run)]),perf_counter()-t0
             if k >= 10*n or spent > budget or (k >= n and spent >= min_time): break
     return {m: statistics.median(ts) for m,ts in times.items()}
@@ -256,10 +288,10 @@ def time_steps(
 _device_names = dict(cpu='CPU', cuda='GPU', mps='Apple GPU')
 
 class ModeFailure(NamedTuple):
-    "Why a 16-bit mode cannot train a model here: where its training step failed, and the error"
+    "Why a 16-bit mode cannot train a model here"
     mode:str # 'bf16' or 'fp16'
     device:str # the device type: 'cpu', 'cuda', 'mps'
-    module:str|None # the innermost module whose forward failed ('(model)' for the model itself); None: outside any forward
+    module:str|None # the innermost module whose forward failed ('(model)': the model); None: outside any forward
     kind:str|None # that module's class name
     error:str # the error's type and first line
     no_kernel:bool # whether the error says the device has no kernel for an op in this dtype
@@ -272,23 +304,24 @@ class ModeFailure(NamedTuple):
 
 # %% ../nbs/06_advisor.ipynb #0031a229
 class _Running:
-    "Forward hooks keeping the names of the modules of `model` whose forward has begun and not ended, the innermost last"
+    "The names of the modules whose forward is under way, innermost last"
     def __init__(self, model:nn.Module):
         self.stack = []
         self.handles = [h for n,m in model.named_modules() for h in (m.register_forward_pre_hook(partial(self.begin, n or '(model)')),
                                                                      m.register_forward_hook(partial(self.end, n or '(model)')))]
     def begin(self, name, *args): self.stack.append(name)
     def end(self, name, *args):
-        while self.stack and self.stack.pop() != name: pass  # a forward that failed and was caught inside its parent's: gone too
+        # a forward that failed and was caught inside its parent's: gone too
+        while self.stack and self.stack.pop() != name: pass
     def remove(self):
         for h in self.handles: h.remove()
 
 def mode_failure(
-    model:nn.Module, # an fp32 model, trained here (inside `fp32_trial`): its modules' attributes are put back after the step
+    model:nn.Module, # an fp32 model, trained here (inside `fp32_trial`): its modules' attributes put back after
     xb:tuple, yb:tuple, loss_func:callable, # a batch and the loss, as for `module_numerics`
     mode:str, # 'bf16' or 'fp16'
 ) -> ModeFailure|None:
-    "None where one training step of `model` runs in `mode` here (as `time_steps` runs it), else where and why it failed"
+    "None where a training step of `model` runs in `mode` here, else why not"
     dt,running,mods = model_device(model).type,_Running(model),dict(model.named_modules())
     try:
         with _restored(model): _stepper(model, mode)(xb, yb, loss_func)
@@ -304,12 +337,12 @@ def _num(v:float) -> str: return 'inf' if math.isinf(v) else re.sub(r'e\+?0*(\d)
 def _names(names:list, n:int=3) -> str: return ', '.join(f'`{o}`' for o in names[:n]) + (', ...' if len(names) > n else '')
 
 def _innermost(names:list) -> list:
-    "The `names` with no other of `names` inside them ('(model)' holds every module, `a` holds `a.b`)"
+    "The `names` with no other of `names` inside them"
     inside = lambda o,n: o != n and (n == '(model)' and o != '(input)' or o.startswith(n+'.'))
     return [n for n in names if not any(inside(o, n) for o in names)]
 
 def _overflows(mods:list, limit:float) -> dict:
-    "What exceeds `limit`: {'activations': {name: value}, 'gradients': {name: value}}, innermost modules only"
+    "What exceeds `limit`, by kind and innermost module"
     res = {}
     for what,key in (('activations', 'act_max'), ('gradients', 'grad_max')):
         vals = {m.name: getattr(m, key) for m in mods if getattr(m, key) > limit}
@@ -320,19 +353,19 @@ def _overflows(mods:list, limit:float) -> dict:
 _limits = dict(bf16=(_BF16_MAX, '3.4e38'), fp16=(_FP16_MAX, '65504'))
 
 def _fp32_failures(mods:list) -> tuple[dict, list]:
-    "The modules whose activations or gradients are already inf/nan in fp32, and the reasons"
+    "The modules already inf/nan in fp32, and the reasons"
     bad = [(what, n) for what,d in _overflows(mods, torch.finfo(torch.float32).max).items() for n in d]
     why = "fp32: {} of `{}` are inf/nan already in fp32: no precision helps; fix the model or the data"
     return {n: f"{what} inf/nan in fp32" for what,n in bad}, [why.format(what, n) for what,n in bad]
 
 def _overflow_reason(mode:str, what:str, d:dict, lim_s:str) -> str:
-    "Why `mode` is unsafe: the first of the modules `d` whose `what` exceed `lim_s`, and how many later ones follow"
+    "Why `mode` is unsafe: the first module over its range, and how many follow"
     (n,v),later = first(d.items()),list(d)[1:]
     then = f" (then in {len(later)} later modules: {_names(later)})" if later else ''
     return f"{mode}: {what} of `{n}` reach {_num(v)} > {lim_s}{then}"
 
 def _fits_reason(mods:list, underflow:float) -> str:
-    "Why fp16 is safe: the largest activation and gradient, and the share that underflows"
+    "Why fp16 is safe: the largest values, and the underflow"
     a,g = max(mods, key=lambda m: m.act_max),max(mods, key=lambda m: -1 if math.isnan(m.grad_max) else m.grad_max)
     return (f"fp16: activations (largest {_num(a.act_max)}, `{a.name}`) and gradients (largest {_num(g.grad_max)}, `{g.name}`) "
             f"fit in 65504; {underflow:.2%} of the gradient elements underflow at the loss scale 2**16")
@@ -342,7 +375,7 @@ def assess_numerics(
     underflow:float, # the share of nonzero gradient elements that underflow in fp16
     max_underflow:float=0.01, # the largest `underflow` fp16 tolerates
 ) -> tuple[dict, dict, list]:
-    "Which 16-bit modes the numerics allow ({'bf16','fp16'} -> bool), the modules at risk (name -> problem) and the reasons in words"
+    "The 16-bit modes the numerics allow, the modules at risk and why"
     at_risk,reasons = _fp32_failures(mods)
     if at_risk: return dict(bf16=False, fp16=False), at_risk, reasons
     safe = dict(bf16=True, fp16=True)
@@ -364,7 +397,7 @@ def assess_numerics(
 
 # %% ../nbs/06_advisor.ipynb #43af0c8a
 def _hw_verdict(hw:Hardware, safe:dict, fails=()) -> tuple[str, str]:
-    "The mode `hw`'s flags and the numerics recommend among those that did not fail (`fails`), and why: bf16 before fp16, else fp32"
+    "The mode the hardware and numerics recommend, and why"
     ok = [m for m in ('bf16', 'fp16') if safe[m] and m not in fails and getattr(hw, f'{m}_fast')]
     if not ok and fails: return 'fp32', f"fp32: no 16-bit mode is fast on this {hw.device}, numerically safe and able to train this model"
     if not ok: return 'fp32', f"fp32: no 16-bit mode is both fast on this {hw.device} and numerically safe for this model"
@@ -372,7 +405,7 @@ def _hw_verdict(hw:Hardware, safe:dict, fails=()) -> tuple[str, str]:
     return ok[0], why + ('; preferred to fp16: no loss scaling needed' if ok[0] == 'bf16' and 'fp16' in ok else '')
 
 def _timed_verdict(timings:dict, safe:dict, min_speedup:float) -> tuple[str, str]:
-    "The mode measured speed picks among the numerically safe ones: at least `min_speedup`x fp32 (and fp16 as much over bf16), else fp32"
+    "The mode measured speed picks among the safe ones, and why"
     gain = {m: timings['fp32']/t for m,t in timings.items() if m != 'fp32' and safe[m]}
     ok = [m for m in ('bf16', 'fp16') if gain.get(m, 0) >= min_speedup]
     if not ok: return 'fp32', f"fp32: no numerically safe 16-bit mode measured {min_speedup:g}x fp32's speed or more here"
@@ -385,16 +418,16 @@ def _timing_reason(m:str, timings:dict) -> str:
     return f"{m}: measured {t32/t:.2f}x fp32's speed ({_ms(t)} vs {_ms(t32)} a step)"
 
 def _timing_reasons(timings:dict, rec:str) -> list:
-    "The timing of each 16-bit mode but `rec`, whose timing the verdict already gives"
+    "The timing of each 16-bit mode but `rec`"
     return [_timing_reason(m, timings) for m in timings if m not in ('fp32', rec)]
 
 def _ms(t:float) -> str: return f'{t*1e3:.3g} ms' if t < 1 else f'{t:.3g} s'
 
 # %% ../nbs/06_advisor.ipynb #2106befc
-_CASTS = (nn.Linear, nn.Bilinear, nn.modules.conv._ConvNd, nn.RNNBase, nn.MultiheadAttention)  # the layers autocast runs in 16 bits
+_CASTS = (nn.Linear, nn.Bilinear, nn.modules.conv._ConvNd, nn.RNNBase, nn.MultiheadAttention)  # autocast runs these in 16 bits
 
 class MemoryTerms(NamedTuple):
-    "What a model brings to each mode's memory: elements by role, and one batch's activations"
+    "What a model brings to each mode's memory"
     params:int # trainable elements
     lowbit:int # of them, those in tensors large enough for low-bit state (`MIN_LOWBIT` elements or more)
     largest:int # elements of the largest trainable tensor
@@ -402,11 +435,11 @@ class MemoryTerms(NamedTuple):
     fixed:int # bytes every mode keeps as they are: frozen parameters and buffers
     n_state:int # state tensors the optimizer keeps a parameter (Adam: 2)
     activations:int # bytes one fp32 training forward keeps for its backward
-    autocast_activations:int # the same under bf16 autocast (fp16 where bf16 has no autocast), its copies of the weights included
+    autocast_activations:int # the same under bf16 autocast (else fp16), its copies of the weights included
     chunk:int # elements of the step engine's eager window on the device
 
 def _n_state(opt_func) -> int:
-    "State tensors of a parameter's size `opt_func`'s optimizer keeps, counted after one step of a small one"
+    "State tensors a parameter's size that `opt_func`'s optimizer keeps"
     p = nn.Parameter(torch.ones(MIN_LOWBIT))
     p.grad = torch.ones_like(p)
     try:
@@ -417,11 +450,12 @@ def _n_state(opt_func) -> int:
                if isinstance(v, Tensor) and v.shape == p.shape)
 
 def _saved_bytes(model:nn.Module, xb:tuple, yb:tuple, loss_func, autocast:bool=False) -> int|None:
-    "Bytes one forward and its loss keep for the backward (each storage once, the parameters left out); None if it fails"
-    params,saved = {p.untyped_storage().data_ptr() for p in model.parameters()},{}
+    "Bytes one forward and loss keep for the backward; None if it fails"
+    held = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *xb, *yb] if isinstance(t, Tensor)}
+    saved = {}
     def pack(t):
         s = t.untyped_storage()
-        if s.data_ptr() not in params: saved[s.data_ptr()] = s.nbytes()
+        if s.data_ptr() not in held: saved[s.data_ptr()] = s.nbytes()
         return t
     dt = model_device(model).type
     half = torch.bfloat16 if dt != 'cuda' or torch.cuda.is_bf16_supported() else torch.float16
@@ -438,22 +472,24 @@ def memory_terms(
     xb:tuple, yb:tuple, loss_func, # one training batch and the learner's loss
     opt_func=Adam, # the learner's optimizer function
 ) -> MemoryTerms:
-    "The `MemoryTerms` of `model` training on batches like `xb` with `opt_func`: runs one forward"
+    "The `MemoryTerms` of `model` training on batches like `xb`"
     ps = [p for p in model.parameters() if p.requires_grad]
     cast = {id(p) for m in model.modules() if isinstance(m, _CASTS) for p in m.parameters()}
     fixed = sum(t.nbytes for t in [*model.buffers(), *(p for p in model.parameters() if not p.requires_grad)])
     cast = sum(p.numel() for p in ps if id(p) in cast)
-    act = _saved_bytes(model, xb, yb, loss_func)
-    half = _saved_bytes(model, xb, yb, loss_func, autocast=True)
+    with _restored(model):  # a module's attributes as they were: an RNN's hidden state would reach the next forward
+        act = _saved_bytes(model, xb, yb, loss_func)
+        half = _saved_bytes(model, xb, yb, loss_func, autocast=True)
     return MemoryTerms(sum(p.numel() for p in ps), sum(p.numel() for p in ps if p.numel() >= MIN_LOWBIT),
                        max((p.numel() for p in ps), default=0), cast, fixed, _n_state(opt_func), act,
                        act // 2 + 2 * cast if half is None else half, default_chunk(model_device(model)))
 
 # %% ../nbs/06_advisor.ipynb #95919c5e
-def _kept_between_fits(mode:str, opt_state:str) -> bool: return mode in ('kahan', 'stochastic') or (mode == 'amp' and opt_state != 'fp32')
+def _kept_between_fits(mode:str, opt_state:str) -> bool:
+    return mode in ('kahan', 'stochastic') or (mode == 'amp' and opt_state != 'fp32')
 
 def _state_bytes(t:MemoryTerms, opt_state:str) -> float:
-    "Bytes of optimizer state: low-bit where a tensor is large enough, fp32 in the rest"
+    "Bytes of optimizer state under `opt_state`"
     return t.n_state * (state_bytes(opt_state) * t.lowbit + 4 * (t.params - t.lowbit))
 
 def session_peaks(
@@ -462,27 +498,27 @@ def session_peaks(
     opt_state:str='fp32', # the optimizer state's kind
     fused:bool|str=True, # the engine's setting: True, or 'compile'
 ) -> dict:
-    "Bytes `mode` holds in a fit and between fits, and its peak over a session, with the moment it comes at"
+    "Bytes `mode` holds in a fit, between fits, and at its session's peak"
     P,L = t.params,t.largest
     fastai_layout = 8 * P + _state_bytes(t, 'fp32') + t.fixed  # fp32 weights, gradients and state, as fastai holds them
-    held = 2 * P if fused == 'compile' else 0  # inductor's buffers: the process keeps them from the first compiled step on
+    held = 2 * P if fused == 'compile' else 0  # inductor's buffers, kept from the first compiled step on
     fit = MODE_BYTES[mode] * P + _state_bytes(t, opt_state) + t.fixed + held
     kept = _kept_between_fits(mode, opt_state)
-    grads = dict(fp32=4, amp=4).get(mode, 2) * L  # a new gradient of the largest weight, before it is added to the one held
-    step = 8 * L if mode == 'fp32' else 0 if fused == 'compile' else 16 * min(t.chunk, P)  # fastai's Adam; the engine's windows
-    half_model = max(t.autocast_activations - 2 * t.cast, 0)  # a half model's forward: as autocast's, without its weight copies
+    grads = dict(fp32=4, amp=4).get(mode, 2) * L  # a new gradient of the largest weight, before it is added
+    step = 8 * L if mode == 'fp32' else 0 if fused == 'compile' else 16 * min(t.chunk, P)  # fastai's Adam, the engine's windows
+    half_model = max(t.autocast_activations - 2 * t.cast, 0)  # autocast's forward without its weight copies
     act = dict(fp32=t.activations, amp=t.autocast_activations).get(mode, half_model)
     moments = {'a training step': fit + max(act + grads, step),
                "lr_find's load": fit + 4 * L if kept else fastai_layout + held + 4 * P}
-    if mode == 'master': moments['a set-up'] = fastai_layout + held + 8 * P  # half weights and gradients, fp32 master gradients
-    if mode in ('kahan', 'stochastic'): moments['a set-up'] = 4 * P + MODE_BYTES[mode] * P + t.fixed  # beside the fp32 model
+    if mode == 'master': moments['a set-up'] = fastai_layout + held + 8 * P  # half weights, gradients, master gradients
+    if mode in ('kahan', 'stochastic'): moments['a set-up'] = (4 + MODE_BYTES[mode]) * P + t.fixed  # and the fp32 model
     at = max(moments, key=moments.get)
     return dict(fit=fit, between=fit if kept else fastai_layout + held, peak=moments[at], at=at)
 
 # %% ../nbs/06_advisor.ipynb #cc5a01a7
 @dataclass
 class PrecisionReport:
-    "What `precision_report` found: the hardware, one batch's numerics per module, step timings if asked, the recommended mode and why"
+    "What `precision_report` found, and the mode it recommends"
     hardware:Hardware # the device the learner trains on
     modules:list # a `ModuleStats` for the input and each module, in the order their forwards end
     underflow:float # the share of nonzero gradient elements that underflow in fp16 at the loss scale 2**16
@@ -492,8 +528,8 @@ class PrecisionReport:
     timings:dict|None=None # mode -> median seconds of a training step (with `time=True`)
     fp8:pd.DataFrame|None=None # each `nn.Linear`: would `to_fp8()` run it in fp8, its M×K×N and `fp8_gain` class
     fp8_real:bool=False # whether the device computes fp8 (else `to_fp8()` emulates it, slowly: never recommended)
-    cannot_run:dict=field(default_factory=dict) # mode -> the `ModeFailure` of a 16-bit mode that cannot train the model here
-    memory:pd.DataFrame|None=None # each mode's call: its predicted bytes in a fit, between fits, at its session's peak, and whether it fits
+    cannot_run:dict=field(default_factory=dict) # mode -> the `ModeFailure` of a 16-bit mode that cannot train here
+    memory:pd.DataFrame|None=None # each mode's call: predicted bytes in a fit, between fits, at its peak; whether it fits
     room:int|None=None # bytes the device has for the learner: free now, plus what the learner holds
 
     @property
@@ -504,7 +540,7 @@ class PrecisionReport:
 # %% ../nbs/06_advisor.ipynb #d7722eea
 @patch
 def to_frame(self:PrecisionReport) -> pd.DataFrame:
-    "The per-module numerics as a DataFrame, one row per module, with the risk found there"
+    "The per-module numerics as a DataFrame"
     rows = [{'module': m.name, 'type': m.kind, 'max |activation|': m.act_max, 'max |gradient|': m.grad_max,
              'fp16 underflow': math.nan if math.isnan(m.grad_max) else m.underflow, 'at risk': self.at_risk.get(m.name, '')}
             for m in self.modules]
@@ -513,14 +549,14 @@ def to_frame(self:PrecisionReport) -> pd.DataFrame:
 _table = dict(float_format=_num, na_rep='–', formatters={'fp16 underflow': lambda v: '–' if math.isnan(v) else f'{v:.1%}'})
 
 def plain_text(s:str) -> str:
-    "`s` for a terminal: the markdown code spans that mark module names (`0`) as quoted names ('0')"
+    "`s` for a terminal: code spans as quoted names"
     return re.sub(r'`([^`]*)`', r"'\1'", s)
 
 def _html(s:str) -> str: return re.sub(r'`([^`]*)`', r'<code>\1</code>', html.escape(s))
 
 @patch
 def _head(self:PrecisionReport) -> list:
-    "The summary lines: the recommendation, its reasons, the hardware, the timings, the underflow and the modules at risk"
+    "The summary lines of the report"
     speed = lambda m: '' if m == 'fp32' else f" ({self.speedups[m]:.2f}x)"
     t = ' | '.join(f"{m} {_ms(s)}{speed(m)}" for m,s in self.timings.items()) if self.timings else None
     return [f"hardware: {self.hardware}", *( [f"step time: {t}"] if t else []),
@@ -529,14 +565,14 @@ def _head(self:PrecisionReport) -> list:
             memory_line() if self.memory is None else self._memory_line()]
 
 def memory_line() -> str:
-    "Bytes a large parameter holds in each mode with Adam, its state in fp32 or (`opt_state`) in 8 bits"
+    "Bytes a large parameter holds in each mode with Adam"
     ms = dict(zip(('fp32 and AMP', 'master', 'pure kahan', 'pure stochastic'), ('amp', 'master', 'kahan', 'stochastic')))
     return ("memory a parameter with Adam (fp32 state / opt_state='8bit'): "
             + ', '.join(f"{k} {param_bytes(m):.3g} / {param_bytes(m, '8bit'):.3g} B" for k,m in ms.items()))
 
 @patch
 def _fp8_line(self:PrecisionReport) -> str:
-    "What `to_fp8()` would do: the layers it would convert, those that would gain, and whether fp8 is real here"
+    "What `to_fp8()` would do here"
     df = self.fp8
     if df is None or not len(df): return "fp8: no nn.Linear layer"
     conv = df[df['fp8']]
@@ -573,7 +609,7 @@ MEMORY_MODES = {  # a mode's call: (its short name, then `session_peaks`'s mode,
 }
 
 def device_free(device) -> int|None:
-    "Bytes free on `device` now: CUDA's free memory, a Linux CPU's available memory; else None"
+    "Bytes free on `device` now, where it says"
     device = torch.device(device)
     if device.type == 'cuda': return torch.cuda.mem_get_info(device)[0]
     if device.type != 'cpu': return None
@@ -581,13 +617,15 @@ def device_free(device) -> int|None:
     except (OSError, StopIteration): return None
 
 def _held(learn:Learner) -> int:
-    "Bytes the learner holds now in its model (weights, gradients, buffers) and optimizer state, each storage once"
-    ts = [*learn.model.parameters(), *(p.grad for p in learn.model.parameters() if p.grad is not None), *learn.model.buffers()]
-    if learn.opt is not None: ts += [v for o in state_owners(learn.opt) for s in o.state.values() for v in s.values() if isinstance(v, Tensor)]
+    "Bytes the learner's model and optimizer state hold now"
+    ps = list(learn.model.parameters())
+    ts = [*ps, *(p.grad for p in ps if p.grad is not None), *learn.model.buffers()]
+    if learn.opt is not None: ts += [v for o in state_owners(learn.opt) for s in o.state.values() for v in s.values()]
+    ts = [t for t in ts if isinstance(t, Tensor)]
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in ts}.values())
 
 def memory_frame(t:MemoryTerms, room:int|None=None) -> pd.DataFrame:
-    "`session_peaks` of each mode in `MEMORY_MODES`, one row a call, and whether its peak fits in `room` bytes"
+    "Each call's `session_peaks`, and whether it fits in `room`"
     rows = {call: session_peaks(t, *args) for call,(_,*args) in MEMORY_MODES.items()}
     df = pd.DataFrame.from_dict(rows, orient='index')[['fit', 'between', 'peak', 'at']]
     df['B/param'] = df['peak'] / max(t.params, 1)
@@ -598,7 +636,7 @@ def _gb(b:float) -> str: return f'{b / 2**30:.3g} GiB' if b >= 2**30 else f'{b /
 
 @patch
 def _memory_line(self:PrecisionReport) -> str:
-    "The predicted session peak of each eager mode, the room the device has, and the modes that do not fit"
+    "Each eager mode's predicted peak, and which do not fit"
     eager = self.memory[[MEMORY_MODES[c][3] is True or c == 'to_fp32()' for c in self.memory.index]]
     peaks = ' | '.join(f"{MEMORY_MODES[c][0]} {_gb(p)}" for c,p in eager['peak'].items())
     if self.room is None: return f"memory, predicted session peak (`report.memory`): {peaks}"
@@ -608,18 +646,18 @@ def _memory_line(self:PrecisionReport) -> str:
 
 # %% ../nbs/06_advisor.ipynb #ec012913
 def _failed(learn:Learner, e:Exception) -> RuntimeError:
-    "The error `precision_report` raises when `learn`'s model fails on a training batch: it names mpx, the model and the cause"
+    "The error of a model that fails on a training batch"
     return RuntimeError(f"mpx's precision_report: one fp32 forward and backward of {type(learn.model).__name__} on a training batch failed "
                         f"({type(e).__name__}: {e}); the learner is as it was")
 
 def precision_report(
     learn:Learner, # the learner to examine: nothing of it changes
-    time:bool=False, # also time training steps in fp32 and in each numerically safe 16-bit mode that runs; the speed then decides
+    time:bool=False, # also time training steps in fp32 and each safe 16-bit mode that runs: the speed decides
     min_speedup:float=1.1, # with `time`: the gain over fp32 a 16-bit mode must measure (and fp16 over bf16)
     max_underflow:float=0.01, # the largest share of gradient elements that may underflow in fp16 at 2**16
     n_steps:int=5, # with `time`: timed steps per mode at least, after a warm-up step
 ) -> PrecisionReport:
-    "The hardware, one training batch's fp32 numerics and (with `time`) step timings of `learn`, and the mode recommended; changes nothing"
+    "The precision `learn` should train in, and why; changes nothing"
     dev = training_device(learn.dls, learn.model)
     hw = detect_hardware(dev)
     # a caller's autocast would reach backward and the fp32 steps
@@ -631,7 +669,7 @@ def precision_report(
         terms = memory_terms(model, xb, yb, loss_func, learn.opt_func)
         safe,at_risk,why = assess_numerics(mods, underflow, max_underflow)
         fp8 = fp8_table(model, rows=linear_rows(model, *xb))
-        tried = [m for m in ('bf16', 'fp16') if safe[m] and (time or getattr(hw, f'{m}_fast'))]  # the modes that could be recommended
+        tried = [m for m in ('bf16', 'fp16') if safe[m] and (time or getattr(hw, f'{m}_fast'))]  # those it could recommend
         fails = {m: f for m in tried if (f := mode_failure(model, xb, yb, loss_func, m)) is not None}
         timings = time_steps(model, xb, yb, loss_func, ('fp32', *(m for m in tried if m not in fails)), n_steps) if time else None
     rec,verdict = _timed_verdict(timings, safe, min_speedup) if time else _hw_verdict(hw, safe, fails)
@@ -640,20 +678,21 @@ def precision_report(
     reasons = [verdict, *hw.notes[:2], *why, *map(str, fails.values()), *(_timing_reasons(timings, rec) if time else [])]
     free = device_free(dev)
     room = None if free is None else free + _held(learn)
-    return PrecisionReport(hw, mods, underflow, at_risk, rec, reasons, timings, fp8, real_fp8(dev), fails, memory_frame(terms, room), room)
+    memory = memory_frame(terms, room)
+    return PrecisionReport(hw, mods, underflow, at_risk, rec, reasons, timings, fp8, real_fp8(dev), fails, memory, room)
 
 # %% ../nbs/06_advisor.ipynb #e101f421
-_report = precision_report  # fastcore 1.x's `@patch` returns None, not the function the name had: kept here, restored below
+_report = precision_report  # fastcore 1.x's `@patch` returns None, not the function: kept here, restored below
 
 @patch
 def precision_report(self:Learner, time:bool=False, **kwargs) -> PrecisionReport:
-    "This learner's `precision_report`: hardware, one batch's numerics, optional timings and the recommended mode. Changes nothing"
+    "This learner's `precision_report`; changes nothing"
     return _report(self, time=time, **kwargs)
 
 @patch
 def to_auto_precision(self:Learner, time:bool=False, **kwargs):
-    "Apply the recommendation of `precision_report` through mpx's `to_bf16()`, `to_fp16()` or `to_fp32()`; returns the learner"
-    import mpx.learner  # patches those three; it sits above this module (learner -> advisor), so it is imported here, not at the top
+    "Train in the precision `precision_report` recommends"
+    import mpx.learner  # patches those three; it imports this module, so it is imported here, not at the top
     return getattr(self, f'to_{self.precision_report(time=time, **kwargs).recommended}')()
 
 precision_report = _report

@@ -5,7 +5,7 @@ from pathlib import Path
 import numpy as np
 import pytest, torch
 from torch import nn
-from fastai.basics import Learner, first, set_seed, partial, pd, noop
+from fastai.basics import Learner, Adam, first, set_seed, partial, pd, noop
 from fastai.callback.progress import ProgressCallback
 from fastai.test_utils import synth_learner
 from mpx.all import *
@@ -474,3 +474,48 @@ def test_timed_modes_start_alike():
     r = learn.precision_report(time=True, n_steps=2)
     assert set(r.timings) == {'fp32', 'bf16', 'fp16'} and not r.cannot_run
     assert learn.model.h is h
+
+# ---- memory over a session --------------------------------------------------------------------------------------
+
+def mlp_learner(width=256):
+    "A tiny learner on an MLP wide enough for low-bit state (tensors of 4,096 elements or more)"
+    model = lambda: nn.Sequential(nn.Linear(1, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 1))
+    return tiny_learner(model=model, opt_func=Adam)
+
+def test_memory_predicted_for_every_mode():
+    "`report.memory` has a row for each mode's call, ordered as their memory is, counted on this model's own terms."
+    learn = mlp_learner()
+    r = learn.precision_report()
+    df,P = r.memory,sum(p.numel() for p in learn.model.parameters())
+    assert list(df.index) == list(advisor.MEMORY_MODES)
+    peak = df['peak']
+    assert (peak["to_bf16(pure=True, update='stochastic', opt_state='8bit')"] < peak["to_bf16(pure=True, opt_state='8bit')"]
+            < peak['to_bf16(pure=True)'] < peak['to_bf16(master=True)'])
+    assert peak["to_bf16(opt_state='8bit')"] < peak['to_bf16()'] and (df['peak'] >= df['fit']).all()
+    assert df.loc['to_fp32()', 'fit'] == 16 * P and df.loc['to_bf16(master=True)', 'between'] == 16 * P  # fastai's layout between fits
+    assert df.loc['to_bf16(pure=True)', 'between'] == df.loc['to_bf16(pure=True)', 'fit'] == 6 * P + 8 * P  # kept between fits
+    assert 'memory, predicted session peak' in str(r) and 'here for the learner' in str(r) and df['fits'].all()
+
+def test_memory_says_what_does_not_fit(monkeypatch):
+    "With little room on the device, the report names the modes too large for it; with none known, it says only the peaks."
+    learn = mlp_learner()
+    full = learn.precision_report().memory
+    room = full.loc["to_bf16(pure=True, update='stochastic', opt_state='8bit')", 'peak'] + 1
+    monkeypatch.setattr(advisor, 'device_free', lambda dev: room - advisor._held(learn))
+    r = learn.precision_report()
+    assert r.room == room and r.memory['fits'].tolist()[:7] == [False] * 6 + [True], r.memory['fits']
+    assert 'too large: fp32, AMP, AMP 8-bit state, master, pure kahan, pure kahan 8-bit state' in str(r)
+    monkeypatch.setattr(advisor, 'device_free', lambda dev: None)
+    r = learn.precision_report()
+    assert r.room is None and r.memory['fits'].isna().all() and 'here for the learner' not in str(r)
+
+def test_memory_terms_follow_the_learner():
+    "Frozen parameters are fixed bytes, not trained ones; the optimizer's state count is its own (SGD with momentum: one)."
+    from fastai.basics import SGD
+    learn = mlp_learner()
+    t0 = learn.precision_report().memory.loc['to_fp32()', 'fit']
+    learn.model[2].weight.requires_grad_(False)
+    learn.opt_func = partial(SGD, mom=.9)
+    df = learn.precision_report().memory
+    n = 256 * 256
+    assert df.loc['to_fp32()', 'fit'] == t0 - n * 16 + n * 4 - (t0 // 16 - n) * 4  # Adam's two states to one, a frozen weight
