@@ -22,10 +22,10 @@ from .plumbing import state_owners
 from .fused import default_chunk
 
 # %% auto #0
-__all__ = ['MEMORY_MODES', 'precision_report', 'fp32_trial', 'ModuleStats', 'module_numerics', 'time_steps', 'ModeFailure',
-           'mode_failure', 'assess_numerics', 'MemoryTerms', 'memory_terms', 'session_peaks', 'PrecisionReport',
-           'plain_text', 'memory_line', 'device_free', 'memory_frame', 'Hardware', 'cpu_hardware', 'cuda_hardware',
-           'mps_hardware', 'detect_hardware', 'slow_reason', 'warn_if_slow', 'reset_slow_warnings']
+__all__ = ['COMPILER_CPU_BYTES', 'MEMORY_MODES', 'precision_report', 'fp32_trial', 'ModuleStats', 'module_numerics', 'time_steps',
+           'ModeFailure', 'mode_failure', 'assess_numerics', 'MemoryTerms', 'memory_terms', 'session_peaks',
+           'PrecisionReport', 'plain_text', 'memory_line', 'device_free', 'memory_frame', 'Hardware', 'cpu_hardware',
+           'cuda_hardware', 'mps_hardware', 'detect_hardware', 'slow_reason', 'warn_if_slow', 'reset_slow_warnings']
 
 # %% ../nbs/06_advisor.ipynb #62e927f3
 _all_ = ['Hardware', 'cpu_hardware', 'cuda_hardware', 'mps_hardware', 'detect_hardware', 'slow_reason', 'warn_if_slow',
@@ -424,6 +424,7 @@ def _timing_reasons(timings:dict, rec:str) -> list:
 def _ms(t:float) -> str: return f'{t*1e3:.3g} ms' if t < 1 else f'{t:.3g} s'
 
 # %% ../nbs/06_advisor.ipynb #2106befc
+COMPILER_CPU_BYTES = 64 * 2**20  # what inductor's code and caches kept in a CPU process (bench/session_memory.py): no tensor
 _CASTS = (nn.Linear, nn.Bilinear, nn.modules.conv._ConvNd, nn.RNNBase, nn.MultiheadAttention)  # autocast runs these in 16 bits
 
 class MemoryTerms(NamedTuple):
@@ -437,6 +438,7 @@ class MemoryTerms(NamedTuple):
     activations:int # bytes one fp32 training forward keeps for its backward
     autocast_activations:int # the same under bf16 autocast (else fp16), its copies of the weights included
     chunk:int # elements of the step engine's eager window on the device
+    compiler:int # bytes `torch.compile`'s own code and caches hold in the device's memory (a CPU's: the process's)
 
 def _n_state(opt_func) -> int:
     "State tensors a parameter's size that `opt_func`'s optimizer keeps"
@@ -482,7 +484,8 @@ def memory_terms(
         half = _saved_bytes(model, xb, yb, loss_func, autocast=True)
     return MemoryTerms(sum(p.numel() for p in ps), sum(p.numel() for p in ps if p.numel() >= MIN_LOWBIT),
                        max((p.numel() for p in ps), default=0), cast, fixed, _n_state(opt_func), act,
-                       act // 2 + 2 * cast if half is None else half, default_chunk(model_device(model)))
+                       act // 2 + 2 * cast if half is None else half, default_chunk(model_device(model)),
+                       COMPILER_CPU_BYTES if model_device(model).type == 'cpu' else 0)
 
 # %% ../nbs/06_advisor.ipynb #95919c5e
 def _kept_between_fits(mode:str, opt_state:str) -> bool:
@@ -501,7 +504,7 @@ def session_peaks(
     "Bytes `mode` holds in a fit, between fits, and at its session's peak"
     P,L = t.params,t.largest
     fastai_layout = 8 * P + _state_bytes(t, 'fp32') + t.fixed  # fp32 weights, gradients and state, as fastai holds them
-    held = 2 * P if fused == 'compile' else 0  # inductor's buffers, kept from the first compiled step on
+    held = t.compiler if fused == 'compile' else 0  # kept from the first compiled step on
     fit = MODE_BYTES[mode] * P + _state_bytes(t, opt_state) + t.fixed + held
     kept = _kept_between_fits(mode, opt_state)
     grads = dict(fp32=4, amp=4).get(mode, 2) * L  # a new gradient of the largest weight, before it is added

@@ -151,6 +151,20 @@ def test_dropped_learner_gives_tensors_back(mode):
     gc.collect()
     assert [r for r in refs if r() is not None] == []
 
+@pytest.mark.compiled
+def test_dropped_compiled_learner_gives_tensors_back():
+    "`del learn` of a compiled pure 8-bit learner frees every tensor it made: weights, engine buffers, state; the compiler keeps none"
+    learn = learner('pure_kahan', 'compile', opt_state='8bit')
+    fit_quiet(learn)
+    fit_quiet(learn)  # the layout kept between fits, taken by the second
+    refs = [weakref.ref(p) for p in learn.model.parameters()]
+    eng = precision_cb(learn).fused_steps
+    refs += [weakref.ref(t) for b in eng.buckets for t in vars(b).values() if isinstance(t, torch.Tensor)]
+    assert len(refs) > 8
+    del learn, eng
+    gc.collect()
+    assert [r for r in refs if r() is not None] == []
+
 class CopyStateDicts(Callback):
     "At each epoch's end (after its last step), replace every state dict with a copy of itself: the same handles, in new dicts"
     order = 20
