@@ -81,10 +81,13 @@ def _learner(model:str, bs:int=16, n:int=8):
     from mpx.test_utils import _quiet, text_app_learner
     set_seed(0)
     sizes = MODELS[model][1]
-    if sizes is None:  # the text model: its data is made with it; the data alone is measured first and subtracted
-        text_app_learner(n=bs*(n+1), bs=bs, emb_sz=8)
+    if sizes is None:  # the text model: its data made with a tiny model first, then the model measured on that data
+        from fastai.text.all import AWD_LSTM, text_classifier_learner
+        dls = text_app_learner(n=bs*(n+1), bs=bs, emb_sz=8).dls
         base = _status('VmRSS')
-        return text_app_learner(n=bs*(n+1), bs=bs, emb_sz=1536, lin_ftrs=(64,), opt_func=Adam, lr=1e-3),base
+        cfg = dict(emb_sz=1536, n_hid=1536, n_layers=1)
+        return _quiet(text_classifier_learner(dls, AWD_LSTM, pretrained=False, config=cfg, seq_len=8, max_len=80, lin_ftrs=[64],
+                                              opt_func=Adam, lr=1e-3)),base
     dls = _mlp_data(sizes[0], sizes[-1], bs, n)
     base = _status('VmRSS')  # the data made: what the model, the optimizer and the mode take is measured from here
     return _quiet(Learner(dls, _mlp(sizes), loss_func=MSELossFlat(), opt_func=Adam, lr=1e-3)),base

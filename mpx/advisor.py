@@ -5,7 +5,7 @@
 # %% ../nbs/06_advisor.ipynb #5287a32f
 from __future__ import annotations
 from fastai.basics import *
-import html, math, random, re, statistics, warnings
+import html, itertools, math, os, random, re, statistics, sys, warnings
 from contextlib import contextmanager, nullcontext
 from copy import copy
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
@@ -18,14 +18,15 @@ from .warn import warn_user
 from .callback import _no_kernel
 from .fp8 import fp8_table, linear_rows, real_fp8
 from .lowbit import param_bytes, state_bytes, MIN_LOWBIT, MODE_BYTES
-from .plumbing import state_owners
+from .plumbing import state_owners, halvable
 from .fused import default_chunk
 
 # %% auto #0
-__all__ = ['COMPILER_CPU_BYTES', 'MEMORY_MODES', 'precision_report', 'fp32_trial', 'ModuleStats', 'module_numerics', 'time_steps',
-           'ModeFailure', 'mode_failure', 'assess_numerics', 'MemoryTerms', 'memory_terms', 'session_peaks',
-           'PrecisionReport', 'plain_text', 'memory_line', 'device_free', 'memory_frame', 'Hardware', 'cpu_hardware',
-           'cuda_hardware', 'mps_hardware', 'detect_hardware', 'slow_reason', 'warn_if_slow', 'reset_slow_warnings']
+__all__ = ['COMPILER_CPU_BYTES', 'RUNTIME_CPU_BYTES', 'MEMORY_MODES', 'precision_report', 'fp32_trial', 'ModuleStats',
+           'module_numerics', 'time_steps', 'ModeFailure', 'mode_failure', 'assess_numerics', 'MemoryTerms',
+           'memory_terms', 'session_peaks', 'PrecisionReport', 'plain_text', 'memory_line', 'device_free',
+           'memory_frame', 'Hardware', 'cpu_hardware', 'cuda_hardware', 'mps_hardware', 'detect_hardware',
+           'slow_reason', 'warn_if_slow', 'reset_slow_warnings']
 
 # %% ../nbs/06_advisor.ipynb #62e927f3
 _all_ = ['Hardware', 'cpu_hardware', 'cuda_hardware', 'mps_hardware', 'detect_hardware', 'slow_reason', 'warn_if_slow',
@@ -425,20 +426,21 @@ def _ms(t:float) -> str: return f'{t*1e3:.3g} ms' if t < 1 else f'{t:.3g} s'
 
 # %% ../nbs/06_advisor.ipynb #2106befc
 COMPILER_CPU_BYTES = 64 * 2**20  # what inductor's code and caches kept in a CPU process (bench/session_memory.py): no tensor
-_CASTS = (nn.Linear, nn.Bilinear, nn.modules.conv._ConvNd, nn.RNNBase, nn.MultiheadAttention)  # autocast runs these in 16 bits
+RUNTIME_CPU_BYTES = 32 * 2**20  # what a CPU process training with fastai holds beside the learner's tensors, measured there
 
 class MemoryTerms(NamedTuple):
     "What a model brings to each mode's memory"
     params:int # trainable elements
     lowbit:int # of them, those in tensors large enough for low-bit state (`MIN_LOWBIT` elements or more)
     largest:int # elements of the largest trainable tensor
-    cast:int # trainable elements autocast copies to 16 bits for the forward (the weights of the layers it casts)
     fixed:int # bytes every mode keeps as they are: frozen parameters and buffers
     n_state:int # state tensors the optimizer keeps a parameter (Adam: 2)
-    activations:int # bytes one fp32 training forward keeps for its backward
-    autocast_activations:int # the same under bf16 autocast (else fp16), its copies of the weights included
+    step_fp32:int # bytes an fp32 training forward and backward allocate at their peak, the gradients aside
+    step_autocast:int # the same under autocast (bf16; fp16 where bf16 has none)
+    step_half:int # the same of the model in bf16 (BatchNorm fp32), as the master and pure modes train it
     chunk:int # elements of the step engine's eager window on the device
     compiler:int # bytes `torch.compile`'s own code and caches hold in the device's memory (a CPU's: the process's)
+    runtime:int # bytes the process holds in the device's memory to train, beside the tensors (a CPU's; a GPU's: none)
 
 def _n_state(opt_func) -> int:
     "State tensors a parameter's size that `opt_func`'s optimizer keeps"
@@ -451,41 +453,73 @@ def _n_state(opt_func) -> int:
     return sum(1 for o in state_owners(opt) for v in getattr(o, 'state', {}).get(p, {}).values()
                if isinstance(v, Tensor) and v.shape == p.shape)
 
-def _saved_bytes(model:nn.Module, xb:tuple, yb:tuple, loss_func, autocast:bool=False) -> int|None:
-    "Bytes one forward and loss keep for the backward; None if it fails"
-    held = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *xb, *yb] if isinstance(t, Tensor)}
-    saved = {}
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in held: saved[s.data_ptr()] = s.nbytes()
-        return t
-    dt = model_device(model).type
-    half = torch.bfloat16 if dt != 'cuda' or torch.cuda.is_bf16_supported() else torch.float16
-    ctx = torch.autocast(dt, dtype=half) if autocast else _no_autocast(dt)
-    try:
-        with ctx, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t): loss_func(model(*xb), *yb)
+# %% ../nbs/06_advisor.ipynb #mem00002
+@contextmanager
+def _no_stderr():
+    "File descriptor 2 to the null device inside: kineto writes a line there as a profile starts and stops"
+    sys.stderr.flush()
+    saved,null = os.dup(2),os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    os.close(null)
+    try: yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+def _peak_bytes(f:callable, device) -> int|None:
+    "The most bytes `f()` holds allocated at once on `device`, above what was there before; None where none can say"
+    device = torch.device(device)
+    if device.type == 'cuda':
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        f()
+        return torch.cuda.max_memory_allocated(device) - before
+    if device.type != 'cpu': return None
+    from torch.profiler import profile, ProfilerActivity
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _no_stderr(): prof.start()
+    try: f()
+    finally:
+        with _no_stderr(): prof.stop()
+    mem = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == '[memory]')
+    return max(itertools.accumulate(n for _,n in mem), default=0)
+
+def _step_bytes(model:nn.Module, xb:tuple, yb:tuple, loss_func, how:str='fp32') -> int|None:
+    "Peak bytes of one forward and backward of `model` in `how` ('fp32', 'autocast', 'half'); None if it cannot run"
+    dev = model_device(model)
+    half = torch.bfloat16 if dev.type != 'cuda' or torch.cuda.is_bf16_supported() else torch.float16
+    ps = [p for p in model.parameters() if p.requires_grad]
+    if how == 'half':  # the model's own tensors in 16 bits (BatchNorm's aside), as the master and pure modes hold them
+        for t in halvable(model): t.data = t.data.to(half)
+        xb = tuple(x.to(half) if isinstance(x, Tensor) and x.is_floating_point() else x for x in xb)
+    ctx = torch.autocast(dev.type, dtype=half) if how == 'autocast' else _no_autocast(dev.type)
+    def step():
+        with ctx: loss = loss_func(to_float32(model(*xb)), *yb)
+        loss.backward()
+    for p in ps: p.grad = torch.zeros_like(p)  # a fit holds them between steps: the backward adds to them
+    try: return _peak_bytes(step, dev)
     except Exception:
-        if autocast: return None  # no 16-bit kernel for one of its ops here (`mode_failure` says which)
+        if how != 'fp32': return None  # no 16-bit kernel for one of its ops here (`mode_failure` says which)
         raise
-    return sum(saved.values())
+    finally:
+        for p in ps: p.grad = None
 
 def memory_terms(
-    model:nn.Module, # an fp32 model (the advisor's `fp32_trial`)
+    model:nn.Module, # an fp32 model of the advisor's `fp32_trial`: left in bf16 ('half')
     xb:tuple, yb:tuple, loss_func, # one training batch and the learner's loss
     opt_func=Adam, # the learner's optimizer function
 ) -> MemoryTerms:
-    "The `MemoryTerms` of `model` training on batches like `xb`"
+    "The `MemoryTerms` of `model` training on batches like `xb`: three profiled steps"
     ps = [p for p in model.parameters() if p.requires_grad]
-    cast = {id(p) for m in model.modules() if isinstance(m, _CASTS) for p in m.parameters()}
     fixed = sum(t.nbytes for t in [*model.buffers(), *(p for p in model.parameters() if not p.requires_grad)])
-    cast = sum(p.numel() for p in ps if id(p) in cast)
     with _restored(model):  # a module's attributes as they were: an RNN's hidden state would reach the next forward
-        act = _saved_bytes(model, xb, yb, loss_func)
-        half = _saved_bytes(model, xb, yb, loss_func, autocast=True)
+        steps = [_step_bytes(model, xb, yb, loss_func, how) for how in ('fp32', 'autocast', 'half')]
+    steps = [steps[0] if s is None else s for s in steps]  # a mode that cannot run here: as fp32 (`mode_failure` says so)
+    dev = model_device(model)
     return MemoryTerms(sum(p.numel() for p in ps), sum(p.numel() for p in ps if p.numel() >= MIN_LOWBIT),
-                       max((p.numel() for p in ps), default=0), cast, fixed, _n_state(opt_func), act,
-                       act // 2 + 2 * cast if half is None else half, default_chunk(model_device(model)),
-                       COMPILER_CPU_BYTES if model_device(model).type == 'cpu' else 0)
+                       max((p.numel() for p in ps), default=0), fixed, _n_state(opt_func), *map(int, steps),
+                       default_chunk(dev), *((COMPILER_CPU_BYTES, RUNTIME_CPU_BYTES) if dev.type == 'cpu' else (0, 0)))
 
 # %% ../nbs/06_advisor.ipynb #95919c5e
 def _kept_between_fits(mode:str, opt_state:str) -> bool:
@@ -504,17 +538,15 @@ def session_peaks(
     "Bytes `mode` holds in a fit, between fits, and at its session's peak"
     P,L = t.params,t.largest
     fastai_layout = 8 * P + _state_bytes(t, 'fp32') + t.fixed  # fp32 weights, gradients and state, as fastai holds them
-    held = t.compiler if fused == 'compile' else 0  # kept from the first compiled step on
+    held = t.runtime + (t.compiler if fused == 'compile' else 0)  # the compiler's kept from the first compiled step on
     fit = MODE_BYTES[mode] * P + _state_bytes(t, opt_state) + t.fixed + held
     kept = _kept_between_fits(mode, opt_state)
-    grads = dict(fp32=4, amp=4).get(mode, 2) * L  # a new gradient of the largest weight, before it is added
+    backward = dict(fp32=t.step_fp32, amp=t.step_autocast).get(mode, t.step_half)
     step = 8 * L if mode == 'fp32' else 0 if fused == 'compile' else 16 * min(t.chunk, P)  # fastai's Adam, the engine's windows
-    half_model = max(t.autocast_activations - 2 * t.cast, 0)  # autocast's forward without its weight copies
-    act = dict(fp32=t.activations, amp=t.autocast_activations).get(mode, half_model)
-    moments = {'a training step': fit + max(act + grads, step),
+    moments = {'a training step': fit + max(backward, step),
                "lr_find's load": fit + 4 * L if kept else fastai_layout + held + 4 * P}
     if mode == 'master': moments['a set-up'] = fastai_layout + held + 8 * P  # half weights, gradients, master gradients
-    if mode in ('kahan', 'stochastic'): moments['a set-up'] = (4 + MODE_BYTES[mode]) * P + t.fixed  # and the fp32 model
+    if mode in ('kahan', 'stochastic'): moments['a set-up'] = (4 + MODE_BYTES[mode]) * P + t.fixed + t.runtime  # and fp32's
     at = max(moments, key=moments.get)
     return dict(fit=fit, between=fit if kept else fastai_layout + held, peak=moments[at], at=at)
 
@@ -669,12 +701,12 @@ def precision_report(
         loss_func = _learner_loss(learn)
         try: mods,underflow = module_numerics(model, xb, yb, loss_func)
         except Exception as e: raise _failed(learn, e) from e
-        terms = memory_terms(model, xb, yb, loss_func, learn.opt_func)
         safe,at_risk,why = assess_numerics(mods, underflow, max_underflow)
         fp8 = fp8_table(model, rows=linear_rows(model, *xb))
         tried = [m for m in ('bf16', 'fp16') if safe[m] and (time or getattr(hw, f'{m}_fast'))]  # those it could recommend
         fails = {m: f for m in tried if (f := mode_failure(model, xb, yb, loss_func, m)) is not None}
         timings = time_steps(model, xb, yb, loss_func, ('fp32', *(m for m in tried if m not in fails)), n_steps) if time else None
+        terms = memory_terms(model, xb, yb, loss_func, learn.opt_func)  # last: it leaves the trial model in bf16
     rec,verdict = _timed_verdict(timings, safe, min_speedup) if time else _hw_verdict(hw, safe, fails)
     for f in fails.values():
         if f.module: at_risk.setdefault(f.module, f"no {f.mode} kernel here" if f.no_kernel else f"fails in {f.mode}")
