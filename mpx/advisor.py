@@ -496,6 +496,7 @@ def _step_bytes(model:nn.Module, xb:tuple, yb:tuple, loss_func, how:str='fp32') 
     ctx = torch.autocast(dev.type, dtype=half) if how == 'autocast' else _no_autocast(dev.type)
     def step():
         with ctx: loss = loss_func(to_float32(model(*xb)), *yb)
+        torch.clear_autocast_cache()  # as a fit's autocast, the outermost, frees its copies on exit: the report's is inside another
         loss.backward()
     for p in ps: p.grad = torch.zeros_like(p)  # a fit holds them between steps: the backward adds to them
     try: return _peak_bytes(step, dev)
@@ -546,7 +547,8 @@ def session_peaks(
     moments = {'a training step': fit + max(backward, step),
                "lr_find's load": fit + 4 * L if kept else fastai_layout + held + 4 * P}
     if mode == 'master': moments['a set-up'] = fastai_layout + held + 8 * P  # half weights, gradients, master gradients
-    if mode in ('kahan', 'stochastic'): moments['a set-up'] = (4 + MODE_BYTES[mode]) * P + t.fixed + t.runtime  # and fp32's
+    if mode in ('kahan', 'stochastic'):  # the fp32 model, its bf16 weights (and compensations) made, a tensor's fp32 split
+        moments['a set-up'] = (2 + MODE_BYTES[mode]) * P + 4 * L + t.fixed + t.runtime
     at = max(moments, key=moments.get)
     return dict(fit=fit, between=fit if kept else fastai_layout + held, peak=moments[at], at=at)
 
