@@ -109,13 +109,13 @@ def _scalar_body(chain:tuple, s:dict, steps:Tensor|None) -> dict:
 
 def _kernel_body(kind, store, chain:tuple, t:dict, s:dict, q:dict):
     "One step of `chain` on a run: widen, step, fold"
-    x,g = kind.kwiden(t, s)
+    x,g = kind.kernel_widen(t, s)
     ks = [k for k in _STATE if any(n == k or n.startswith(k + '@') for n in t)]
-    e = dict(x=x, g=g, **{k: store.kload(t, k) for k in ks})  # the state, dequantised where it is low-bit (`mpx.lowbit`)
+    e = dict(x=x, g=g, **{k: store.kernel_load(t, k) for k in ks})  # the state, dequantised where it is low-bit (`mpx.lowbit`)
     for f,kw in chain: _COMPILED[f].update(e, q, dict(kw))
     keep = s['found'] != 0  # nothing changes where the finite check found an inf or nan
-    out = {k: kept(keep, t[k], v) for k,v in kind.kfold(t, s, e['x']).items()}
-    for k in ks: out.update(store.kstore(t, k, e[k], keep))
+    out = {k: kept(keep, t[k], v) for k,v in kind.kernel_fold(t, s, e['x']).items()}
+    for k in ks: out.update(store.kernel_store(t, k, e[k], keep))
     for k,v in out.items(): t[k].copy_(v)
     if 'steps' in t: t['steps'].copy_(torch.where(keep, t['steps'], t['steps'] + 1))
 
@@ -300,9 +300,9 @@ class CompiledSteps:
 
     def _run(self, eng, b:Bucket, a:int, c:int, chain:tuple, hs:dict, phase:int) -> bool:
         "One kernel over `a` to `c` of `b`; False where compiling failed"
-        t,extra = b.kind.kio(b, a, c, phase)
-        t = b.store.kshape(t)
-        sd = b.kind.sdtype(b)
+        t,extra = b.kind.kernel_io(b, a, c, phase)
+        t = b.store.kernel_shape(t)
+        sd = b.kind.state_dtype(b)
         for k,f in (('grad_avg', average_grad), ('sqr_avg', average_sqr_grad)):
             if any(g is f for g,_ in chain): t.update(_zeros_state(b, k, a, c, sd))
         if any(g is step_stat for g,_ in chain): t['steps'] = self.dev[id(b)].t[a:c]
@@ -324,4 +324,4 @@ def _zeros_state(b:Bucket, k:str, a:int, c:int, dtype) -> dict:
     if k not in b.dicts[a]:  # the run has none yet: zeros
         b.store.zero(b, k, a, c)
         for i in range(a, c): b.dicts[i][k] = b.stv[k][i]
-    return b.store.kio(b, k, a, c)
+    return b.store.kernel_io(b, k, a, c)

@@ -53,7 +53,7 @@ class StateWindow:
     def _open(self, k:str):
         b = self.b
         ws = None if b.store.bits is None else b.ws(b.device, b.end(self.j) - self.lo, 50 + len(self.x))
-        self.x[k] = b.store.window(b, k, self.i, self.j, ws)
+        self.x[k] = b.store.load_window(b, k, self.i, self.j, ws)
     def part(self, k:str, a:int, c:int) -> Tensor: return self.b.part(self.x[k], a, c, self.lo)
     def slot(self, k:str, i:int) -> Tensor: return self.b.slot(self.x[k], i, self.lo)
     def make(self, k:str, dtype):
@@ -61,7 +61,7 @@ class StateWindow:
         if k not in self.b.st: self.b.state_new(k, dtype); self._open(k)
     def close(self):
         "The window's state back into its store"
-        for k,x in self.x.items(): self.b.store.back(self.b, k, self.i, self.j, x)
+        for k,x in self.x.items(): self.b.store.store_window(self.b, k, self.i, self.j, x)
 
 def run_state(b:Bucket, a:int, c:int, sw:StateWindow, shaped:bool=False) -> dict:
     "The state dict of run `a` to `c` of `b`"
@@ -238,7 +238,7 @@ class RunSteps(LoopSteps):
         ks = [k for a,c in rs for k in range(a, c)]
         def zeros(n, key):
             d = b.dicts[ks[n]]
-            sw.make(key, b.kind.sdtype(b))
+            sw.make(key, b.kind.state_dtype(b))
             if key not in d: sw.slot(key, ks[n]).zero_(); d[key] = b.stv[key][ks[n]]
             return sw.slot(key, ks[n])
         def tensors(key): return [sw.slot(key, k) if key in b.dicts[k] else None for k in ks] if key in sw.x else None

@@ -76,14 +76,24 @@ def set_data(p:Tensor, t:Tensor):
 
 # %% ../nbs/01e_flat.ipynb #fl0012
 class Kind:
-    "A bucket's storage kind; this one: in place (AMP, fp32, fp8)"
+    "A bucket's storage kind, every method the engine calls; this one: in place (AMP, fp32, fp8)"
     widens = False  # steps fp32 values made for the step, a window at a time in the engine's workspace
-    takes = False  # keeps gradients of its own, taken from the model's after each backward
+    takes = False  # keeps gradients of its own, taken from the model's after each backward (`take`, `merge`, `clear`, `publish`)
     in_place = True  # what is stepped is the parameters themselves
-    def sdtype(self, b:Bucket): return b.dtype  # the dtype of what is stepped, and of the optimizer state
+    # ---- a fit's set-up and end
+    def state_dtype(self, b:Bucket): return b.dtype  # the dtype of what is stepped, and of the optimizer state
     def build(self, b:Bucket):
-        "The weights and gradients into the bucket's flat buffers (a list bucket keeps them)"
-        if b.flat: b.w,b.g = b.hold_weights(),b.grad_buffer()
+        "Fill the bucket's weights and gradients (`w`, `g`), and what else the kind holds"
+        if b.flat: b.w,b.g = b.hold_weights(),b.grad_buffer()  # a list bucket keeps the tensors
+    def finish(self, b:Bucket):
+        "After the fit: the parameters stay in their slots, which the next fit takes as they are"
+    def value(self, b:Bucket, i:int) -> Tensor:
+        "Parameter `i`'s fp32 value"
+        return b.params[i].data.float()
+    def assign(self, b:Bucket, i:int, x:Tensor):
+        "Parameter `i` takes fp32 value `x` (a checkpoint's), held as a fit beginning from it would hold it"
+        b.params[i].data.copy_(x)
+    # ---- the eager step
     def wide(self, b:Bucket, i:int, j:int) -> tuple:
         "What is stepped for parameters `i` to `j`, and its gradients"
         return (b.part(b.w, i, j), b.part(b.g, i, j)) if b.flat else (b.params[i:j], [p.grad for p in b.params[i:j]])
@@ -91,6 +101,9 @@ class Kind:
         "What `wide` gave, stepped, into the model's weights"
     def written(self, b:Bucket, idx:list):
         "Parameters `idx` were written in place since the last step"
+    def tick(self):
+        "Once after each optimizer step"
+    # ---- the gradients
     def checked(self, b:Bucket) -> list:
         "The gradients the finite check reads"
         loose = [b.params[i].grad for i in sorted(b.loose)]
@@ -99,26 +112,36 @@ class Kind:
         "Parameter `i`'s stepped tensor, its gradient in `.grad`"
         return b.params[i]
     def grad_of(self, b:Bucket, i:int) -> Tensor|None: return b.params[i].grad
-    def finish(self, b:Bucket):
-        "After the fit: the parameters stay in their slots, which the next fit takes as they are"
     def carried(self, b:Bucket, idle:bool=False) -> dict:
         "Gradients accumulated since the last step that `finish` would drop (`idle`: no step under way)"
         return {}  # by `id` of parameter
     def restore(self, b:Bucket, grads:dict):
         "Put back what `carried` took from another layout of the same fit"
-    def assign(self, b:Bucket, i:int, x:Tensor):
-        "Parameter `i` takes fp32 value `x` (a checkpoint's), held as a fit beginning from it would hold it"
-        b.params[i].data.copy_(x)
-    def tick(self):
-        "Once after each optimizer step"
-    # ---- compiled (`mpx.compiled`): the kernel's tensors, and its widen and fold
-    def kio(self, b:Bucket, a:int, c:int, phase:int=0) -> tuple:
+    # ---- a taking kind's gradients (`takes`): called only where it is True
+    def take(self, b:Bucket, fresh:bool):
+        "After a backward: take the model's gradients (`fresh`: the step's first backward)"
+        raise NotImplementedError
+    def merge(self, b:Bucket, exposed:bool=False):
+        "Take what a callback wrote into the model's gradients (`exposed`: `stepped` handed them out)"
+        raise NotImplementedError
+    def clear(self, b:Bucket):
+        "Before a step's next backward: the model's gradients zeroed"
+        raise NotImplementedError
+    def publish(self, b:Bucket):
+        "The checked (unscaled) gradients shown in the model's"
+        raise NotImplementedError
+    # ---- the compiled step (`mpx.compiled`): the kernel's tensors, and its widen and fold
+    def kernel_io(self, b:Bucket, a:int, c:int, phase:int=0) -> tuple:
         "The kernel's tensors for parameters `a` to `c`, and its scalars"
         return dict(w=b.part(b.w, a, c), g=b.part(b.g, a, c)),{}  # the tensors are updated in place
     @staticmethod
-    def kwiden(t:dict, s:dict) -> tuple: return t['w'],t['g']
+    def kernel_widen(t:dict, s:dict) -> tuple:
+        "In a kernel: what is stepped, and its gradients"
+        return t['w'],t['g']
     @staticmethod
-    def kfold(t:dict, s:dict, x:Tensor) -> dict: return dict(w=x)
+    def kernel_fold(t:dict, s:dict, x:Tensor) -> dict:
+        "In a kernel: the new values of the kind's tensors, from stepped `x`"
+        return dict(w=x)
 
 # %% ../nbs/01e_flat.ipynb #fl0014
 def merge_writes(fine:Tensor, coarse:Tensor):
@@ -136,6 +159,8 @@ class Workspace:
         if w is None or w.numel() < n: w = self.bufs[key] = torch.empty(n, device=device, dtype=dtype)
         return w if w.numel() == n else w[:n]
 
+_flat_keys = lambda p,v: isinstance(v, Tensor) and v.layout is torch.strided and v.shape == p.shape and v.is_floating_point()
+
 class Bucket:
     "Parameters sharing group, kind, device, dtype and `do_wd`"
     def __init__(self, params:list, kind:Kind, flat:bool, group:int, base:int=0, ws:Workspace|None=None, store=None,
@@ -147,11 +172,17 @@ class Bucket:
         self.sizes = [p.numel() for p in params]
         self.offs,self.n = _offsets(self.sizes, align or self.store.block)  # slots on the store's blocks
         self.dtype,self.device = params[0].dtype,params[0].device
-        self.st,self.stv = {},{}  # flat state buffers by key; `stv[k]`: what each state dict holds for key `k`
+        # its buffers, by role, in one place: the kind fills the first three rows (`build`), the store the next two (`new`)
+        self.w,self.g,self.gv = None,None,None  # weights and gradients, flat; each parameter's gradient as the model holds it
+        self.x,self.gx,self.xv,self.gxv = None,None,None,None  # fp32 masters and their gradients, flat, and their slots
+        self.c,self.cv = None,None  # Kahan compensations, flat, and their slots
+        self.st,self.stv = {},{}  # state buffers by key; `stv[k]`: what each state dict holds for key `k`
+        self.scales = {}  # block scales of quantised state, by key
+        self.ms,self.handed,self.seen,self.shown = None,None,None,None  # masters as parameters, and their versions (`MasterKind`)
+        self.stepper = None  # how the engine steps it (`mpx.eager`, `mpx.compiled`)
         self.dicts = [None]*len(params)  # each parameter's state dict, as last adopted
         self.live = [False]*len(params)  # each parameter has a gradient now
         self.loose = set()  # parameters whose gradient could not be adopted (sparse): stepped one at a time
-        self.g = self.gv = None
         self._grads,self._runs,self._seen = None,None,None
         self.clip = None  # `(lo, hi)`: `lo`, `end` and `part` confined to these elements (`clipped`)
         kind.build(self)
@@ -220,84 +251,95 @@ class Bucket:
     def state_new(self, k:str, dtype):
         "Make the store of state `k` (zeros) where there is none yet"
         if k not in self.st: self.store.new(self, k, dtype)
-
-# %% ../nbs/01e_flat.ipynb #fl0020
-@patch
-def adopt_weights(self:Bucket):
-    "Copy moved `data` back into its slot; tell the kind of writes"
-    if self.flat and [p.data_ptr() for p in self.params] != self.ptrs:
-        for i,p in enumerate(self.params):
-            if p.data_ptr() == self.ptrs[i]: continue
-            v = self.slot(self.w, i); v.copy_(p.data); set_data(p, v)
-            self.versions[i] = None  # written, whatever its version now
-    vs = [p._version for p in self.params]
-    if vs == self.versions: return
-    self.kind.written(self, [i for i,(v,u) in enumerate(zip(vs, self.versions)) if v != u])
-    self.versions = vs
-
-@patch
-def adopt_grads(self:Bucket):
-    "Note which parameters have a gradient; adopt new ones"
-    gs = [p.grad for p in self.params]
-    if self._grads is not None and list(map(id, gs)) == self._grads: return
-    if not self.flat or self.g is None:
-        self.live = [g is not None for g in gs]
-        self.loose = {i for i,g in enumerate(gs) if g is not None and g.layout is not torch.strided}
-    else: self._adopt_flat(gs)  # a flat bucket copies new dense ones into their slots
-    self._grads = [id(p.grad) for p in self.params]
-
-@patch
-def _adopt_flat(self:Bucket, gs:list):
-    src,dst = [],[]
-    for i,(p,gr,v) in enumerate(zip(self.params, gs, self.gv)):
-        if gr is v: self.live[i] = True; continue
-        self.loose.discard(i)
-        if gr is None:
-            if self.live[i]: v.zero_()  # a stale gradient (maybe inf) must not reach the finite check
-            self.live[i] = False
-        elif gr.layout is torch.strided and gr.dtype == v.dtype and gr.shape == v.shape:
-            src.append(gr.detach()); dst.append(v); p.grad = v; self.live[i] = True
-        else: self.loose.add(i); self.live[i] = True
-    if dst: torch._foreach_copy_(dst, src)
-
-# %% ../nbs/01e_flat.ipynb #fl0023
-_flat_keys = lambda p,v: isinstance(v, Tensor) and v.layout is torch.strided and v.shape == p.shape and v.is_floating_point()
-
-@patch
-def adopt_states(self:Bucket, state:dict, sdtype, same:bool=False):
-    "Take each parameter's state dict; its tensors into the buffers"
-    same = same and self._seen is not None  # `same`: no dict replaced since the last adoption
-    ds = self.dicts if same else [state[p] for p in self.params]
-    if self._states_same(ds, same): return
-    if self.flat and self.store.bits is None: self._adopt_packed(ds, sdtype)
-    for i,(p,d) in enumerate(zip(self.params, ds)):
-        self.dicts[i] = d
-        if not self.flat: continue
-        for k,v in list(d.items()):
-            if not _flat_keys(p, v): continue  # another dtype too: its values, cast to the state's (the step computes in it)
-            self.state_new(k, sdtype)
-            if v is not self.stv[k][i]: self.store.put(self, k, i, v); d[k] = self.stv[k][i]
-    self._seen = (list(map(id, ds)), self._held(ds))
-
-@patch
-def _adopt_packed(self:Bucket, ds:list, sdtype):
-    "State keys that every dict holds in its slots of one buffer (as a former fit left them): that buffer, not a copy"
-    for k in (set(ds[0]) - set(self.st) if ds else ()):
-        vs = [d.get(k) for d in ds]
-        if not all(isinstance(v, Tensor) for v in vs): continue
-        buf = self.packed(vs, sdtype)
-        if buf is not None: self.st[k],self.stv[k] = buf,vs
-
-@patch
-def _held(self:Bucket, ds:list) -> tuple:
-    "The sizes of dicts `ds`, and the ids of their state tensors"
-    return (list(map(len, ds)), *(list(map(id, map(dict.get, ds, repeat(k)))) for k in self.stv))
-
-@patch
-def _states_same(self:Bucket, ds:list, same:bool=False) -> bool:
-    "Whether `ds` are the dicts adopted (known when `same`), with the same tensors"
-    if self._seen is None or not (same or list(map(id, ds)) == self._seen[0]): return False
-    return self._held(ds) == self._seen[1]  # a few list comparisons in C
+    def adopt_weights(self):
+        "Copy moved `data` back into its slot; tell the kind of writes"
+        if self.flat and [p.data_ptr() for p in self.params] != self.ptrs:
+            for i,p in enumerate(self.params):
+                if p.data_ptr() == self.ptrs[i]: continue
+                v = self.slot(self.w, i); v.copy_(p.data); set_data(p, v)
+                self.versions[i] = None  # written, whatever its version now
+        vs = [p._version for p in self.params]
+        if vs == self.versions: return
+        self.kind.written(self, [i for i,(v,u) in enumerate(zip(vs, self.versions)) if v != u])
+        self.versions = vs
+    def adopt_grads(self):
+        "Note which parameters have a gradient; adopt new ones"
+        gs = [p.grad for p in self.params]
+        if self._grads is not None and list(map(id, gs)) == self._grads: return
+        if not self.flat or self.g is None:
+            self.live = [g is not None for g in gs]
+            self.loose = {i for i,g in enumerate(gs) if g is not None and g.layout is not torch.strided}
+        else: self._adopt_flat(gs)  # a flat bucket copies new dense ones into their slots
+        self._grads = [id(p.grad) for p in self.params]
+    def _adopt_flat(self, gs:list):
+        src,dst = [],[]
+        for i,(p,gr,v) in enumerate(zip(self.params, gs, self.gv)):
+            if gr is v: self.live[i] = True; continue
+            self.loose.discard(i)
+            if gr is None:
+                if self.live[i]: v.zero_()  # a stale gradient (maybe inf) must not reach the finite check
+                self.live[i] = False
+            elif gr.layout is torch.strided and gr.dtype == v.dtype and gr.shape == v.shape:
+                src.append(gr.detach()); dst.append(v); p.grad = v; self.live[i] = True
+            else: self.loose.add(i); self.live[i] = True
+        if dst: torch._foreach_copy_(dst, src)
+    def adopt_states(self, state:dict, state_dtype, same:bool=False):
+        "Take each parameter's state dict; its tensors into the buffers"
+        same = same and self._seen is not None  # `same`: no dict replaced since the last adoption
+        ds = self.dicts if same else [state[p] for p in self.params]
+        if self._states_same(ds, same): return
+        if self.flat and self.store.bits is None: self._adopt_packed(ds, state_dtype)
+        for i,(p,d) in enumerate(zip(self.params, ds)):
+            self.dicts[i] = d
+            if not self.flat: continue
+            for k,v in list(d.items()):
+                if not _flat_keys(p, v): continue  # another dtype too: its values, cast to the state's (the step computes in it)
+                self.state_new(k, state_dtype)
+                if v is not self.stv[k][i]: self.store.put(self, k, i, v); d[k] = self.stv[k][i]
+        self._seen = (list(map(id, ds)), self._held(ds))
+    def _adopt_packed(self, ds:list, state_dtype):
+        "State keys that every dict holds in its slots of one buffer (as a former fit left them): that buffer, not a copy"
+        for k in (set(ds[0]) - set(self.st) if ds else ()):
+            vs = [d.get(k) for d in ds]
+            if not all(isinstance(v, Tensor) for v in vs): continue
+            buf = self.packed(vs, state_dtype)
+            if buf is not None: self.st[k],self.stv[k] = buf,vs
+    def _held(self, ds:list) -> tuple:
+        "The sizes of dicts `ds`, and the ids of their state tensors"
+        return (list(map(len, ds)), *(list(map(id, map(dict.get, ds, repeat(k)))) for k in self.stv))
+    def _states_same(self, ds:list, same:bool=False) -> bool:
+        "Whether `ds` are the dicts adopted (known when `same`), with the same tensors"
+        if self._seen is None or not (same or list(map(id, ds)) == self._seen[0]): return False
+        return self._held(ds) == self._seen[1]  # a few list comparisons in C
+    def runs(self, i:int, j:int, keys:list, single:bool=False) -> list:
+        "Runs `(a, c)` of live parameters in `i` to `j` with equal `keys` (theirs)"
+        one = keys.count(keys[0]) == len(keys)  # one key for all (the usual): the runs follow the live parameters alone
+        memo = (i, j, single, tuple(self.live), None if one else tuple(keys), tuple(sorted(self.loose)))
+        if self._runs is not None and self._runs[0] == memo: return self._runs[1]
+        res,cur,key = [],None,None
+        for k in range(i, j):
+            if not self.live[k] or (k in self.loose and self.kind.in_place): cur = None; continue
+            if cur is not None and not single and self.flat and keys[k-i] == key: cur[1] = k+1; continue  # `single`: one a parameter
+            cur,key = [k, k+1],keys[k-i]
+            res.append(cur)
+        res = [tuple(r) for r in res]
+        self._runs = (memo, res)
+        return res
+    def windows(self, chunk:int, split:bool=False) -> list:
+        "`(i, j, lo, hi)`: parameters `i` to `j`, elements `lo` to `hi`"
+        n = len(self.params)
+        if not (self.kind.widens or self.store.bits): chunk *= 8  # nothing widened: only the step functions' temporaries
+        if self.n <= chunk: return [(0, n, 0, self.n)]
+        res,start = [],0
+        for k in range(1, n+1):
+            if k == n or self.end(k+1) - self.lo(start) > chunk: res.append((start, k, self.lo(start), self.end(k))); start = k
+        if not split: return res
+        step = max(chunk // self.store.block, 1) * self.store.block  # pieces begin on the store's blocks
+        out = []
+        for i,j,lo,hi in res:
+            whole = j > i+1 or i in self.loose  # several parameters, or a sparse gradient's: never cut
+            out += [(i, j, lo, hi)] if whole else [(i, j, a, min(a+step, hi)) for a in range(lo, hi, step)]
+        return out
 
 # %% ../nbs/01e_flat.ipynb #fl0026
 def scalar_keys(b:Bucket, i:int=0, j:int|None=None) -> list:
@@ -306,36 +348,3 @@ def scalar_keys(b:Bucket, i:int=0, j:int|None=None) -> list:
     cols = [[d.get('step', 0) for d in ds], [d.get('do_wd', True) for d in ds], *([k in d for d in ds] for k in b.st)]
     if all(c.count(c[0]) == len(c) for c in cols): return [tuple(c[0] for c in cols)]*len(ds)  # one key: `runs` sees it at once
     return list(zip(*cols))
-
-@patch
-def runs(self:Bucket, i:int, j:int, keys:list, single:bool=False) -> list:
-    "Runs `(a, c)` of live parameters in `i` to `j` with equal `keys` (theirs)"
-    one = keys.count(keys[0]) == len(keys)  # one key for all (the usual): the runs follow the live parameters alone
-    memo = (i, j, single, tuple(self.live), None if one else tuple(keys), tuple(sorted(self.loose)))
-    if self._runs is not None and self._runs[0] == memo: return self._runs[1]
-    res,cur,key = [],None,None
-    for k in range(i, j):
-        if not self.live[k] or (k in self.loose and self.kind.in_place): cur = None; continue
-        if cur is not None and not single and self.flat and keys[k-i] == key: cur[1] = k+1; continue  # `single`: one a parameter
-        cur,key = [k, k+1],keys[k-i]
-        res.append(cur)
-    res = [tuple(r) for r in res]
-    self._runs = (memo, res)
-    return res
-
-@patch
-def windows(self:Bucket, chunk:int, split:bool=False) -> list:
-    "`(i, j, lo, hi)`: parameters `i` to `j`, elements `lo` to `hi`"
-    n = len(self.params)
-    if not (self.kind.widens or self.store.bits): chunk *= 8  # nothing widened: only the step functions' temporaries
-    if self.n <= chunk: return [(0, n, 0, self.n)]
-    res,start = [],0
-    for k in range(1, n+1):
-        if k == n or self.end(k+1) - self.lo(start) > chunk: res.append((start, k, self.lo(start), self.end(k))); start = k
-    if not split: return res
-    step = max(chunk // self.store.block, 1) * self.store.block  # pieces begin on the store's blocks
-    out = []
-    for i,j,lo,hi in res:
-        whole = j > i+1 or i in self.loose  # several parameters, or a sparse gradient's: never cut
-        out += [(i, j, lo, hi)] if whole else [(i, j, a, min(a+step, hi)) for a in range(lo, hi, step)]
-    return out

@@ -81,7 +81,7 @@ class LookaheadSync:
         bufs = {}
         for b in eng.buckets:
             if not b.flat: continue
-            buf = bufs[id(b)] = b.zeros(b.kind.sdtype(b))  # a flat bucket's copies in one buffer
+            buf = bufs[id(b)] = b.zeros(b.kind.state_dtype(b))  # a flat bucket's copies in one buffer
             for i,j,_,_ in b.windows(eng.chunk): b.part(buf, i, j).copy_(b.kind.wide(b, i, j)[0])
         res = []
         for gi,pg in enumerate(eng.lists):
@@ -103,7 +103,7 @@ class LookaheadSync:
         bufs = {}
         for b in eng.buckets:
             if not b.flat: continue
-            buf = bufs[id(b)] = b.zeros(b.kind.sdtype(b))
+            buf = bufs[id(b)] = b.zeros(b.kind.state_dtype(b))
             for i,p in enumerate(b.params):
                 k = eng.places[(b.group, id(p))][0]
                 v = b.slot(buf, i); v.copy_(la.slow_weights[b.group][k]); la.slow_weights[b.group][k] = v

@@ -51,6 +51,8 @@ def default_chunk(device) -> int:
     return 1<<17 if torch.device(device).type == 'cpu' else 1<<22
 
 # %% ../nbs/01a_fused.ipynb #fz0012
+_grad = operator.attrgetter('grad')
+
 class FusedSteps:
     "The optimizer step of one fit, over flat buffers"
     def __init__(self,
@@ -156,7 +158,7 @@ class FusedSteps:
         for b in self.buckets:
             b.adopt_weights()
             if not b.kind.takes: b.adopt_grads()  # a taking kind's gradients: in `take`
-            if self.native: b.adopt_states(st, b.kind.sdtype(b), same)
+            if self.native: b.adopt_states(st, b.kind.state_dtype(b), same)
         self._st,self._st_ids = st,ids
 
     @torch.no_grad()
@@ -212,7 +214,7 @@ class FusedSteps:
 
     def steps_to_host(self):
         "Device step counts into fastai's state dicts (one host sync)"
-        for st in {id(b.stepper): b.stepper for b in self.buckets if hasattr(b, 'stepper')}.values():
+        for st in {id(b.stepper): b.stepper for b in self.buckets if b.stepper is not None}.values():
             if hasattr(st, 'to_host'): st.to_host(self)  # only a compiled stepper has any: a no-op otherwise
 
     def undo(self):
@@ -257,7 +259,7 @@ class FusedSteps:
         x,h = v.load(),self.home.get(id(p))
         if h is None or not h[0].flat or not _flat_keys(p, x): return x.to(p.device)
         b,i = h
-        b.state_new(k, b.kind.sdtype(b))
+        b.state_new(k, b.kind.state_dtype(b))
         b.store.put(b, k, i, x.to(b.device))
         return b.stv[k][i]
 
@@ -274,88 +276,66 @@ class FusedSteps:
                     if d is not None and d.get(k) is vs[i]: d[k] = b.store.value(b, k, i)  # fp32 (dequantised), its own
         self.lookahead.finish(self)
 
+    @torch.no_grad()
+    def zero_grad(self):
+        "fastai's `zero_grad`, one op a flat bucket"
+        gs = []
+        for b in self.buckets:
+            if b.flat and b.g is not None: gs.append(b.g)
+            own = list(map(_grad, b.params))
+            if b.gv is not None and all(map(operator.is_, own, b.gv)): continue  # all in the flat buffer: its one op
+            for i,g in enumerate(own):
+                if g is None or (b.gv is not None and g is b.gv[i]): continue
+                if g.grad_fn is not None or g.requires_grad: g.detach_()  # only a `create_graph` backward leaves such a gradient
+                gs.append(g)
+        if gs: torch._foreach_zero_(gs)
+        self.fresh = True
+    def _taking(self) -> list: return [b for b in self.buckets if b.kind.takes]
+    @torch.no_grad()
+    def take(self):
+        "After a backward: the taking kinds take the model's gradients"
+        for b in self._taking(): b.adopt_grads(); b.kind.take(b, self.fresh)
+        self.fresh = self.pending = False
+    @torch.no_grad()
+    def before_backward(self):
+        "Before a backward; in a step's second, take callbacks' writes"
+        self.pending = True  # the model's gradients will hold a backward not yet taken
+        if self.fresh: return
+        for b in self._taking(): b.adopt_grads(); b.kind.merge(b, self.exposed); b.kind.clear(b)
+    def checked(self) -> list:
+        "The gradients the finite check reads, one a flat bucket"
+        self.prelude(full=False)  # the gradients adopted first
+        return [g for b in self.buckets for g in b.kind.checked(b) if g is not None]
+    @torch.no_grad()
+    def publish(self):
+        "The taking kinds' checked gradients back into the model's"
+        for b in self._taking(): b.kind.publish(b)
+    def named_grads(self, model:nn.Module) -> list:
+        "`(name, stepped gradient)` of `model`'s parameters"
+        res = []
+        for n,p in model.named_parameters():
+            h = self.home.get(id(p))
+            res.append((n, p.grad if h is None else h[0].kind.grad_of(*h)))
+        return res
+    def stepped(self) -> list:
+        "Each parameter's stepped tensor, with its gradient"
+        self.exposed = True  # a caller may write into them: the step asks their version counters
+        seen = {id(p): p for pg in self.lists for p in pg}
+        return [b.kind.stepped(b, i) for b,i in (self.home[k] for k in seen)]
+    def grads_in_flight(self) -> dict:
+        "Gradients accumulated since the last step that `undo` would drop"
+        idle = self.fresh and not self.pending  # no gradient accumulated, none pending: nothing to carry
+        res = {k: v for b in self.buckets for k,v in b.kind.carried(b, idle).items()}
+        return {**res, 'at': (self.fresh, self.pending)} if res else {}  # by `id` of parameter; 'at': where the step stands
+    def restore_grads(self, grads:dict):
+        "Put back what `grads_in_flight` took from an earlier layout"
+        if not grads: return
+        for b in self.buckets: b.kind.restore(b, grads)
+        self.fresh,self.pending = grads['at']
+
 _in_place = Kind()
 
 def _value_now(b:Bucket, i:int) -> Tensor:
     "Parameter `i`'s fp32 value, a write since the last step taken first"
     b.adopt_weights()
     return b.kind.value(b, i)
-
-# %% ../nbs/01a_fused.ipynb #fz0014
-_grad = operator.attrgetter('grad')
-
-@patch
-@torch.no_grad()
-def zero_grad(self:FusedSteps):
-    "fastai's `zero_grad`, one op a flat bucket"
-    gs = []
-    for b in self.buckets:
-        if b.flat and b.g is not None: gs.append(b.g)
-        own = list(map(_grad, b.params))
-        if b.gv is not None and all(map(operator.is_, own, b.gv)): continue  # all in the flat buffer: its one op
-        for i,g in enumerate(own):
-            if g is None or (b.gv is not None and g is b.gv[i]): continue
-            if g.grad_fn is not None or g.requires_grad: g.detach_()  # only a `create_graph` backward leaves such a gradient
-            gs.append(g)
-    if gs: torch._foreach_zero_(gs)
-    self.fresh = True
-
-@patch
-def _taking(self:FusedSteps) -> list: return [b for b in self.buckets if b.kind.takes]
-
-@patch
-@torch.no_grad()
-def take(self:FusedSteps):
-    "After a backward: the taking kinds take the model's gradients"
-    for b in self._taking(): b.adopt_grads(); b.kind.take(b, self.fresh)
-    self.fresh = self.pending = False
-
-@patch
-@torch.no_grad()
-def before_backward(self:FusedSteps):
-    "Before a backward; in a step's second, take callbacks' writes"
-    self.pending = True  # the model's gradients will hold a backward not yet taken
-    if self.fresh: return
-    for b in self._taking(): b.adopt_grads(); b.kind.merge(b, self.exposed); b.kind.clear(b)
-
-@patch
-def checked(self:FusedSteps) -> list:
-    "The gradients the finite check reads, one a flat bucket"
-    self.prelude(full=False)  # the gradients adopted first
-    return [g for b in self.buckets for g in b.kind.checked(b) if g is not None]
-
-@patch
-@torch.no_grad()
-def publish(self:FusedSteps):
-    "The taking kinds' checked gradients back into the model's"
-    for b in self._taking(): b.kind.publish(b)
-
-@patch
-def named_grads(self:FusedSteps, model:nn.Module) -> list:
-    "`(name, stepped gradient)` of `model`'s parameters"
-    res = []
-    for n,p in model.named_parameters():
-        h = self.home.get(id(p))
-        res.append((n, p.grad if h is None else h[0].kind.grad_of(*h)))
-    return res
-
-@patch
-def stepped(self:FusedSteps) -> list:
-    "Each parameter's stepped tensor, with its gradient"
-    self.exposed = True  # a caller may write into them: the step asks their version counters
-    seen = {id(p): p for pg in self.lists for p in pg}
-    return [b.kind.stepped(b, i) for b,i in (self.home[k] for k in seen)]
-
-@patch
-def grads_in_flight(self:FusedSteps) -> dict:
-    "Gradients accumulated since the last step that `undo` would drop"
-    idle = self.fresh and not self.pending  # no gradient accumulated, none pending: nothing to carry
-    res = {k: v for b in self.buckets for k,v in b.kind.carried(b, idle).items()}
-    return {**res, 'at': (self.fresh, self.pending)} if res else {}  # by `id` of parameter; 'at': where the step stands
-
-@patch
-def restore_grads(self:FusedSteps, grads:dict):
-    "Put back what `grads_in_flight` took from an earlier layout"
-    if not grads: return
-    for b in self.buckets: b.kind.restore(b, grads)
-    self.fresh,self.pending = grads['at']

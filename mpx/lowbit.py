@@ -8,8 +8,8 @@ import weakref
 from fastai.torch_basics import *
 
 # %% auto #0
-__all__ = ['OPT_STATES', 'MIN_LOWBIT', 'MODE_BYTES', 'dynamic_map', 'root_map', 'quantize', 'dequantize', 'pack4', 'unpack4',
-           'LowBitState', 'DenseStore', 'BF16Store', 'kept', 'bf16_nearest', 'Float8Codes', 'MapCodes', 'static_rows',
+__all__ = ['MIN_LOWBIT', 'MODE_BYTES', 'dynamic_map', 'root_map', 'quantize', 'dequantize', 'pack4', 'unpack4', 'LowBitState',
+           'Store', 'DenseStore', 'BF16Store', 'kept', 'bf16_nearest', 'Float8Codes', 'MapCodes', 'static_rows',
            'QuantStore', 'make_store', 'state_bytes', 'param_bytes']
 
 # %% ../nbs/01i_lowbit.ipynb #lb0006
@@ -115,37 +115,71 @@ for _name in ('__add__ __radd__ __sub__ __rsub__ __mul__ __rmul__ __truediv__ __
               '__neg__ __abs__ __lt__ __le__ __gt__ __ge__ __getitem__ __len__ __iter__ __array__').split():
     setattr(LowBitState, _name, _read(_name))
 
-class DenseStore:
-    "Flat state in the stepped dtype (`opt_state='fp32'`)"
-    name,bits,block = 'fp32',None,64
+class Store:
+    "How a bucket holds its optimizer state, a flat buffer a key: every method the engine calls"
+    name,bits,block = None,None,64  # `opt_state`'s name; bits an element (None: the stepped dtype's); slots align to `block`
     kernel_options = {}  # inductor's settings for a compiled step over this store
     def __repr__(self): return f"{type(self).__name__}()"
+    def bytes(self, dtype) -> float:
+        "Bytes an element of state takes, stepped in `dtype`"
+        raise NotImplementedError
+    def new(self, b, k:str, dtype):
+        "Fill `b.st[k]` (zeros) and `b.stv[k]`, what each state dict holds"
+        raise NotImplementedError
+    def put(self, b, k:str, i:int, v:Tensor):
+        "Parameter `i`'s state `k` takes tensor `v`"
+        raise NotImplementedError
+    def value(self, b, k:str, i:int) -> Tensor:
+        "Parameter `i`'s state `k`: fp32, a tensor of its own"
+        raise NotImplementedError
+    def zero(self, b, k:str, a:int, c:int):
+        "Zero state `k` of parameters `a` to `c`"
+        raise NotImplementedError
+    def load_window(self, b, k:str, i:int, j:int, ws:Tensor|None=None) -> Tensor:
+        "State `k` of parameters `i` to `j` to step, in workspace `ws` where it is not the buffer itself"
+        raise NotImplementedError
+    def store_window(self, b, k:str, i:int, j:int, x:Tensor):
+        "What `load_window` gave, stepped, back into the store"
+        raise NotImplementedError
+    # ---- compiled (`mpx.compiled`): the kernel's tensors in, their new values out, in the same pass
+    def kernel_io(self, b, k:str, a:int, c:int) -> dict:
+        "The kernel's tensors of state `k` for parameters `a` to `c`"
+        raise NotImplementedError
+    def kernel_shape(self, t:dict) -> dict:
+        "The kind's tensors `t`, shaped as the kernel reads them beside the store's"
+        return t
+    def kernel_load(self, t:dict, k:str) -> Tensor:
+        "State `k`'s fp32 values, in a kernel"
+        raise NotImplementedError
+    def kernel_store(self, t:dict, k:str, x:Tensor, keep:Tensor) -> dict:
+        "New tensors of state `k` from fp32 `x` (the old ones where `keep`), in a kernel"
+        raise NotImplementedError
+
+class DenseStore(Store):
+    "Flat state in the stepped dtype (`opt_state='fp32'`)"
+    name = 'fp32'
     def bytes(self, dtype) -> float: return torch.empty((), dtype=dtype).element_size()
     def new(self, b, k:str, dtype):
-        "Make the flat store of state `k` (zeros)"
         b.st[k] = b.zeros(dtype); b.stv[k] = b.views(b.st[k])
-    def handle(self, b, k:str, i:int): return b.stv[k][i]
     def put(self, b, k:str, i:int, v:Tensor): b.stv[k][i].copy_(v)
     def value(self, b, k:str, i:int) -> Tensor: return b.stv[k][i].clone(memory_format=torch.preserve_format)
     def zero(self, b, k:str, a:int, c:int): b.part(b.st[k], a, c).zero_()
-    def window(self, b, k:str, i:int, j:int, ws:Tensor|None=None) -> Tensor: return b.part(b.st[k], i, j)
-    def back(self, b, k:str, i:int, j:int, x:Tensor): pass
-    def kio(self, b, k:str, a:int, c:int) -> dict: return {k: b.part(b.st[k], a, c)}
-    def kshape(self, t:dict) -> dict: return t
-    def kload(self, t:dict, k:str) -> Tensor: return t[k]
-    def kstore(self, t:dict, k:str, x:Tensor, keep:Tensor) -> dict: return {k: kept(keep, t[k], x)}
+    def load_window(self, b, k:str, i:int, j:int, ws:Tensor|None=None) -> Tensor: return b.part(b.st[k], i, j)
+    def store_window(self, b, k:str, i:int, j:int, x:Tensor): pass
+    def kernel_io(self, b, k:str, a:int, c:int) -> dict: return {k: b.part(b.st[k], a, c)}
+    def kernel_load(self, t:dict, k:str) -> Tensor: return t[k]
+    def kernel_store(self, t:dict, k:str, x:Tensor, keep:Tensor) -> dict: return {k: kept(keep, t[k], x)}
 
 class BF16Store(DenseStore):
     "State tensors rounded to bf16 (`opt_state='bf16'`)"
     name,bits = 'bf16',16
     def bytes(self, dtype) -> float: return 2.
     def new(self, b, k, dtype): b.st[k] = b.zeros(torch.bfloat16); b.stv[k] = [LowBitState(b, k, i) for i in range(len(b.params))]
-    def handle(self, b, k, i): return b.stv[k][i]
     def put(self, b, k, i, v): b.slot(b.st[k], i).copy_(v)
     def value(self, b, k, i): return b.slot(b.st[k], i).float()
-    def window(self, b, k, i, j, ws=None): ws.copy_(b.part(b.st[k], i, j)); return ws
-    def back(self, b, k, i, j, x): b.part(b.st[k], i, j).copy_(x)
-    def kload(self, t, k): return t[k].float()  # `kstore` is the dense one: `kept`'s conversion rounds as `back`'s copy
+    def load_window(self, b, k, i, j, ws=None): ws.copy_(b.part(b.st[k], i, j)); return ws
+    def store_window(self, b, k, i, j, x): b.part(b.st[k], i, j).copy_(x)
+    def kernel_load(self, t, k): return t[k].float()  # `kernel_store` is the dense one: `kept`'s conversion rounds as `store_window`'s copy
 
 def kept(keep:Tensor, old:Tensor, new:Tensor) -> Tensor:
     "A kernel's `old` where `keep` (a skipped step), else `new`, in `old`'s dtype"
@@ -177,7 +211,7 @@ class Float8Codes:
         return (x.reshape(-1, self.block) * (scale / 256).view(-1, 1)).view(x.shape)
     # ---- compiled
     def typed(self, codes:Tensor) -> Tensor: return codes.view(torch.float8_e4m3fn)
-    def kcode(self, old:Tensor, x:Tensor, keep:Tensor, qmap=None) -> tuple:
+    def kernel_code(self, old:Tensor, x:Tensor, keep:Tensor, qmap=None) -> tuple:
         "New codes of `x` (`old` where `keep`), typed e4m3, and the block scales"
         y,scale = self.scaled(x)
         return torch.where(keep, old.float(), y).to(torch.float8_e4m3fn),scale  # an e4m3 number casts back to itself
@@ -190,7 +224,7 @@ class MapCodes:
         return pack4(codes),scale
     def decode(self, codes:Tensor, scale:Tensor, qmap:Tensor) -> Tensor: return dequantize(unpack4(codes), scale, qmap, self.block)
     def typed(self, codes:Tensor) -> Tensor: return codes
-    def kcode(self, old:Tensor, x:Tensor, keep:Tensor, qmap:Tensor) -> tuple:
+    def kernel_code(self, old:Tensor, x:Tensor, keep:Tensor, qmap:Tensor) -> tuple:
         codes,scale = self.encode(x, qmap)
         return kept(keep, old, codes),scale
 
@@ -219,7 +253,6 @@ class QuantStore(BF16Store):
         if key not in self.maps: self.maps[key] = self.maps[key[0]].to(device)
         return self.maps[key]
     def new(self, b, k, dtype):
-        if not hasattr(b, 'scales'): b.scales = {}
         b.st[k] = torch.zeros(b.n * self.bits // 8, dtype=torch.uint8, device=b.device)
         b.scales[k] = torch.zeros(b.n // self.block, device=b.device)
         self.zero(b, k, 0, len(b.params))
@@ -246,25 +279,24 @@ class QuantStore(BF16Store):
     def value(self, b, k, i):
         lo = b.lo(i)
         return b.slot(self._load(b, k, lo, b.end(i+1)), i, lo).clone()
-    def window(self, b, k, i, j, ws=None): ws.copy_(self._load(b, k, b.lo(i), b.end(j))); return ws
-    def back(self, b, k, i, j, x): self._store(b, k, b.lo(i), b.end(j), x)
+    def load_window(self, b, k, i, j, ws=None): ws.copy_(self._load(b, k, b.lo(i), b.end(j))); return ws
+    def store_window(self, b, k, i, j, x): self._store(b, k, b.lo(i), b.end(j), x)
     # ---- compiled: the codes and scales (and a 4-bit map) in; new codes and scales out, in the same pass
-    def kio(self, b, k, a, c):
+    def kernel_io(self, b, k, a, c):
         lo,hi = b.lo(a),b.end(c)
         codes = static_rows(self.codes.typed(b.st[k][self._span(k, lo, hi)]).view(-1, self.block * self.bits // 8))
         t = {f'{k}@codes': codes, f'{k}@scale': b.scales[k][lo // self.block:hi // self.block]}
         return {**t, f'{k}@map': self.qmap(k, b.device)} if self.bits == 4 else t
-    def kshape(self, t):
+    def kernel_shape(self, t):
         "The kind's flat tensors as rows of a block, of static length"
         return {k: static_rows(v.view(-1, self.block)) for k,v in t.items()}
-    def kload(self, t, k): return self._dec(k, self.codes.decode(t[f'{k}@codes'], t[f'{k}@scale'], t.get(f'{k}@map')))
-    def kstore(self, t, k, x, keep):
+    def kernel_load(self, t, k): return self._dec(k, self.codes.decode(t[f'{k}@codes'], t[f'{k}@scale'], t.get(f'{k}@map')))
+    def kernel_store(self, t, k, x, keep):
         c,s = f'{k}@codes',f'{k}@scale'
-        codes,scale = self.codes.kcode(t[c], self._enc(k, x), keep, t.get(f'{k}@map'))
+        codes,scale = self.codes.kernel_code(t[c], self._enc(k, x), keep, t.get(f'{k}@map'))
         return {c: codes, s: kept(keep, t[s], scale)}
 
 # %% ../nbs/01i_lowbit.ipynb #lb0029
-OPT_STATES = ('fp32', 'bf16', '8bit', '4bit')
 MIN_LOWBIT = 4096  # elements: smaller tensors keep their state in fp32
 
 def make_store(opt_state:str='fp32'):

@@ -19,11 +19,13 @@ from .callback import *
 __all__ = ['MasterKind', 'MasterCopies', 'MasterPrecision']
 
 # %% ../nbs/04_master.ipynb #971f8fad
+_grad_of = operator.attrgetter('grad')
+
 class MasterKind(Kind):
     "fp32 masters of a half model's parameters, stepped in their place; the model's weights and gradients stay the truth"
     takes,in_place = True,False
     def __init__(self, dtype:torch.dtype): self.half = dtype
-    def sdtype(self, b): return torch.float32
+    def state_dtype(self, b): return torch.float32
     def build(self, b):
         "Flat buffers of fp32 masters (the fp32 weights' own, where a former fit left them so), half weights and both gradients"
         b.x = b.hold_weights(torch.float32)
@@ -44,87 +46,68 @@ class MasterKind(Kind):
         m = b.ms[i]
         m.grad = b.shown[i] = b.gxv[i] if b.live[i] else None
         return m
-    def kio(self, b, a, c, phase=0): return dict(x=b.part(b.x, a, c), gx=b.part(b.gx, a, c), w=b.part(b.w, a, c)),{}
+    def value(self, b, i): return b.xv[i].clone()
+    def take(self, b, fresh:bool):
+        "After a backward: the half gradients into the fp32 ones (copied on a step's first), their sum shown in the model"
+        (b.gx.copy_ if fresh else b.gx.add_)(b.g)
+        for i in sorted(b.loose):  # a sparse gradient, added densely
+            if fresh: b.gxv[i].zero_()
+            b.gxv[i].add_(b.params[i].grad); b.params[i].grad.zero_()
+        if b.loose or not fresh: b.g.copy_(b.gx)
+        b.seen = [g._version for g in b.gv]  # autograd's own writes (it adds into `p.grad`) are not a callback's
+        if b.shown is None: return
+        for i,(m,g,l) in enumerate(zip(b.ms, b.gxv, b.live)): m.grad = b.shown[i] = g if l else None  # as a backward sets `p.grad`
+    def merge(self, b, exposed:bool=False):
+        "Model gradients a callback wrote since they were shown (their versions moved), or assigned to the masters: taken"
+        self._take_assigned(b)
+        if exposed: self._show_handed(b)
+        now = [g._version for g in b.gv]
+        if b.seen is not None and now != b.seen:
+            for i,(v,u) in enumerate(zip(now, b.seen)):
+                if v != u: merge_writes(b.gxv[i], b.gv[i])
+        b.seen = now
+    def _take_assigned(self, b):
+        "Gradients assigned to the masters through `learn.parameters()`: None, not stepped (as fastai's loop skips it); a tensor, taken"
+        if b.shown is None or all(map(operator.is_, map(_grad_of, b.ms), b.shown)): return  # never handed out, or none assigned
+        for i,(m,s) in enumerate(zip(b.ms, b.shown)):
+            g = m.grad
+            if g is s: continue
+            if g is None: b.live[i] = False
+            else:
+                b.gxv[i].copy_(g)
+                b.slot(b.g, i).copy_(b.gxv[i])  # shown in the model too
+                b.live[i] = True
+            m.grad = b.shown[i] = b.gxv[i] if b.live[i] else None
+            b._grads = None  # the next step asks the model's gradients again
+    def _show_handed(self, b):
+        "Masters, or their gradients, written through `learn.parameters()` (versions moved): shown in the model first"
+        now = [(m._version, g._version) for m,g in zip(b.ms, b.gxv)]
+        for i,((m,g),(m0,g0)) in enumerate(zip(now, b.handed)):
+            if m != m0: b.slot(b.w, i).copy_(b.xv[i])
+            if g != g0: b.slot(b.g, i).copy_(b.gxv[i])
+        b.handed = now
+    def clear(self, b): b.g.zero_(); b.seen = None  # before a step's second backward: autograd adds the new ones
+    def publish(self, b): b.g.copy_(b.gx)  # the checked (unscaled) gradients, shown in the model
+    def finish(self, b):
+        "The masters become the fp32 parameters, never rounded through half, in their buffer; a gradient stays, in fp32"
+        for p,m in zip(b.params, b.xv): set_data(p, m)  # the next fit takes the buffer as it is
+    def carried(self, b, idle:bool=False) -> dict:
+        "The fp32 and half gradients of a step under way (accumulated, or a backward not yet taken), by `id` of parameter"
+        if idle: return {}  # no step under way: the model's gradients are the last step's, already taken
+        return {id(p): ('master', gx.clone(), g.clone()) for p,gx,g,l in zip(b.params, b.gxv, b.gv, b.live) if l}
+    def restore(self, b, grads:dict):
+        "The gradients `carried` took from an earlier layout of the same fit, both sides, into this one's"
+        for i,p in enumerate(b.params):
+            if id(p) not in grads: continue
+            _,gx,g = grads[id(p)]
+            b.gxv[i].copy_(gx); b.gv[i].copy_(g)
+            p.grad = b.gv[i]; b.live[i] = True
+        b._grads,b.seen = None,[g._version for g in b.gv]
+    def kernel_io(self, b, a, c, phase=0): return dict(x=b.part(b.x, a, c), gx=b.part(b.gx, a, c), w=b.part(b.w, a, c)),{}
     @staticmethod
-    def kwiden(t, s): return t['x'],t['gx']
+    def kernel_widen(t, s): return t['x'],t['gx']
     @staticmethod
-    def kfold(t, s, x): return dict(x=x, w=x)  # the half weights are the stepped masters, cast
-
-# %% ../nbs/04_master.ipynb #4d1a7c02
-@patch
-def take(self:MasterKind, b, fresh:bool):
-    "After a backward: the half gradients into the fp32 ones (copied on a step's first), their sum shown in the model"
-    (b.gx.copy_ if fresh else b.gx.add_)(b.g)
-    for i in sorted(b.loose):  # a sparse gradient, added densely
-        if fresh: b.gxv[i].zero_()
-        b.gxv[i].add_(b.params[i].grad); b.params[i].grad.zero_()
-    if b.loose or not fresh: b.g.copy_(b.gx)
-    b.seen = [g._version for g in b.gv]  # autograd's own writes (it adds into `p.grad`) are not a callback's
-    if b.shown is None: return
-    for i,(m,g,l) in enumerate(zip(b.ms, b.gxv, b.live)): m.grad = b.shown[i] = g if l else None  # as a backward sets `p.grad`
-
-@patch
-def merge(self:MasterKind, b, exposed:bool=False):
-    "Model gradients a callback wrote since they were shown (their versions moved), or assigned to the masters: taken"
-    self._take_assigned(b)
-    if exposed: self._show_handed(b)
-    now = [g._version for g in b.gv]
-    if b.seen is not None and now != b.seen:
-        for i,(v,u) in enumerate(zip(now, b.seen)):
-            if v != u: merge_writes(b.gxv[i], b.gv[i])
-    b.seen = now
-
-_grad_of = operator.attrgetter('grad')
-
-@patch
-def _take_assigned(self:MasterKind, b):
-    "Gradients assigned to the masters through `learn.parameters()`: None, not stepped (as fastai's loop skips it); a tensor, taken"
-    if b.shown is None or all(map(operator.is_, map(_grad_of, b.ms), b.shown)): return  # never handed out, or none assigned
-    for i,(m,s) in enumerate(zip(b.ms, b.shown)):
-        g = m.grad
-        if g is s: continue
-        if g is None: b.live[i] = False
-        else:
-            b.gxv[i].copy_(g)
-            b.slot(b.g, i).copy_(b.gxv[i])  # shown in the model too
-            b.live[i] = True
-        m.grad = b.shown[i] = b.gxv[i] if b.live[i] else None
-        b._grads = None  # the next step asks the model's gradients again
-
-@patch
-def _show_handed(self:MasterKind, b):
-    "Masters, or their gradients, written through `learn.parameters()` (versions moved): shown in the model first"
-    now = [(m._version, g._version) for m,g in zip(b.ms, b.gxv)]
-    for i,((m,g),(m0,g0)) in enumerate(zip(now, b.handed)):
-        if m != m0: b.slot(b.w, i).copy_(b.xv[i])
-        if g != g0: b.slot(b.g, i).copy_(b.gxv[i])
-    b.handed = now
-
-@patch
-def clear(self:MasterKind, b): b.g.zero_(); b.seen = None  # before a step's second backward: autograd adds the new ones
-@patch
-def publish(self:MasterKind, b): b.g.copy_(b.gx)  # the checked (unscaled) gradients, shown in the model
-
-@patch
-def finish(self:MasterKind, b):
-    "The masters become the fp32 parameters, never rounded through half, in their buffer; a gradient stays, in fp32"
-    for p,m in zip(b.params, b.xv): set_data(p, m)  # the next fit takes the buffer as it is
-
-@patch
-def carried(self:MasterKind, b, idle:bool=False) -> dict:
-    "The fp32 and half gradients of a step under way (accumulated, or a backward not yet taken), by `id` of parameter"
-    if idle: return {}  # no step under way: the model's gradients are the last step's, already taken
-    return {id(p): ('master', gx.clone(), g.clone()) for p,gx,g,l in zip(b.params, b.gxv, b.gv, b.live) if l}
-
-@patch
-def restore(self:MasterKind, b, grads:dict):
-    "The gradients `carried` took from an earlier layout of the same fit, both sides, into this one's"
-    for i,p in enumerate(b.params):
-        if id(p) not in grads: continue
-        _,gx,g = grads[id(p)]
-        b.gxv[i].copy_(gx); b.gv[i].copy_(g)
-        p.grad = b.gv[i]; b.live[i] = True
-    b._grads,b.seen = None,[g._version for g in b.gv]
+    def kernel_fold(t, s, x): return dict(x=x, w=x)  # the half weights are the stepped masters, cast
 
 # %% ../nbs/04_master.ipynb #8802bdff
 class _LoadHook:

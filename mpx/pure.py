@@ -80,7 +80,7 @@ def widen_kahan(xs:list, ws:list, cs:list|None=None, t:list|None=None):
 class BF16Kind(Kind):
     "bf16 weights stepped in fp32: widened into the engine's reused workspace a window at a time, folded back"
     widens,in_place = True,False
-    def sdtype(self, b): return torch.float32
+    def state_dtype(self, b): return torch.float32
     def build(self, b):
         "Each parameter's fp32 value split into its bf16 storage by the kind (`split`)"
         x = b.hold_weights(torch.float32)  # the fp32 weights as one buffer: the one a former fit left, else a parameter at a time
@@ -99,9 +99,9 @@ class BF16Kind(Kind):
             b.slot(g, k, b.lo(i)).copy_(b.params[k].grad.float().to_dense())
         return x,g
     def widen(self, b, i, j, x): x.copy_(b.part(b.w, i, j))
-    def kio(self, b, a, c, phase=0): return dict(w=b.part(b.w, a, c), g=b.part(b.g, a, c)),{}
+    def kernel_io(self, b, a, c, phase=0): return dict(w=b.part(b.w, a, c), g=b.part(b.g, a, c)),{}
     @staticmethod
-    def kwiden(t, s): return t['w'].float(),t['g'].float()
+    def kernel_widen(t, s): return t['w'].float(),t['g'].float()
     def finish(self, b):
         "Each weight back in fp32, holding what training made of it, in one buffer that the next fit takes as it is"
         for i,(p,v) in enumerate(zip(b.params, b.views(b.zeros(torch.float32)))):
@@ -137,11 +137,11 @@ class KahanKind(BF16Kind):
         "fp32 reused buffer `k` for a window: the bf16 operands widened there, so no op makes an fp32 copy of its own"
         return [b.ws(b.device, x.numel(), k)]
     def value(self, b, i): return b.params[i].data.float().add_(b.cv[i].float())
-    def kio(self, b, a, c, phase=0): return dict(w=b.part(b.w, a, c), c=b.part(b.c, a, c), g=b.part(b.g, a, c)),{}
+    def kernel_io(self, b, a, c, phase=0): return dict(w=b.part(b.w, a, c), c=b.part(b.c, a, c), g=b.part(b.g, a, c)),{}
     @staticmethod
-    def kwiden(t, s): return t['w'].float() + t['c'].float(),t['g'].float()
+    def kernel_widen(t, s): return t['w'].float() + t['c'].float(),t['g'].float()
     @staticmethod
-    def kfold(t, s, x):
+    def kernel_fold(t, s, x):
         "`fold_kahan` in a kernel: the weight and the remainder to nearest, then the canonical split of their sum"
         w = bf16_nearest(x)
         v = w + bf16_nearest(x - w)
@@ -159,12 +159,12 @@ class StochasticKind(BF16Kind):
     def fold(self, b, i, j, x, phase=0):
         key,base = self._key(b, i, phase)
         b.part(b.w, i, j).copy_(round_stochastic(x, key, base))  # exact: every value is a bf16 now
-    def kio(self, b, a, c, phase=0):
-        t,_ = super().kio(b, a, c)
+    def kernel_io(self, b, a, c, phase=0):
+        t,_ = super().kernel_io(b, a, c)
         key,base = self._key(b, a, phase)
         return t,dict(key=key, base=base)
     @staticmethod
-    def kfold(t, s, x): return dict(w=round_stochastic(x, s['key'], s['base']))
+    def kernel_fold(t, s, x): return dict(w=round_stochastic(x, s['key'], s['base']))
 
 class KeptKind(BF16Kind):
     "bf16 weights with their exact fp32 value kept aside (frozen when the fit began): stepped in it, written to nearest"
@@ -178,11 +178,11 @@ class KeptKind(BF16Kind):
         for i in idx: merge_writes(b.xv[i], b.slot(b.w, i))
     def fold(self, b, i, j, x, phase=0): b.part(b.w, i, j).copy_(x)
     def value(self, b, i): return exact_fp32(b.params[i].data, b.xv[i])
-    def kio(self, b, a, c, phase=0): return dict(x=b.part(b.x, a, c), w=b.part(b.w, a, c), g=b.part(b.g, a, c)),{}
+    def kernel_io(self, b, a, c, phase=0): return dict(x=b.part(b.x, a, c), w=b.part(b.w, a, c), g=b.part(b.g, a, c)),{}
     @staticmethod
-    def kwiden(t, s): return t['x'],t['g'].float()
+    def kernel_widen(t, s): return t['x'],t['g'].float()
     @staticmethod
-    def kfold(t, s, x): return dict(x=x, w=x)
+    def kernel_fold(t, s, x): return dict(x=x, w=x)
 
 # %% ../nbs/05_pure.ipynb #pb000021c
 class BF16Weights(FitState):
@@ -222,7 +222,7 @@ class BF16Weights(FitState):
     @property
     def comp(self) -> dict:
         "Each Kahan-compensated weight's compensation"
-        return {p: c for b in self._buckets(self.train) if hasattr(b, 'cv') for p,c in zip(b.params, b.cv)}
+        return {p: c for b in self._buckets(self.train) if b.cv is not None for p,c in zip(b.params, b.cv)}
     @property
     def kept(self) -> dict:
         "The exact fp32 values kept aside: of the tensors no optimizer steps, and of the weights frozen when the fit began"
