@@ -138,7 +138,7 @@ def held(learn) -> dict:
             for k,v in vars(b).items():
                 if k in ENGINE_PARTS: parts[ENGINE_PARTS[k]] += flat_tensors(v)
                 elif k not in ('params', 'engine'): parts['other'] += flat_tensors(v)
-        parts['workspaces'] += list(fs.ws.bufs.values())
+        parts['workspaces'] += list(fs.workspace.bufs.values())
     inner = opt.opt if isinstance(opt, OptimWrapper) else opt
     parts['optimizer state'] += flat_tensors(list(inner.state.values()))
     parts['other'] += [getattr(learn, k, None) for k in ('pred', 'loss', 'loss_grad')]  # none before the first step (`--at 0`)

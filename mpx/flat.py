@@ -18,12 +18,15 @@ _align = 64  # elements: every slot starts on 256 bytes of fp32
 def _offsets(sizes:list, align:int=_align) -> tuple:
     "Aligned starts of `sizes` in one flat buffer, and its length"
     offs,n = [],0
-    for s in sizes: offs.append(n); n += -(-s // align) * align
+    for s in sizes:
+        offs.append(n)
+        n += -(-s // align) * align
     return offs,n
 
 def _alias(buf:Tensor, offset:int, shape, stride) -> Tensor:
     "A `shape`, `stride` tensor over `buf` from element `offset`"
-    return torch.empty(0, dtype=buf.dtype, device=buf.device).set_(buf.untyped_storage(), buf.storage_offset() + offset, shape, stride)
+    res = torch.empty(0, dtype=buf.dtype, device=buf.device)
+    return res.set_(buf.untyped_storage(), buf.storage_offset() + offset, shape, stride)
 
 # %% ../nbs/01e_flat.ipynb #fl0009
 def _dense(t:Tensor) -> bool:
@@ -35,7 +38,7 @@ def _dense(t:Tensor) -> bool:
     return True
 
 def _packed_stride(shape) -> tuple:
-    "The strides of a contiguous tensor of `shape`: a non-dense parameter's slot (a column slice, say)"
+    "The strides of a contiguous tensor of `shape`: a non-dense parameter's slot"
     return torch.empty(shape, device='meta').stride()
 
 def slottable(t:Tensor) -> bool:
@@ -43,10 +46,11 @@ def slottable(t:Tensor) -> bool:
     return type(t) in (Tensor, nn.Parameter) and t.layout is torch.strided and _dense(t)
 
 def overlapping(ts:list) -> set:
-    "The ids of tensors in `ts` whose memory overlaps another's: tied through their storage (one the transpose of another, say)"
+    "The ids of tensors in `ts` whose memory overlaps another's"
     spans = []
     for t in {id(t): t for t in ts}.values():
-        if type(t) not in (Tensor, nn.Parameter) or t.layout is not torch.strided or t.numel() == 0: continue  # a DTensor: its own
+        # a DTensor: its own
+        if type(t) not in (Tensor, nn.Parameter) or t.layout is not torch.strided or t.numel() == 0: continue
         a = t.storage_offset()
         c = a + 1 + sum((n-1) * abs(s) for n,s in zip(t.shape, t.stride()))
         spans.append((t.untyped_storage().data_ptr(), a * t.element_size(), c * t.element_size(), id(t)))
@@ -58,10 +62,10 @@ def overlapping(ts:list) -> set:
     return res
 
 def _in_slot(t:Tensor, st, offset:int, spec:tuple, dtype) -> bool:
-    "Whether `t` is the slot at element `offset` of storage `st`, shaped and strided as `spec` says"
+    "Whether `t` is the slot at `offset` of storage `st`, as `spec` says"
     if type(t) not in (Tensor, nn.Parameter) or t.layout is not torch.strided: return False
-    return (t.dtype == dtype and t.untyped_storage().data_ptr() == st.data_ptr()
-            and t.storage_offset() == offset and tuple(t.shape) == tuple(spec[0]) and tuple(t.stride()) == tuple(spec[1]))
+    if t.dtype != dtype or t.untyped_storage().data_ptr() != st.data_ptr() or t.storage_offset() != offset: return False
+    return tuple(t.shape) == tuple(spec[0]) and tuple(t.stride()) == tuple(spec[1])
 
 def _same_slot(t:Tensor|None, v:Tensor) -> bool:
     "Whether `t` is view `v`'s memory, dtype, shape and strides"
@@ -71,27 +75,29 @@ def _same_slot(t:Tensor|None, v:Tensor) -> bool:
 def set_data(p:Tensor, t:Tensor):
     "`p.data = t`, `p`'s gradient (if any) cast to `t`'s dtype"
     g = p.grad
-    p.grad = None; p.data = t
+    p.grad = None
+    p.data = t
     if g is not None: p.grad = g.to(t.dtype)
 
 # %% ../nbs/01e_flat.ipynb #fl0012
 class Kind:
-    "A bucket's storage kind, every method the engine calls; this one: in place (AMP, fp32, fp8)"
+    "A bucket's storage kind; this one in place (AMP, fp32, fp8)"
     widens = False  # steps fp32 values made for the step, a window at a time in the engine's workspace
-    takes = False  # keeps gradients of its own, taken from the model's after each backward (`take`, `merge`, `clear`, `publish`)
+    # keeps gradients of its own, taken from the model's after each backward (`take`, `merge`, `clear`, `publish`)
+    takes = False
     in_place = True  # what is stepped is the parameters themselves
     # ---- a fit's set-up and end
     def state_dtype(self, b:Bucket): return b.dtype  # the dtype of what is stepped, and of the optimizer state
     def build(self, b:Bucket):
-        "Fill the bucket's weights and gradients (`w`, `g`), and what else the kind holds"
+        "Fill the bucket's weights and gradients (`w`, `g`), and the kind's own"
         if b.flat: b.w,b.g = b.hold_weights(),b.grad_buffer()  # a list bucket keeps the tensors
     def finish(self, b:Bucket):
-        "After the fit: the parameters stay in their slots, which the next fit takes as they are"
+        "After the fit: the parameters in fastai's fp32 layout"
     def value(self, b:Bucket, i:int) -> Tensor:
         "Parameter `i`'s fp32 value"
         return b.params[i].data.float()
     def assign(self, b:Bucket, i:int, x:Tensor):
-        "Parameter `i` takes fp32 value `x` (a checkpoint's), held as a fit beginning from it would hold it"
+        "Parameter `i` takes fp32 value `x` (a checkpoint's)"
         b.params[i].data.copy_(x)
     # ---- the eager step
     def wide(self, b:Bucket, i:int, j:int) -> tuple:
@@ -113,16 +119,16 @@ class Kind:
         return b.params[i]
     def grad_of(self, b:Bucket, i:int) -> Tensor|None: return b.params[i].grad
     def carried(self, b:Bucket, idle:bool=False) -> dict:
-        "Gradients accumulated since the last step that `finish` would drop (`idle`: no step under way)"
+        "Gradients of a step under way that `finish` would drop, by `id`"
         return {}  # by `id` of parameter
     def restore(self, b:Bucket, grads:dict):
         "Put back what `carried` took from another layout of the same fit"
     # ---- a taking kind's gradients (`takes`): called only where it is True
     def take(self, b:Bucket, fresh:bool):
-        "After a backward: take the model's gradients (`fresh`: the step's first backward)"
+        "After a backward: take the model's gradients"
         raise NotImplementedError
     def merge(self, b:Bucket, exposed:bool=False):
-        "Take what a callback wrote into the model's gradients (`exposed`: `stepped` handed them out)"
+        "Take what a callback wrote into the model's gradients"
         raise NotImplementedError
     def clear(self, b:Bucket):
         "Before a step's next backward: the model's gradients zeroed"
@@ -150,35 +156,42 @@ def merge_writes(fine:Tensor, coarse:Tensor):
 
 # %% ../nbs/01e_flat.ipynb #fl0017
 class Workspace:
-    "Reused scratch buffers by device, slot and dtype, shared by a fit's buckets"
+    "Reused scratch buffers by device, slot and dtype"
     def __init__(self): self.bufs = {}
-    def __call__(self, device, n:int, i:int=0, dtype=torch.float32) -> Tensor:
-        "The first `n` elements of reused buffer `i` (`dtype`, `device`)"
-        key = (torch.device(device), i, dtype)
+    def __call__(self, device, n:int, slot='wide', dtype=torch.float32) -> Tensor:
+        "The first `n` elements of reused buffer `slot` (`dtype`, `device`)"
+        key = (torch.device(device), slot, dtype)
         w = self.bufs.get(key)
         if w is None or w.numel() < n: w = self.bufs[key] = torch.empty(n, device=device, dtype=dtype)
         return w if w.numel() == n else w[:n]
 
-_flat_keys = lambda p,v: isinstance(v, Tensor) and v.layout is torch.strided and v.shape == p.shape and v.is_floating_point()
+def _flat_keys(p:Tensor, v) -> bool:
+    "Whether state `v` of `p` goes into a flat state buffer: a float tensor shaped like `p`"
+    return isinstance(v, Tensor) and v.layout is torch.strided and v.shape == p.shape and v.is_floating_point()
 
 class Bucket:
     "Parameters sharing group, kind, device, dtype and `do_wd`"
-    def __init__(self, params:list, kind:Kind, flat:bool, group:int, base:int=0, ws:Workspace|None=None, store=None,
-                 align:int|None=None):
+    def __init__(self, params:list, kind:Kind, flat:bool, group:int, base:int=0, workspace:Workspace|None=None,
+                 store=None, align:int|None=None):
         self.params,self.kind,self.flat,self.group,self.base = params,kind,flat,group,base
-        self.ws = ws if ws is not None else Workspace()  # the engine's scratch buffers: shared, never the engine itself
+        # the engine's scratch buffers: shared, never the engine itself
+        self.workspace = workspace if workspace is not None else Workspace()
         self.store = store or DenseStore()  # how the optimizer's state is held (`mpx.lowbit`)
-        self.specs = [(p.shape, p.stride() if _dense(p) else _packed_stride(p.shape)) for p in params]  # a slot is dense
+        # a slot is dense
+        self.specs = [(p.shape, p.stride() if _dense(p) else _packed_stride(p.shape)) for p in params]
         self.sizes = [p.numel() for p in params]
         self.offs,self.n = _offsets(self.sizes, align or self.store.block)  # slots on the store's blocks
         self.dtype,self.device = params[0].dtype,params[0].device
-        # its buffers, by role, in one place: the kind fills the first three rows (`build`), the store the next two (`new`)
-        self.w,self.g,self.gv = None,None,None  # weights and gradients, flat; each parameter's gradient as the model holds it
+        # its buffers, by role, in one place: the kind fills the first three rows (`build`), the store the next two
+        # weights and gradients, flat; each parameter's gradient as the model holds it
+        self.w,self.g,self.gv = None,None,None
         self.x,self.gx,self.xv,self.gxv = None,None,None,None  # fp32 masters and their gradients, flat, and their slots
         self.c,self.cv = None,None  # Kahan compensations, flat, and their slots
-        self.st,self.stv = {},{}  # state buffers by key; `stv[k]`: what each state dict holds for key `k`
+        # state buffers by key; `stv[k]`: what each state dict holds for key `k`
+        self.state_bufs,self.state_held = {},{}
         self.scales = {}  # block scales of quantised state, by key
-        self.ms,self.handed,self.seen,self.shown = None,None,None,None  # masters as parameters, and their versions (`MasterKind`)
+        # masters as parameters, and their versions (`MasterKind`)
+        self.ms,self.handed,self.seen,self.shown = None,None,None,None
         self.stepper = None  # how the engine steps it (`mpx.eager`, `mpx.compiled`)
         self.dicts = [None]*len(params)  # each parameter's state dict, as last adopted
         self.live = [False]*len(params)  # each parameter has a gradient now
@@ -186,12 +199,14 @@ class Bucket:
         self._grads,self._runs,self._seen = None,None,None
         self.clip = None  # `(lo, hi)`: `lo`, `end` and `part` confined to these elements (`clipped`)
         kind.build(self)
-        if flat and self.g is not None: self.gv = [g if _same_slot(g, v) else v for g,v in zip(self._own_grads(), self.views(self.g))]
+        if flat and self.g is not None:
+            self.gv = [g if _same_slot(g, v) else v for g,v in zip(self._own_grads(), self.views(self.g))]
         self.ptrs = [p.data_ptr() for p in params] if flat else None
         self.versions = [p._version for p in params]
 
     def __repr__(self):
-        return f"Bucket(group {self.group}, {type(self.kind).__name__}, {len(self.params)} tensors, {'flat' if self.flat else 'list'})"
+        how = 'flat' if self.flat else 'list'
+        return f"Bucket(group {self.group}, {type(self.kind).__name__}, {len(self.params)} tensors, {how})"
     def zeros(self, dtype) -> Tensor: return torch.zeros(self.n, dtype=dtype, device=self.device)
     def views(self, buf:Tensor) -> list:
         "Each parameter's slot of flat `buf`, shaped and strided like it"
@@ -205,24 +220,27 @@ class Bucket:
         "Make each parameter's data its slot of `buf`"
         for p,v in zip(self.params, self.views(buf)): set_data(p, v)
     def packed(self, ts:list, dtype=None) -> Tensor|None:
-        "The flat buffer `ts` (None: no tensor) fill already, each in its slot, as a former fit left them; else None"
+        "The flat buffer `ts` fill already, each in its slot; else None"
         dtype,t0 = dtype or self.dtype,next((t for t in ts if t is not None), None)
         if t0 is None or type(t0) not in (Tensor, nn.Parameter) or t0.layout is not torch.strided: return None
         if t0.dtype != dtype or t0.device != self.device: return None
         st = t0.untyped_storage()
         if st.nbytes() != self.n * t0.element_size(): return None  # the buffer holds these tensors and nothing else
-        if not all(t is None or _in_slot(t, st, o, spec, dtype) for t,o,spec in zip(ts, self.offs, self.specs)): return None
+        if not all(t is None or _in_slot(t, st, o, spec, dtype) for t,o,spec in zip(ts, self.offs, self.specs)):
+            return None
         return torch.empty(0, dtype=dtype, device=self.device).set_(st, 0, (self.n,), (1,))
     def hold_weights(self, dtype=None) -> Tensor:
-        "The parameters' data as one flat buffer: the one they fill already, else a new one, filled a parameter at a time"
+        "The parameters' data as one flat buffer: theirs already, else a new one"
         buf = self.packed([p.data for p in self.params], dtype)
         if buf is not None: return buf
         buf = self.zeros(dtype or self.dtype)
-        for p,v in zip(self.params, self.views(buf)): v.copy_(p.data); set_data(p, v)  # each old tensor freed as it is copied
+        for p,v in zip(self.params, self.views(buf)):
+            v.copy_(p.data)
+            set_data(p, v)  # each old tensor freed as it is copied
         return buf
     def _own_grads(self) -> list: return [p.grad for p in self.params]
     def grad_buffer(self, dtype=None) -> Tensor:
-        "The flat gradient buffer: the one the gradients fill already (the slots of those without one zeroed), else zeros"
+        "The flat gradient buffer: the gradients' already, else zeros"
         gs = self._own_grads()
         buf = self.packed(gs, dtype)
         if buf is None: return self.zeros(dtype or self.dtype)
@@ -250,13 +268,15 @@ class Bucket:
         return _alias(buf, self.offs[i]-lo, *self.specs[i])  # `buf` starts at element `lo` of the bucket
     def state_new(self, k:str, dtype):
         "Make the store of state `k` (zeros) where there is none yet"
-        if k not in self.st: self.store.new(self, k, dtype)
+        if k not in self.state_bufs: self.store.new(self, k, dtype)
     def adopt_weights(self):
         "Copy moved `data` back into its slot; tell the kind of writes"
         if self.flat and [p.data_ptr() for p in self.params] != self.ptrs:
             for i,p in enumerate(self.params):
                 if p.data_ptr() == self.ptrs[i]: continue
-                v = self.slot(self.w, i); v.copy_(p.data); set_data(p, v)
+                v = self.slot(self.w, i)
+                v.copy_(p.data)
+                set_data(p, v)
                 self.versions[i] = None  # written, whatever its version now
         vs = [p._version for p in self.params]
         if vs == self.versions: return
@@ -274,14 +294,21 @@ class Bucket:
     def _adopt_flat(self, gs:list):
         src,dst = [],[]
         for i,(p,gr,v) in enumerate(zip(self.params, gs, self.gv)):
-            if gr is v: self.live[i] = True; continue
+            if gr is v:
+                self.live[i] = True
+                continue
             self.loose.discard(i)
             if gr is None:
                 if self.live[i]: v.zero_()  # a stale gradient (maybe inf) must not reach the finite check
                 self.live[i] = False
             elif gr.layout is torch.strided and gr.dtype == v.dtype and gr.shape == v.shape:
-                src.append(gr.detach()); dst.append(v); p.grad = v; self.live[i] = True
-            else: self.loose.add(i); self.live[i] = True
+                src.append(gr.detach())
+                dst.append(v)
+                p.grad = v
+                self.live[i] = True
+            else:
+                self.loose.add(i)
+                self.live[i] = True
         if dst: torch._foreach_copy_(dst, src)
     def adopt_states(self, state:dict, state_dtype, same:bool=False):
         "Take each parameter's state dict; its tensors into the buffers"
@@ -293,22 +320,25 @@ class Bucket:
             self.dicts[i] = d
             if not self.flat: continue
             for k,v in list(d.items()):
-                if not _flat_keys(p, v): continue  # another dtype too: its values, cast to the state's (the step computes in it)
+                # another dtype too: its values, cast to the state's (the step computes in it)
+                if not _flat_keys(p, v): continue
                 self.state_new(k, state_dtype)
-                if v is not self.stv[k][i]: self.store.put(self, k, i, v); d[k] = self.stv[k][i]
+                if v is not self.state_held[k][i]:
+                    self.store.put(self, k, i, v)
+                    d[k] = self.state_held[k][i]
         self._seen = (list(map(id, ds)), self._held(ds))
     def _adopt_packed(self, ds:list, state_dtype):
-        "State keys that every dict holds in its slots of one buffer (as a former fit left them): that buffer, not a copy"
-        for k in (set(ds[0]) - set(self.st) if ds else ()):
+        "State that every dict holds in slots of one buffer: that buffer"
+        for k in (set(ds[0]) - set(self.state_bufs) if ds else ()):
             vs = [d.get(k) for d in ds]
             if not all(isinstance(v, Tensor) for v in vs): continue
             buf = self.packed(vs, state_dtype)
-            if buf is not None: self.st[k],self.stv[k] = buf,vs
+            if buf is not None: self.state_bufs[k],self.state_held[k] = buf,vs
     def _held(self, ds:list) -> tuple:
         "The sizes of dicts `ds`, and the ids of their state tensors"
-        return (list(map(len, ds)), *(list(map(id, map(dict.get, ds, repeat(k)))) for k in self.stv))
+        return (list(map(len, ds)), *(list(map(id, map(dict.get, ds, repeat(k)))) for k in self.state_held))
     def _states_same(self, ds:list, same:bool=False) -> bool:
-        "Whether `ds` are the dicts adopted (known when `same`), with the same tensors"
+        "Whether `ds` are the dicts adopted, with the same tensors"
         if self._seen is None or not (same or list(map(id, ds)) == self._seen[0]): return False
         return self._held(ds) == self._seen[1]  # a few list comparisons in C
     def runs(self, i:int, j:int, keys:list, single:bool=False) -> list:
@@ -318,8 +348,12 @@ class Bucket:
         if self._runs is not None and self._runs[0] == memo: return self._runs[1]
         res,cur,key = [],None,None
         for k in range(i, j):
-            if not self.live[k] or (k in self.loose and self.kind.in_place): cur = None; continue
-            if cur is not None and not single and self.flat and keys[k-i] == key: cur[1] = k+1; continue  # `single`: one a parameter
+            if not self.live[k] or (k in self.loose and self.kind.in_place):
+                cur = None
+                continue
+            if cur is not None and not single and self.flat and keys[k-i] == key:
+                cur[1] = k+1
+                continue  # `single`: one a parameter
             cur,key = [k, k+1],keys[k-i]
             res.append(cur)
         res = [tuple(r) for r in res]
@@ -328,11 +362,14 @@ class Bucket:
     def windows(self, chunk:int, split:bool=False) -> list:
         "`(i, j, lo, hi)`: parameters `i` to `j`, elements `lo` to `hi`"
         n = len(self.params)
-        if not (self.kind.widens or self.store.bits): chunk *= 8  # nothing widened: only the step functions' temporaries
+        # nothing widened: only the step functions' temporaries
+        if not (self.kind.widens or self.store.bits): chunk *= 8
         if self.n <= chunk: return [(0, n, 0, self.n)]
         res,start = [],0
         for k in range(1, n+1):
-            if k == n or self.end(k+1) - self.lo(start) > chunk: res.append((start, k, self.lo(start), self.end(k))); start = k
+            if k == n or self.end(k+1) - self.lo(start) > chunk:
+                res.append((start, k, self.lo(start), self.end(k)))
+                start = k
         if not split: return res
         step = max(chunk // self.store.block, 1) * self.store.block  # pieces begin on the store's blocks
         out = []
@@ -345,6 +382,8 @@ class Bucket:
 def scalar_keys(b:Bucket, i:int=0, j:int|None=None) -> list:
     "Parameters `i` to `j`'s scalar state: `step`, `do_wd`, state keys"
     ds = [d or {} for d in b.dicts[i:j]]
-    cols = [[d.get('step', 0) for d in ds], [d.get('do_wd', True) for d in ds], *([k in d for d in ds] for k in b.st)]
-    if all(c.count(c[0]) == len(c) for c in cols): return [tuple(c[0] for c in cols)]*len(ds)  # one key: `runs` sees it at once
+    steps,wds = [d.get('step', 0) for d in ds],[d.get('do_wd', True) for d in ds]
+    cols = [steps, wds, *([k in d for d in ds] for k in b.state_bufs)]
+    # one key: `runs` sees it at once
+    if all(c.count(c[0]) == len(c) for c in cols): return [tuple(c[0] for c in cols)]*len(ds)
     return list(zip(*cols))

@@ -9,8 +9,8 @@ from fastai.torch_basics import *
 
 # %% auto #0
 __all__ = ['MIN_LOWBIT', 'MODE_BYTES', 'dynamic_map', 'root_map', 'quantize', 'dequantize', 'pack4', 'unpack4', 'LowBitState',
-           'Store', 'DenseStore', 'BF16Store', 'kept', 'bf16_nearest', 'Float8Codes', 'MapCodes', 'static_rows',
-           'QuantStore', 'make_store', 'state_bytes', 'param_bytes']
+           'Store', 'DenseStore', 'BF16Store', 'kernel_name', 'state_key', 'kept', 'bf16_nearest', 'Float8Codes',
+           'MapCodes', 'static_rows', 'QuantStore', 'make_store', 'state_bytes', 'param_bytes']
 
 # %% ../nbs/01i_lowbit.ipynb #lb0006
 def dynamic_map(signed:bool=True, exp_bits:int=7, bits:int=8) -> Tensor:
@@ -60,19 +60,22 @@ def pack4(codes:Tensor) -> Tensor:
 
 def unpack4(packed:Tensor) -> Tensor:
     "`pack4`'s codes, as int32"
-    shifts = torch.tensor([4, 0], dtype=torch.int32, device=packed.device)  # a broadcast, not a stack: a kernel fuses it
+    # a broadcast, not a stack: a kernel fuses it
+    shifts = torch.tensor([4, 0], dtype=torch.int32, device=packed.device)
     return ((packed.to(torch.int32).unsqueeze(-1) >> shifts) & 15).flatten(-2)
 
 # %% ../nbs/01i_lowbit.ipynb #lb0015
 class LowBitState:
     "A state dict's handle on low-bit state: it reads as its fp32 values"
     __slots__ = ('_b', 'k', 'i')
-    def __init__(self, b, k:str, i:int): self._b,self.k,self.i = weakref.ref(b),k,i  # its bucket owns it: no strong pointer back
+    # its bucket owns it: no strong pointer back
+    def __init__(self, b, k:str, i:int): self._b,self.k,self.i = weakref.ref(b),k,i
     @property
     def b(self):
         "The bucket holding the state; an error once its fit has ended"
         b = self._b()
-        if b is None: raise RuntimeError(f"LowBitState({self.k!r}) outlived the fit that held it: read `opt.state` again")
+        if b is None:
+            raise RuntimeError(f"LowBitState({self.k!r}) outlived the fit that held it: read `opt.state` again")
         return b
     @property
     def shape(self): return self.b.specs[self.i][0]
@@ -88,22 +91,26 @@ class LowBitState:
     def refusal(self, name:str) -> AttributeError:
         "The error for a write in place (`name`): how to write the state instead"
         s = self.b.store.name
-        return AttributeError(f"{self!r} cannot `{name}` in place: with opt_state='{s}' the optimizer's state is held in {s}, "
-                              "and its state dicts hold this handle. It reads as its fp32 values (`.float()`, `h * 2`, `h.mean()`); "
-                              f"write by assigning a tensor (`opt.state[p]['{self.k}'] = t`), which the next step takes")
+        return AttributeError(f"{self!r} cannot `{name}` in place: with opt_state='{s}' the optimizer's state is "
+                              f"held in {s}, and its state dicts hold this handle. It reads as its fp32 values "
+                              "(`.float()`, `h * 2`, `h.mean()`); write by assigning a tensor "
+                              f"(`opt.state[p]['{self.k}'] = t`), which the next step takes")
     def __getattr__(self, name:str):
-        "A tensor's method or attribute asked of the handle: that of its fp32 values; a write in place is refused"
-        if name.startswith('__') or name in LowBitState.__slots__: raise AttributeError(name)  # a copy's reads, an unset slot
+        "A tensor's method or attribute: its fp32 values'; writes refused"
+        # a copy's reads, an unset slot
+        if name.startswith('__') or name in LowBitState.__slots__: raise AttributeError(name)
         if name.endswith('_'): raise self.refusal(name)
         return getattr(self.float(), name)
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        "A torch function given handles runs on their fp32 values; one that writes into a handle is refused"
+        "A torch function runs on the handles' fp32 values; writes refused"
         kwargs = kwargs or {}
         name = getattr(func, '__name__', str(func))
         target = kwargs.get('out', args[0] if args and name.endswith('_') and not name.endswith('__') else None)
         if isinstance(target, LowBitState): raise target.refusal(name)
-        read = lambda o: o.float() if isinstance(o, LowBitState) else [read(v) for v in o] if type(o) in (list, tuple) else o
+        def read(o):
+            if isinstance(o, LowBitState): return o.float()
+            return [read(v) for v in o] if type(o) in (list, tuple) else o
         return func(*map(read, args), **{k: read(v) for k,v in kwargs.items()})
 
 def _read(name:str) -> Callable:
@@ -116,15 +123,16 @@ for _name in ('__add__ __radd__ __sub__ __rsub__ __mul__ __rmul__ __truediv__ __
     setattr(LowBitState, _name, _read(_name))
 
 class Store:
-    "How a bucket holds its optimizer state, a flat buffer a key: every method the engine calls"
-    name,bits,block = None,None,64  # `opt_state`'s name; bits an element (None: the stepped dtype's); slots align to `block`
+    "How a bucket holds its optimizer state, a flat buffer a key"
+    # `opt_state`'s name; bits an element (None: the stepped dtype's); slots align to `block`
+    name,bits,block = None,None,64
     kernel_options = {}  # inductor's settings for a compiled step over this store
     def __repr__(self): return f"{type(self).__name__}()"
     def bytes(self, dtype) -> float:
         "Bytes an element of state takes, stepped in `dtype`"
         raise NotImplementedError
     def new(self, b, k:str, dtype):
-        "Fill `b.st[k]` (zeros) and `b.stv[k]`, what each state dict holds"
+        "Fill `b.state_bufs[k]` (zeros) and `b.state_held[k]`"
         raise NotImplementedError
     def put(self, b, k:str, i:int, v:Tensor):
         "Parameter `i`'s state `k` takes tensor `v`"
@@ -135,8 +143,8 @@ class Store:
     def zero(self, b, k:str, a:int, c:int):
         "Zero state `k` of parameters `a` to `c`"
         raise NotImplementedError
-    def load_window(self, b, k:str, i:int, j:int, ws:Tensor|None=None) -> Tensor:
-        "State `k` of parameters `i` to `j` to step, in workspace `ws` where it is not the buffer itself"
+    def load_window(self, b, k:str, i:int, j:int, scratch:Tensor|None=None) -> Tensor:
+        "State `k` of parameters `i` to `j` to step, in fp32"
         raise NotImplementedError
     def store_window(self, b, k:str, i:int, j:int, x:Tensor):
         "What `load_window` gave, stepped, back into the store"
@@ -152,7 +160,7 @@ class Store:
         "State `k`'s fp32 values, in a kernel"
         raise NotImplementedError
     def kernel_store(self, t:dict, k:str, x:Tensor, keep:Tensor) -> dict:
-        "New tensors of state `k` from fp32 `x` (the old ones where `keep`), in a kernel"
+        "New tensors of state `k` from fp32 `x`, in a kernel"
         raise NotImplementedError
 
 class DenseStore(Store):
@@ -160,13 +168,15 @@ class DenseStore(Store):
     name = 'fp32'
     def bytes(self, dtype) -> float: return torch.empty((), dtype=dtype).element_size()
     def new(self, b, k:str, dtype):
-        b.st[k] = b.zeros(dtype); b.stv[k] = b.views(b.st[k])
-    def put(self, b, k:str, i:int, v:Tensor): b.stv[k][i].copy_(v)
-    def value(self, b, k:str, i:int) -> Tensor: return b.stv[k][i].clone(memory_format=torch.preserve_format)
-    def zero(self, b, k:str, a:int, c:int): b.part(b.st[k], a, c).zero_()
-    def load_window(self, b, k:str, i:int, j:int, ws:Tensor|None=None) -> Tensor: return b.part(b.st[k], i, j)
+        b.state_bufs[k] = b.zeros(dtype)
+        b.state_held[k] = b.views(b.state_bufs[k])
+    def put(self, b, k:str, i:int, v:Tensor): b.state_held[k][i].copy_(v)
+    def value(self, b, k:str, i:int) -> Tensor: return b.state_held[k][i].clone(memory_format=torch.preserve_format)
+    def zero(self, b, k:str, a:int, c:int): b.part(b.state_bufs[k], a, c).zero_()
+    def load_window(self, b, k:str, i:int, j:int, scratch:Tensor|None=None) -> Tensor:
+        return b.part(b.state_bufs[k], i, j)
     def store_window(self, b, k:str, i:int, j:int, x:Tensor): pass
-    def kernel_io(self, b, k:str, a:int, c:int) -> dict: return {k: b.part(b.st[k], a, c)}
+    def kernel_io(self, b, k:str, a:int, c:int) -> dict: return {k: b.part(b.state_bufs[k], a, c)}
     def kernel_load(self, t:dict, k:str) -> Tensor: return t[k]
     def kernel_store(self, t:dict, k:str, x:Tensor, keep:Tensor) -> dict: return {k: kept(keep, t[k], x)}
 
@@ -174,12 +184,25 @@ class BF16Store(DenseStore):
     "State tensors rounded to bf16 (`opt_state='bf16'`)"
     name,bits = 'bf16',16
     def bytes(self, dtype) -> float: return 2.
-    def new(self, b, k, dtype): b.st[k] = b.zeros(torch.bfloat16); b.stv[k] = [LowBitState(b, k, i) for i in range(len(b.params))]
-    def put(self, b, k, i, v): b.slot(b.st[k], i).copy_(v)
-    def value(self, b, k, i): return b.slot(b.st[k], i).float()
-    def load_window(self, b, k, i, j, ws=None): ws.copy_(b.part(b.st[k], i, j)); return ws
-    def store_window(self, b, k, i, j, x): b.part(b.st[k], i, j).copy_(x)
-    def kernel_load(self, t, k): return t[k].float()  # `kernel_store` is the dense one: `kept`'s conversion rounds as `store_window`'s copy
+    def new(self, b, k, dtype):
+        b.state_bufs[k] = b.zeros(torch.bfloat16)
+        b.state_held[k] = [LowBitState(b, k, i) for i in range(len(b.params))]
+    def put(self, b, k, i, v): b.slot(b.state_bufs[k], i).copy_(v)
+    def value(self, b, k, i): return b.slot(b.state_bufs[k], i).float()
+    def load_window(self, b, k, i, j, scratch=None):
+        scratch.copy_(b.part(b.state_bufs[k], i, j))
+        return scratch
+    def store_window(self, b, k, i, j, x): b.part(b.state_bufs[k], i, j).copy_(x)
+    # `kernel_store` is the dense one: `kept`'s conversion rounds as `store_window`'s copy
+    def kernel_load(self, t, k): return t[k].float()
+
+def kernel_name(k:str, part:str) -> str:
+    "The name of state `k`'s `part` among a kernel's tensors"
+    return f'{k}@{part}'
+
+def state_key(name:str) -> str:
+    "The state key a kernel's tensor `name` belongs to"
+    return name.split('@')[0]
 
 def kept(keep:Tensor, old:Tensor, new:Tensor) -> Tensor:
     "A kernel's `old` where `keep` (a skipped step), else `new`, in `old`'s dtype"
@@ -190,7 +213,7 @@ def kept(keep:Tensor, old:Tensor, new:Tensor) -> Tensor:
 
 # %% ../nbs/01i_lowbit.ipynb #lb0015c
 def bf16_nearest(x:Tensor) -> Tensor:
-    "fp32 `x` rounded to the nearest bf16 (ties to even), still fp32, on its bits; a NaN is its caller's to keep"
+    "fp32 `x` rounded to the nearest bf16, still fp32 (a NaN: the caller's)"
     b = x.view(torch.int32)
     return ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).view(torch.float32)  # the low 16 bits dropped, rounded first
 
@@ -199,7 +222,7 @@ class Float8Codes:
     "8-bit codes: fp8 e4m3 numbers, in blocks of 256"
     bits,block = 8,256
     def scaled(self, x:Tensor) -> tuple:
-        "`x` over its block's largest magnitude, times 256 (the codes' values), and the block scales"
+        "`x` scaled to its codes' values, and the block scales"
         xb = x.reshape(-1, self.block)
         scale = xb.abs().amax(-1).clamp_min(1e-12)
         return (xb * (256 / scale).view(-1, 1)).view(x.shape),scale
@@ -207,7 +230,8 @@ class Float8Codes:
         y,scale = self.scaled(x)
         return y.to(torch.float8_e4m3fn).view(torch.uint8),scale
     def decode(self, codes:Tensor, scale:Tensor, qmap=None) -> Tensor:
-        x = codes.view(torch.float8_e4m3fn).float()  # in a kernel the codes come typed e4m3, and this view is no bit cast
+        # in a kernel the codes come typed e4m3, and this view is no bit cast
+        x = codes.view(torch.float8_e4m3fn).float()
         return (x.reshape(-1, self.block) * (scale / 256).view(-1, 1)).view(x.shape)
     # ---- compiled
     def typed(self, codes:Tensor) -> Tensor: return codes.view(torch.float8_e4m3fn)
@@ -222,7 +246,8 @@ class MapCodes:
     def encode(self, x:Tensor, qmap:Tensor) -> tuple:
         codes,scale = quantize(x, qmap, self.block)
         return pack4(codes),scale
-    def decode(self, codes:Tensor, scale:Tensor, qmap:Tensor) -> Tensor: return dequantize(unpack4(codes), scale, qmap, self.block)
+    def decode(self, codes:Tensor, scale:Tensor, qmap:Tensor) -> Tensor:
+        return dequantize(unpack4(codes), scale, qmap, self.block)
     def typed(self, codes:Tensor) -> Tensor: return codes
     def kernel_code(self, old:Tensor, x:Tensor, keep:Tensor, qmap:Tensor) -> tuple:
         codes,scale = self.encode(x, qmap)
@@ -253,47 +278,55 @@ class QuantStore(BF16Store):
         if key not in self.maps: self.maps[key] = self.maps[key[0]].to(device)
         return self.maps[key]
     def new(self, b, k, dtype):
-        b.st[k] = torch.zeros(b.n * self.bits // 8, dtype=torch.uint8, device=b.device)
+        b.state_bufs[k] = torch.zeros(b.n * self.bits // 8, dtype=torch.uint8, device=b.device)
         b.scales[k] = torch.zeros(b.n // self.block, device=b.device)
         self.zero(b, k, 0, len(b.params))
-        b.stv[k] = [LowBitState(b, k, i) for i in range(len(b.params))]
+        b.state_held[k] = [LowBitState(b, k, i) for i in range(len(b.params))]
     def _span(self, k, lo:int, hi:int) -> slice: return slice(lo, hi) if self.bits == 8 else slice(lo//2, hi//2)
     def _enc(self, k, x): return x.clamp_min(0).sqrt() if k == 'sqr_avg' else x  # the second moment as its square root
     def _dec(self, k, x): return x.square() if k == 'sqr_avg' else x
     def _store(self, b, k, lo:int, hi:int, x:Tensor):
         "Code fp32 `x` into elements `lo` to `hi` (block-aligned)"
         codes,scale = self.codes.encode(self._enc(k, x), self.qmap(k, x.device))
-        b.st[k][self._span(k, lo, hi)].copy_(codes)
+        b.state_bufs[k][self._span(k, lo, hi)].copy_(codes)
         b.scales[k][lo // self.block:hi // self.block].copy_(scale)
     def _load(self, b, k, lo:int, hi:int) -> Tensor:
         s = b.scales[k][lo // self.block:hi // self.block]
-        return self._dec(k, self.codes.decode(b.st[k][self._span(k, lo, hi)], s, self.qmap(k, b.device)))
+        return self._dec(k, self.codes.decode(b.state_bufs[k][self._span(k, lo, hi)], s, self.qmap(k, b.device)))
     def zero(self, b, k, a, c):
-        "Zeros' codes and scale (every block's the same) filled in: no fp32 tensor of the span"
+        "Zeros' codes and scales filled in, with no fp32 tensor"
         lo,hi = b.lo(a),b.end(c)
         codes,scale = self.codes.encode(self._enc(k, torch.zeros(self.block, device=b.device)), self.qmap(k, b.device))
-        b.st[k][self._span(k, lo, hi)].fill_(codes[0]); b.scales[k][lo // self.block:hi // self.block].fill_(scale[0])
+        b.state_bufs[k][self._span(k, lo, hi)].fill_(codes[0])
+        b.scales[k][lo // self.block:hi // self.block].fill_(scale[0])
     def put(self, b, k, i, v):
         lo,hi = b.lo(i),b.end(i+1)
-        x = self._load(b, k, lo, hi); b.slot(x, i, lo).copy_(v); self._store(b, k, lo, hi, x)
+        x = self._load(b, k, lo, hi)
+        b.slot(x, i, lo).copy_(v)
+        self._store(b, k, lo, hi, x)
     def value(self, b, k, i):
         lo = b.lo(i)
         return b.slot(self._load(b, k, lo, b.end(i+1)), i, lo).clone()
-    def load_window(self, b, k, i, j, ws=None): ws.copy_(self._load(b, k, b.lo(i), b.end(j))); return ws
+    def load_window(self, b, k, i, j, scratch=None):
+        scratch.copy_(self._load(b, k, b.lo(i), b.end(j)))
+        return scratch
     def store_window(self, b, k, i, j, x): self._store(b, k, b.lo(i), b.end(j), x)
     # ---- compiled: the codes and scales (and a 4-bit map) in; new codes and scales out, in the same pass
     def kernel_io(self, b, k, a, c):
         lo,hi = b.lo(a),b.end(c)
-        codes = static_rows(self.codes.typed(b.st[k][self._span(k, lo, hi)]).view(-1, self.block * self.bits // 8))
-        t = {f'{k}@codes': codes, f'{k}@scale': b.scales[k][lo // self.block:hi // self.block]}
-        return {**t, f'{k}@map': self.qmap(k, b.device)} if self.bits == 4 else t
+        codes = self.codes.typed(b.state_bufs[k][self._span(k, lo, hi)])
+        codes = static_rows(codes.view(-1, self.block * self.bits // 8))
+        t = {kernel_name(k, 'codes'): codes, kernel_name(k, 'scale'): b.scales[k][lo // self.block:hi // self.block]}
+        return {**t, kernel_name(k, 'map'): self.qmap(k, b.device)} if self.bits == 4 else t
     def kernel_shape(self, t):
         "The kind's flat tensors as rows of a block, of static length"
         return {k: static_rows(v.view(-1, self.block)) for k,v in t.items()}
-    def kernel_load(self, t, k): return self._dec(k, self.codes.decode(t[f'{k}@codes'], t[f'{k}@scale'], t.get(f'{k}@map')))
+    def kernel_load(self, t, k):
+        codes,scale,qmap = t[kernel_name(k, 'codes')],t[kernel_name(k, 'scale')],t.get(kernel_name(k, 'map'))
+        return self._dec(k, self.codes.decode(codes, scale, qmap))
     def kernel_store(self, t, k, x, keep):
-        c,s = f'{k}@codes',f'{k}@scale'
-        codes,scale = self.codes.kernel_code(t[c], self._enc(k, x), keep, t.get(f'{k}@map'))
+        c,s = kernel_name(k, 'codes'),kernel_name(k, 'scale')
+        codes,scale = self.codes.kernel_code(t[c], self._enc(k, x), keep, t.get(kernel_name(k, 'map')))
         return {c: codes, s: kept(keep, t[s], scale)}
 
 # %% ../nbs/01i_lowbit.ipynb #lb0029
@@ -301,13 +334,15 @@ MIN_LOWBIT = 4096  # elements: smaller tensors keep their state in fp32
 
 def make_store(opt_state:str='fp32'):
     "The store of `opt_state`"
-    return dict(fp32=DenseStore, bf16=BF16Store)[opt_state]() if opt_state in ('fp32', 'bf16') else QuantStore(int(opt_state[0]))
+    if opt_state in ('fp32', 'bf16'): return dict(fp32=DenseStore, bf16=BF16Store)[opt_state]()
+    return QuantStore(int(opt_state[0]))
 
 def state_bytes(opt_state:str='fp32', dtype=torch.float32) -> float:
     "Bytes an element of a large state tensor takes under `opt_state`"
     return make_store(opt_state).bytes(dtype)
 
-MODE_BYTES = dict(fp32=8., amp=8., fp8=8., master=12., kahan=6., stochastic=4.)  # weights, gradients, masters, compensations
+# weights, gradients, masters, compensations
+MODE_BYTES = dict(fp32=8., amp=8., fp8=8., master=12., kahan=6., stochastic=4.)
 
 def param_bytes(mode:str, opt_state:str='fp32', n_state:int=2) -> float:
     "Bytes a large parameter holds between steps"

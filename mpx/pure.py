@@ -26,25 +26,26 @@ def _mix32(x:int) -> int:
     return x ^ (x >> 16)
 
 def stream_key(seed:int, count:int, phase:int=0) -> int:
-    "The int32 key of step `count` (and `phase`: a second place, a `Lookahead` sync) of stream `seed`"
+    "The int32 key of step `count` (and `phase`) of stream `seed`"
     k = _mix32(_mix32(_mix32(seed) + count) + phase)
     return k - 2**32 if k >= 2**31 else k
 
 def random_bits16(idx:Tensor, key) -> Tensor:
-    "16 random bits (int32 in [0, 2**16)) for each element index in int32 `idx`, from stream `key`"
+    "16 random bits for each element index in `idx`, from stream `key`"
     x = idx + key
     for _ in range(2): x = (x ^ ((x >> 16) & 0xFFFF)) * 0x45d9f3b
     return (x ^ ((x >> 16) & 0xFFFF)) & 0xFFFF
 
 def round_stochastic(x:Tensor, key, base=0) -> Tensor:
-    "fp32 `x` (flat) rounded to a bf16 neighbour, up with probability (dropped bits)/2**16, still fp32"
+    "fp32 `x` rounded stochastically to a bf16 neighbour, still fp32"
+    # up with probability (dropped bits)/2**16: `x` (flat) plus 16 random bits, the low 16 bits dropped
     idx = (torch.arange(x.numel(), device=x.device, dtype=torch.int32) + base).view(x.shape)
     return ((x.view(torch.int32) + random_bits16(idx, key)) & _hi).view(torch.float32)
 
 # %% ../nbs/05_pure.ipynb #pb000013
 @torch.no_grad()
 def fold_kahan(xs:list, ws:list, cs:list, r:list|None=None, t:list|None=None):
-    "Write fp32 `xs` into bf16 weights `ws` and compensations `cs`, canonically, in ten multi-tensor ops"
+    "Write fp32 `xs` into bf16 weights `ws` and compensations `cs`"
     r,t = _fp32_like(xs, r),_fp32_like(xs, t)
     torch._foreach_copy_(ws, xs)  # w = bf16(x), to nearest
     torch._foreach_copy_(t, ws)
@@ -62,14 +63,14 @@ def _fp32_like(xs:list, given:list|None) -> list:
     return given if given is not None else [torch.empty_like(x, dtype=torch.float32) for x in xs]
 
 def split_kahan(x:Tensor) -> tuple:
-    "fp32 `x` as a canonical pair of bf16 weight and compensation: `w + c` is exact and splits into the same pair"
+    "fp32 `x` as a canonical pair of bf16 weight and compensation"
     w,c = torch.empty_like(x, dtype=torch.bfloat16),torch.empty_like(x, dtype=torch.bfloat16)
     fold_kahan([x], [w], [c])
     return w,c
 
 @torch.no_grad()
 def widen_kahan(xs:list, ws:list, cs:list|None=None, t:list|None=None):
-    "Write the fp32 values `w + c` of bf16 `ws` (and compensations `cs`, widened in `t`) into fp32 `xs`"
+    "Write the fp32 values `w + c` of bf16 `ws` and `cs` into `xs`"
     torch._foreach_copy_(xs, ws)
     if not cs: return
     t = _fp32_like(xs, t)
@@ -78,21 +79,22 @@ def widen_kahan(xs:list, ws:list, cs:list|None=None, t:list|None=None):
 
 # %% ../nbs/05_pure.ipynb #pb000019
 class BF16Kind(Kind):
-    "bf16 weights stepped in fp32: widened into the engine's reused workspace a window at a time, folded back"
+    "bf16 weights stepped in fp32, a window at a time, folded back"
     widens,in_place = True,False
     def state_dtype(self, b): return torch.float32
     def build(self, b):
-        "Each parameter's fp32 value split into its bf16 storage by the kind (`split`)"
-        x = b.hold_weights(torch.float32)  # the fp32 weights as one buffer: the one a former fit left, else a parameter at a time
+        "Each fp32 weight split into the kind's bf16 storage"
+        # the fp32 weights as one buffer: the one a former fit left, else a parameter at a time
+        x = b.hold_weights(torch.float32)
         b.w,b.g = b.zeros(torch.bfloat16),b.zeros(torch.bfloat16)
         self.split(b, x)
         b.point(b.w)
     def split(self, b, x:Tensor): b.w.copy_(x)  # to nearest
     def assign(self, b, i, x): b.slot(b.w, i).copy_(x)  # as `split` does
     def wide(self, b, i, j):
-        "The fp32 values and gradients of parameters `i` to `j`, in the engine's workspace"
+        "The fp32 values and gradients of parameters `i` to `j`"
         n = b.end(j) - b.lo(i)
-        x,g = b.ws(b.device, n, 0),b.ws(b.device, n, 1)
+        x,g = b.workspace(b.device, n, 'wide'),b.workspace(b.device, n, 'wide_grad')
         self.widen(b, i, j, x)
         g.copy_(b.part(b.g, i, j))
         for k in sorted(k for k in b.loose if i <= k < j):  # summed in fp32
@@ -103,46 +105,54 @@ class BF16Kind(Kind):
     @staticmethod
     def kernel_widen(t, s): return t['w'].float(),t['g'].float()
     def finish(self, b):
-        "Each weight back in fp32, holding what training made of it, in one buffer that the next fit takes as it is"
+        "Each weight back in fp32, in one buffer the next fit takes"
         for i,(p,v) in enumerate(zip(b.params, b.views(b.zeros(torch.float32)))):
-            v.copy_(self.value(b, i)); set_data(p, v)  # a parameter with a gradient keeps it, in fp32
+            v.copy_(self.value(b, i))
+            set_data(p, v)  # a parameter with a gradient keeps it, in fp32
     def value(self, b, i:int) -> Tensor: return b.params[i].data.float()
     def values(self, b) -> list: return [self.value(b, i) for i in range(len(b.params))]
-    def carried(self, b, idle=False) -> dict: return {id(p): ('bf16', p.grad.clone()) for p in b.params if p.grad is not None}
+    def carried(self, b, idle=False) -> dict:
+        return {id(p): ('bf16', p.grad.clone()) for p in b.params if p.grad is not None}
     def restore(self, b, grads:dict):
         for i,p in enumerate(b.params):
             if id(p) not in grads: continue
-            b.gv[i].copy_(grads[id(p)][1]); p.grad = b.gv[i]; b.live[i] = True
+            b.gv[i].copy_(grads[id(p)][1])
+            p.grad = b.gv[i]
+            b.live[i] = True
 
 # %% ../nbs/05_pure.ipynb #pb000020
 class KahanKind(BF16Kind):
-    "bf16 weights with a bf16 Kahan compensation each: stepped as `w + c`, split back canonically"
+    "bf16 weights and Kahan compensations, stepped as `w + c`"
     def split(self, b, x):
-        b.c = b.zeros(torch.bfloat16); b.cv = b.views(b.c)
+        b.c = b.zeros(torch.bfloat16)
+        b.cv = b.views(b.c)
         self._fold_whole(b, x, b.w, b.c)
     def assign(self, b, i, x):
         w,c = b.slot(b.w, i),b.cv[i]
         if w.is_contiguous(): self._fold_whole(b, x.reshape(-1), w.view(-1), c.view(-1))
         else: fold_kahan([x], [w], [c])  # another order of its elements (transposed): whole
     def _fold_whole(self, b, x, w, c, chunk:int=1<<20):
-        "`fold_kahan` of flat `x` into `w` and `c` a chunk at a time: its fp32 temporaries a chunk's, in the workspace, not the buffer's"
+        "`fold_kahan` of flat `x` into `w` and `c`, a chunk at a time"
         for a in range(0, x.numel(), chunk):
             xa = x[a:a+chunk]
-            fold_kahan([xa], [w[a:a+chunk]], [c[a:a+chunk]], self._ws(b, xa, 2), self._ws(b, xa, 3))
+            rest,total = self._scratch(b, xa, 'kahan_rest'),self._scratch(b, xa, 'kahan_sum')
+            fold_kahan([xa], [w[a:a+chunk]], [c[a:a+chunk]], rest, total)
     def written(self, b, idx:list): torch._foreach_zero_([b.cv[i] for i in idx])  # what was written, exactly
-    def widen(self, b, i, j, x): widen_kahan([x], [b.part(b.w, i, j)], [b.part(b.c, i, j)], self._ws(b, x, 3))
+    def widen(self, b, i, j, x):
+        widen_kahan([x], [b.part(b.w, i, j)], [b.part(b.c, i, j)], self._scratch(b, x, 'kahan_sum'))
     def fold(self, b, i, j, x, phase=0):
-        fold_kahan([x], [b.part(b.w, i, j)], [b.part(b.c, i, j)], self._ws(b, x, 2), self._ws(b, x, 3))
-    def _ws(self, b, x, k:int) -> list:
-        "fp32 reused buffer `k` for a window: the bf16 operands widened there, so no op makes an fp32 copy of its own"
-        return [b.ws(b.device, x.numel(), k)]
+        rest,total = self._scratch(b, x, 'kahan_rest'),self._scratch(b, x, 'kahan_sum')
+        fold_kahan([x], [b.part(b.w, i, j)], [b.part(b.c, i, j)], rest, total)
+    def _scratch(self, b, x, slot:str) -> list:
+        "The fp32 scratch buffer `slot` for a window's bf16 operands"
+        return [b.workspace(b.device, x.numel(), slot)]
     def value(self, b, i): return b.params[i].data.float().add_(b.cv[i].float())
     def kernel_io(self, b, a, c, phase=0): return dict(w=b.part(b.w, a, c), c=b.part(b.c, a, c), g=b.part(b.g, a, c)),{}
     @staticmethod
     def kernel_widen(t, s): return t['w'].float() + t['c'].float(),t['g'].float()
     @staticmethod
     def kernel_fold(t, s, x):
-        "`fold_kahan` in a kernel: the weight and the remainder to nearest, then the canonical split of their sum"
+        "`fold_kahan` in a kernel"
         w = bf16_nearest(x)
         v = w + bf16_nearest(x - w)
         w = bf16_nearest(v)
@@ -150,11 +160,11 @@ class KahanKind(BF16Kind):
         return dict(w=torch.where(nan, x, w), c=torch.where(nan, x, v - w))  # `c` rounded by the store's conversion
 
 class StochasticKind(BF16Kind):
-    "bf16 weights rounded stochastically after each step, the bits from (seed, step, element)"
+    "bf16 weights rounded stochastically after each step"
     def __init__(self, stream:dict|None=None): self.stream = stream or dict(seed=0, count=0)
     def tick(self): self.stream['count'] += 1
     def _key(self, b, i:int, phase:int) -> tuple:
-        "The stream's key for this step, and the index of parameter `i`'s first element in the engine"
+        "The stream's key for this step, and parameter `i`'s first index"
         return stream_key(self.stream['seed'], self.stream['count'], phase),(b.base + b.lo(i)) % 2**31
     def fold(self, b, i, j, x, phase=0):
         key,base = self._key(b, i, phase)
@@ -167,8 +177,11 @@ class StochasticKind(BF16Kind):
     def kernel_fold(t, s, x): return dict(w=round_stochastic(x, s['key'], s['base']))
 
 class KeptKind(BF16Kind):
-    "bf16 weights with their exact fp32 value kept aside (frozen when the fit began): stepped in it, written to nearest"
-    def split(self, b, x): b.x = x; b.xv = b.views(x); b.w.copy_(x)
+    "bf16 weights frozen when the fit began, their fp32 values kept aside"
+    def split(self, b, x):
+        b.x = x
+        b.xv = b.views(x)
+        b.w.copy_(x)
     def assign(self, b, i, x):
         b.xv[i].copy_(x)
         b.slot(b.w, i).copy_(x)
@@ -186,7 +199,7 @@ class KeptKind(BF16Kind):
 
 # %% ../nbs/05_pure.ipynb #pb000021c
 class BF16Weights(FitState):
-    "A pure-bf16 fit's half model: the optimizer's weights stepped in fp32 and folded back by their kind, the rest halved"
+    "A pure-bf16 fit's half model, and its weights' kinds"
     def __init__(self,
         learn:Learner, # The learner whose model is halved
         update:str='kahan', # 'kahan' (a bf16 compensation per weight) or 'stochastic'
@@ -203,15 +216,15 @@ class BF16Weights(FitState):
         return self.train if id(p) in self.trained else self.frozen
     def undo(self): self.rest.undo()
     def same(self, learn) -> bool:
-        "Whether a fit beginning now would halve and train the same tensors: then it takes this one's layout as it is"
+        "Whether a fit beginning now would halve and train the same tensors"
         trained = {id(p) for p in opt_params(learn.opt) if p.requires_grad}
         return trained == self.trained and not halvable(learn.model)  # no fp32 tensor to halve: none new
     def fp32_of(self, t:Tensor) -> Callable|None:
-        "How to make the exact fp32 value of `t`, a tensor the fit halved that no optimizer steps; None for another"
+        "How to make the fp32 value of `t`, halved and not stepped; else None"
         c = next((c for u,c in self.rest.kept if u is t), None)
         return None if c is None else partial(exact_fp32, t.detach(), c)
     def assign(self, t:Tensor, x:Tensor) -> bool:
-        "`t`, halved, takes fp32 value `x` (its exact value kept aside); False where `t` is not one of them"
+        "`t`, halved and not stepped, takes fp32 value `x`; else False"
         c = next((c for u,c in self.rest.kept if u is t), None)
         if c is None: return False
         c.copy_(x)
@@ -225,10 +238,11 @@ class BF16Weights(FitState):
         return {p: c for b in self._buckets(self.train) if b.cv is not None for p,c in zip(b.params, b.cv)}
     @property
     def kept(self) -> dict:
-        "The exact fp32 values kept aside: of the tensors no optimizer steps, and of the weights frozen when the fit began"
-        return {**{t: c for t,c in self.rest.kept}, **{p: x for b in self._buckets(self.frozen) for p,x in zip(b.params, b.xv)}}
+        "The exact fp32 values kept aside, by tensor"
+        frozen = {p: x for b in self._buckets(self.frozen) for p,x in zip(b.params, b.xv)}
+        return {**{t: c for t,c in self.rest.kept}, **frozen}
     def wide(self, p:Tensor) -> Tensor:
-        "The fp32 value of parameter `p` during the fit: `w + c`, `w`, or the exact value kept aside"
+        "The fp32 value of parameter `p` during the fit"
         h = self.engine.home.get(id(p)) if self.engine is not None else None
         if h is None: return self.kept.get(p, p.data.float())
         b,i = h
@@ -239,7 +253,8 @@ class PureBF16(PrecisionCallback):
     "bf16 weights stepped in place by the optimizer, no fp32 masters: each update computed in fp32, folded back (Kahan or stochastic)"
     input_dtype = torch.bfloat16
     def __init__(self,
-        update:str='kahan', # 'kahan': a bf16 compensation per weight; 'stochastic': unbiased random rounding, nothing kept
+        # 'kahan': a bf16 compensation per weight; 'stochastic': unbiased random rounding, nothing kept
+        update:str='kahan',
         check_finite:bool=True, # Skip a step whose gradients hold inf/nan (one host sync a step)
         seed:int=0, # Seeds the random bits of `stochastic` rounding
         fused:bool|str=True, # How the step engine steps (`Fused`): True, False or 'compile'

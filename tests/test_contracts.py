@@ -36,14 +36,14 @@ class Cloned(Store):
     name = 'cloned'
     def bytes(self, dtype) -> float: return 4.
     def new(self, b, k, dtype):
-        b.st[k] = b.zeros(torch.float32)
-        b.stv[k] = b.views(b.st[k])
-    def put(self, b, k, i, v): b.stv[k][i].copy_(v)
-    def value(self, b, k, i): return b.stv[k][i].clone()
-    def zero(self, b, k, a, c): b.part(b.st[k], a, c).zero_()
-    def load_window(self, b, k, i, j, ws=None): return ws.copy_(b.part(b.st[k], i, j))
-    def store_window(self, b, k, i, j, x): b.part(b.st[k], i, j).copy_(x)
-    def kernel_io(self, b, k, a, c): return {k: b.part(b.st[k], a, c)}
+        b.state_bufs[k] = b.zeros(torch.float32)
+        b.state_held[k] = b.views(b.state_bufs[k])
+    def put(self, b, k, i, v): b.state_held[k][i].copy_(v)
+    def value(self, b, k, i): return b.state_held[k][i].clone()
+    def zero(self, b, k, a, c): b.part(b.state_bufs[k], a, c).zero_()
+    def load_window(self, b, k, i, j, scratch=None): return scratch.copy_(b.part(b.state_bufs[k], i, j))
+    def store_window(self, b, k, i, j, x): b.part(b.state_bufs[k], i, j).copy_(x)
+    def kernel_io(self, b, k, a, c): return {k: b.part(b.state_bufs[k], a, c)}
     def kernel_load(self, t, k): return t[k]
     def kernel_store(self, t, k, x, keep): return {k: kept(keep, t[k], x)}
 
@@ -100,3 +100,21 @@ def test_contracts_declared():
         assert callable(getattr(Store, name)) and getattr(Store, name).__doc__, name
     assert issubclass(DenseStore, Store)
     with pytest.raises(NotImplementedError): Kind().take(None, True)
+
+def test_step_phase():
+    "The step phase is one state: a step while a backward's gradients are not yet taken is refused, naming the phase."
+    from mpx.fused import StepPhase
+    from mpx.master import MasterKind
+    ps = [torch.nn.Parameter(torch.randn(4, 3))]
+    fs = FusedSteps(SGD(ps, lr=.1), lambda p: MasterKind(torch.float16))
+    ps[0].grad = torch.ones_like(ps[0])
+    fs.before_backward()
+    with pytest.raises(RuntimeError, match="came in step phase 'backward'"): fs.opt.step()
+    fs.take()
+    fs.before_backward()
+    with pytest.raises(RuntimeError, match="came in step phase 'accumulating'"): fs.opt.step()
+    fs.take()
+    fs.opt.step()
+    fs.end_step()
+    assert fs.phase is StepPhase.READY and fs.grads_in_flight() == {}
+    fs.undo()
