@@ -10,7 +10,7 @@ from fastai.torch_basics import *
 from fastai.optimizer import *
 from .flat import *
 from .eager import base_fn, fn_name, RunSteps, LoopSteps
-from .lowbit import kept, state_key
+from .lowbit import kept
 from .warn import warn_user
 
 # %% auto #0
@@ -141,7 +141,11 @@ class _QHAdamStep:
         den = ((1 - run['nu_2']) * g**2 + run['nu_2'] * (vals['sqr_avg'] / run['db2'])).sqrt() + run['eps']
         vals['x'] = vals['x'] - run['lr'] * num / den
 
-_STATE = ('grad_avg', 'sqr_avg')  # the state tensors the compiled functions keep
+_STATE = {'grad_avg': average_grad, 'sqr_avg': average_sqr_grad}  # the state the compiled functions keep, by its maker
+
+def _state_keys(chain:tuple) -> list:
+    "The state keys `chain` keeps"
+    return [k for k,f in _STATE.items() if any(g is f for g,_ in chain)]
 
 # %% ../nbs/01g_compiled.ipynb #cx0008
 def _scalar_body(chain:tuple, hyper:dict, steps:Tensor|None) -> dict:
@@ -150,10 +154,9 @@ def _scalar_body(chain:tuple, hyper:dict, steps:Tensor|None) -> dict:
     for f,kw in chain: _COMPILED[f].scalars(run, hyper, dict(kw))
     return {k: v for k,v in run.items() if v is not None}
 
-def _kernel_body(kind, store, chain:tuple, t:dict, hyper:dict, run:dict):
-    "One step of `chain` on a run: widen, step, fold"
+def _kernel_body(kind, store, chain:tuple, keys:list, t:dict, hyper:dict, run:dict):
+    "One step of `chain` (keeping state `keys`) on a run: widen, step, fold"
     x,g = kind.kernel_widen(t, hyper)
-    keys = [k for k in _STATE if k in {state_key(n) for n in t}]
     vals = dict(x=x, g=g, **{k: store.kernel_load(t, k) for k in keys})  # the state, dequantised where it is low-bit
     for f,kw in chain: _COMPILED[f].update(vals, run, dict(kw))
     keep = hyper['found'] != 0  # nothing changes where the finite check found an inf or nan
@@ -165,7 +168,7 @@ def _kernel_body(kind, store, chain:tuple, t:dict, hyper:dict, run:dict):
 _kernels,_failed,_warned = {},{},set()
 
 def _known_options(options:dict) -> dict:
-    "The inductor `options` this torch knows; the others said once"
+    "The inductor `options` this torch knows (the others said once)"
     import torch._inductor.config as inductor  # imported with `torch.compile`, never at mpx's import
     missing = sorted(k for k in options if not hasattr(inductor, k))
     if missing and 'options' not in _warned:
@@ -190,7 +193,8 @@ def _kernel(kind, store, chain:tuple, sig:tuple=()) -> tuple:
     if key not in _kernels:
         name = f"mpx_{type(kind).__name__}_{store.name}_{'_'.join(f.__name__ for f,_ in chain)}"
         def scalars(hyper, steps): return _scalar_body(chain, hyper, steps)
-        def step(t, hyper, run): return _kernel_body(kind, store, chain, t, hyper, run)
+        keys = _state_keys(chain)
+        def step(t, hyper, run): return _kernel_body(kind, store, chain, keys, t, hyper, run)
         opts,known = dict(dynamic=True, fullgraph=True),_known_options(store.kernel_options)
         step = torch.compile(_own(step, name), **opts, **({'options': known} if known else {}))
         _kernels[key] = (torch.compile(_own(scalars, name + '_scalars'), **opts),step)
@@ -212,7 +216,7 @@ def _marked(d:dict|None):
 
 class DeviceSteps:
     "A bucket's step counts on its device, derived from the dicts"
-    # each count read is marked (`StepCount`), so that any write is seen; a dict replaced by a copy keeps its mark
+    # each count read is marked (`StepCount`), so that any write is seen (a dict replaced by a copy keeps its mark)
     def __init__(self, b:Bucket):
         self.host,self.marks = [_step_of(d) for d in b.dicts],[_marked(d) for d in b.dicts]
         self.t = torch.tensor([float(v) for v in self.host], device=b.device)
@@ -298,11 +302,11 @@ def _static_why(eng, p:list|None) -> str|None:
 
 # %% ../nbs/01g_compiled.ipynb #cx0014
 class CompiledSteps:
-    "One compiled kernel a run of a flat bucket; else eager, said once"
+    "One compiled kernel a run of a flat bucket, else eager (said once)"
     def __init__(self, eager): self.eager,self.dev,self.scal = eager,{},{}
 
     def why_not(self, eng, b:Bucket) -> str|None:
-        "Why bucket `b` cannot step compiled now; None where it can"
+        "Why bucket `b` cannot step compiled now (None where it can)"
         if torch._C._len_torch_dispatch_stack():
             return "a dispatch mode is active (an op counter), and torch.compile refuses to run under one"
         if not b.flat: return "a parameter cannot take a slot in a flat buffer (a DTensor, a non-dense tensor)"
@@ -362,12 +366,11 @@ class CompiledSteps:
         return res
 
     def _run(self, eng, b:Bucket, a:int, c:int, chain:tuple, scal:dict, phase:int) -> bool:
-        "One kernel over `a` to `c` of `b`; False where compiling failed"
+        "One kernel over `a` to `c` of `b` (False where compiling failed)"
         t,extra = b.kind.kernel_io(b, a, c, phase)
         t = b.store.kernel_shape(t)
         dtype = b.kind.state_dtype(b)
-        for k,f in (('grad_avg', average_grad), ('sqr_avg', average_sqr_grad)):
-            if any(g is f for g,_ in chain): t.update(_zeros_state(b, k, a, c, dtype))
+        for k in _state_keys(chain): t.update(_zeros_state(b, k, a, c, dtype))
         if any(g is step_stat for g,_ in chain): t['steps'] = self.dev[id(b)].t[a:c]
         wd = scal.get('wd', 0.) if b.dicts[a].get('do_wd', True) else 0.
         hyper = self._scalars(b.device, {**scal, 'wd': wd, **extra})
@@ -378,8 +381,8 @@ class CompiledSteps:
             step(t, hyper, scalars(hyper, t.get('steps')))
         except Exception as e:
             if torch._C._len_torch_dispatch_stack(): raise
-            said = str(e).strip().splitlines()[0][:200]
-            _failed[type(b.kind)] = f"torch.compile failed on this machine ({type(e).__name__}: {said})"
+            first_line = str(e).strip().splitlines()[0][:200]
+            _failed[type(b.kind)] = f"torch.compile failed on this machine ({type(e).__name__}: {first_line})"
             return False  # nothing changed
         return True
 

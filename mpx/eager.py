@@ -30,7 +30,7 @@ def _is(f, fns) -> bool:
     except TypeError: return False  # an unhashable callable
 
 def plan(cbs) -> list|None:
-    "The engine's plan for `cbs`; None where one is not fastai's"
+    "The engine's plan for `cbs` (None where one is not fastai's)"
     res = []
     for cb in cbs:
         f = base_fn(cb)
@@ -212,7 +212,7 @@ class RunSteps(LoopSteps):
     "A `plan` of fastai's functions, elementwise ones once a run"
     def __init__(self, plan:list): self.plan = plan
     def bucket(self, eng, b:Bucket, hyper:dict):
-        "Each window; a large parameter in pieces where the plan allows"
+        "Each window, a large parameter in pieces where the plan allows"
         # elementwise, a run at a time
         split = all(w[0] == 'run' and not _transcendental(w[1], hyper) for w in self.plan)
         before = {}  # a parameter stepped in pieces: its dict as the step found it

@@ -68,7 +68,7 @@ class LookaheadSync:
 
     @torch.no_grad()
     def step(self, eng, la:Lookahead, closure=None):
-        "`Lookahead.step`: the wrapped step; every `k` steps, the sync"
+        "`Lookahead.step`: the wrapped step, and every `k` steps the sync"
         if closure is not None: raise NotImplementedError("fastai optimizers currently do not support closure")
         if la.slow_weights is None: la.slow_weights = self._copies(eng, la)
         la.opt.step()

@@ -24,7 +24,7 @@ __all__ = ['why_not_fused', 'why_not_lowbit', 'StepPhase', 'default_chunk', 'Fus
 
 # %% ../nbs/01a_fused.ipynb #fz0006
 def why_not_fused(opt) -> str|None:
-    "Why `opt`'s step is not the engine's own; None where it is"
+    "Why `opt`'s step is not the engine's own (None where it is)"
     lookaheads,o = unwrap(opt)
     if isinstance(o, OptimWrapper):
         return "an OptimWrapper steps a torch optimizer, which has its own foreach and fused implementations"
@@ -34,7 +34,7 @@ def why_not_fused(opt) -> str|None:
     if 'step' in vars(o): return "its step is already replaced on the instance"
 
 def why_not_lowbit(opt, fused, opt_state:str) -> str|None:
-    "Why `opt_state` cannot hold `opt`'s state; None where it can"
+    "Why `opt_state` cannot hold `opt`'s state (None where it can)"
     if opt_state == 'fp32' or opt is None: return None
     why = why_not_fused(opt)
     if why: why = f"{why}, and it keeps its own state in fp32"
@@ -72,10 +72,10 @@ class FusedSteps:
     "The optimizer step of one fit, over flat buffers"
     def __init__(self,
         opt, # The learner's optimizer: fastai's (maybe inside `Lookahead`s), an `OptimWrapper`, or another
-        kind_of:Callable|None=None, # `kind_of(p) -> Kind` for each parameter; None: `Kind()` (in place)
+        kind_of:Callable|None=None, # `kind_of(p) -> Kind` for each parameter (None: `Kind()`, in place)
         fused:bool|str|Fused=True, # How it steps (see `Fused`): True, False or 'compile'
-        ledger:Ledger|None=None, # The fit's ledger, where the engine's undo is recorded; None: its own
-        chunk:int|None=None, # Most elements a window holds; None: `default_chunk` of the device
+        ledger:Ledger|None=None, # The fit's ledger, where the engine's undo is recorded (None: its own)
+        chunk:int|None=None, # Most elements a window holds (None: `default_chunk` of the device)
         opt_state:str='fp32', # How the optimizer's state is held: 'fp32', 'bf16', '8bit' or '4bit' (`mpx.lowbit`)
     ):
         self.opt,self.path,self.chunk,self.opt_state = opt,Fused.of(fused),chunk,opt_state
@@ -85,8 +85,8 @@ class FusedSteps:
         self.reason = why_not_fused(opt)
         self.native = self.reason is None
         self.lists = [list(pg) for pg in self.inner.param_lists]
-        self.phase,self.found,self.exposed = StepPhase.READY,None,False  # `found`: the finite check's flag, on the device
-        self.workspace,self.warned = Workspace(),set()  # scratch buffers its buckets share; what `say` has warned of
+        self.phase,self.found,self.exposed = StepPhase.READY,None,False  # `found`: the finite check's device flag
+        self.workspace,self.warned = Workspace(),set()  # scratch buffers its buckets share, and what `say` said
         # `lazy`: `state_dict` gives `LazyTensor`s (a streamed checkpoint)
         self._st,self._st_ids,self.lazy = None,None,False
         # helpers: the engine is their argument, never their attribute
@@ -116,7 +116,7 @@ class FusedSteps:
                 self.places.setdefault((gi, id(p)), []).append(k)
                 if id(p) in self.home: continue
                 kind = (kind_of(p) if kind_of is not None else None) or _in_place
-                own = self.native and self.path is not Fused.LOOP  # the engine's own step: a slottable parameter takes a slot
+                own = self.native and self.path is not Fused.LOOP  # the engine's own step: a parameter may take a slot
                 flat = not kind.in_place or (own and slottable(p) and id(p) not in tied)
                 store = self.low if flat and p.numel() >= MIN_LOWBIT else self.dense
                 key = (id(kind), p.device, p.dtype, bool(st.get(p, {}).get('do_wd', True)), flat, id(store))
@@ -130,7 +130,7 @@ class FusedSteps:
                 bs.append(b)
             self.groups.append(bs)
         self.buckets = [b for bs in self.groups for b in bs]
-        self.takes = any(b.kind.takes for b in self.buckets)  # a kind keeps gradients of its own: the step phase matters
+        self.takes = any(b.kind.takes for b in self.buckets)  # a kind keeps gradients of its own: the phase matters
         self.extras = [self._extra_places(gi) for gi in range(len(self.lists))]
         self.refresh()
 
@@ -203,8 +203,8 @@ class FusedSteps:
     def prelude(self, full:bool=True):
         "Before a step (`full`) or a finite check: what changed adopted"
         if full and self.takes and self.phase.pending: raise RuntimeError(
-            f"mpx: opt.step() came in step phase {self.phase.value!r}: after a backward whose gradients the engine has not "
-            "taken (`take`, at after_backward). Step after the backward's after_backward event")
+            f"mpx: opt.step() came in step phase {self.phase.value!r}: after a backward whose gradients the engine "
+            "has not taken (`take`, at after_backward). Step after the backward's after_backward event")
         if full: self.refresh()  # the finite check reads only gradients: weights and state wait for the step
         for b in self.buckets:  # the taking kinds take what callbacks wrote into the model's gradients
             if b.kind.takes:
@@ -248,7 +248,7 @@ class FusedSteps:
             if hasattr(st, 'to_host'): st.to_host(self)  # only a compiled stepper has any: a no-op otherwise
 
     def undo(self):
-        "Put storage and methods back; a no-op the second time"
+        "Put storage and methods back (a no-op the second time)"
         if self.done: return
         self.done = True
         self.ledger.close()
@@ -260,12 +260,12 @@ class FusedSteps:
         self.workspace.bufs.clear()
 
     def fp32_of(self, p:Tensor) -> Callable|None:
-        "How to make `p`'s fp32 value where the engine holds it otherwise; None: `p` is it"
+        "How to make `p`'s fp32 value where the engine holds it otherwise (None: `p` is it)"
         h = self.home.get(id(p))
         return None if h is None or h[0].kind.in_place else partial(_value_now, *h)
 
     def assign(self, p:Tensor, x:Tensor) -> bool:
-        "Parameter `p` takes fp32 value `x`; False where the engine does not hold `p`"
+        "Parameter `p` takes fp32 value `x` (False where the engine does not hold `p`)"
         h = self.home.get(id(p))
         if h is None or h[0].kind.in_place: return False
         b,i = h
@@ -339,7 +339,7 @@ class FusedSteps:
         self.phase = StepPhase.TAKEN
     @torch.no_grad()
     def before_backward(self):
-        "Before a backward; in a step's second, take callbacks' writes"
+        "Before a backward (in a step's second, callbacks' writes taken)"
         fresh = self.phase.fresh
         self.phase = StepPhase.BACKWARD if fresh else StepPhase.ACCUMULATING  # a backward the engine has not taken
         if fresh: return

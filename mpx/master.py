@@ -72,7 +72,7 @@ class MasterKind(Kind):
         b.seen = now
     def _take_assigned(self, b):
         "Gradients assigned to the masters through `learn.parameters()`"
-        # None: not stepped (as fastai's loop skips it); a tensor: taken
+        # None: not stepped (as fastai's loop skips it), a tensor: taken
         # never handed out, or none assigned
         if b.shown is None or all(map(operator.is_, map(_grad_of, b.ms), b.shown)): return
         for i,(m,s) in enumerate(zip(b.ms, b.shown)):
@@ -122,7 +122,7 @@ class MasterKind(Kind):
 
 # %% ../nbs/04_master.ipynb #8802bdff
 class _LoadHook:
-    "`MasterCopies`' load pre-hook; a copy of the model gets a no-op"
+    "`MasterCopies`' load pre-hook (a copy of the model gets a no-op)"
     def __init__(self, f): self.f = f
     def __call__(self, *args): return self.f(*args)
     def __reduce__(self): return (_LoadHook, (noop,))
@@ -189,17 +189,17 @@ class MasterPrecision(PrecisionCallback):
         super().__init__(amp_mode, check_finite, fused, schedule_skips, opt_state)
         check_args(dynamic=dynamic, **({} if flat_master is None else dict(flat_master=flat_master)))
         if flat_master is not None:
-            warn_user("flat_master has no effect: the fp32 masters are always flat, one buffer a parameter "
-                                              "group (split by weight decay), whatever `fused` says. Drop it", FutureWarning)
-        args = dict(loss_scale=loss_scale, growth_interval=growth_interval, growth_factor=growth_factor, backoff_factor=backoff_factor,
-                    min_scale=min_scale, max_scale=max_scale, hysteresis=hysteresis)
+            warn_user("flat_master has no effect: the fp32 masters are always flat, one buffer a parameter group "
+                      "(split by weight decay), whatever `fused` says. Drop it", FutureWarning)
+        args = dict(loss_scale=loss_scale, growth_interval=growth_interval, growth_factor=growth_factor,
+                    backoff_factor=backoff_factor, min_scale=min_scale, max_scale=max_scale, hysteresis=hysteresis)
         check_mode_args('master', self.amp_mode, dynamic, **passed(**args), **({'dynamic': dynamic} if dynamic else {}))
         self.scaler = None if self.amp_mode is AMPMode.BF16 else _scaler(dynamic, **args)
         self._check_schedule_skips()
 
     @property
     def loss_scale(self) -> float:
-        "The current loss scale (1.0 for bf16); a host value, free to read (one host sync during a compiled fit)"
+        "The current loss scale (1.0 for bf16), a host value: free to read"
         return 1.0 if self.scaler is None else self.scaler.pull().scale
     memory_mode = 'master'  # half weight and gradient (2 + 2), fp32 master and master gradient (4 + 4)
     keeps_layout = False  # after a fit its masters are the fp32 model (nothing copied), its half copy freed
@@ -214,15 +214,17 @@ class MasterPrecision(PrecisionCallback):
     @property
     def _at_floor(self) -> bool: return self.scaler is None or self.scaler.at_floor
     def _repr_extra(self):
-        s = self.scaler.pull() if self.scaler is not None and self.scaler.dynamic and self.scaler.hysteresis > 1 else None
+        shown = self.scaler is not None and self.scaler.dynamic and self.scaler.hysteresis > 1
+        s = self.scaler.pull() if shown else None
         return f'hysteresis={s.hysteresis_left}/{s.hysteresis}, ' if s else ''
 
     def _check_cbs(self, cbs):
         "Refuse fastai's `GANTrainer` with `clip`: it clamps through `p.data`, which the masters cannot see"
         gt = first(c for c in cbs if type(c).__name__ == 'GANTrainer' and getattr(c, 'clip', None) is not None)
         if gt is not None: raise ValueError(
-            f"GANTrainer(clip={gt.clip}) clamps the critic's weights through `p.data` before each batch, a write no version "
-            "counter sees, so under fp32 master weights the next step would undo it. Train a clipped GAN (GANLearner.wgan) "
+            f"GANTrainer(clip={gt.clip}) clamps the critic's weights through `p.data` before each batch, a write no "
+            "version counter sees, so under fp32 master weights the next step would undo it. Train a clipped GAN "
+            "(GANLearner.wgan) "
             "with AMP (learn.to_fp16() or learn.to_bf16()) or pure bf16 (learn.to_bf16(pure=True)), or pass clip=None")
     def _new_fit_state(self):  # under FSDP2 its fp32 shards are the masters (`mpx.parallel`)
         return ShardedMasters(self.learn) if is_sharded(self.model) else MasterCopies(self.learn, self.amp_mode.dtype)
@@ -238,7 +240,7 @@ class MasterPrecision(PrecisionCallback):
         self._restart_if_stale()
         if self.fused_steps is not None: self.fused_steps.take()
     def _unscale_and_find_overflow(self, lazy:bool=False) -> tuple:
-        "Unscale (fp16) and check the master gradients: one fused pass, one host sync (`lazy`: none, the scaler's state on the device)"
+        "Unscale (fp16) and check the master gradients: one fused pass, one host sync (`lazy`: none)"
         if self.scaler is None: return super()._unscale_and_find_overflow(lazy)
         if lazy: self.scaler.to_device(training_device(self.dls, self.model))
         scale,found = (self.scaler.dev['scale'] if lazy else self.scaler.scale),self.scaler.unscale_(self._step_grads())
@@ -261,10 +263,13 @@ class MasterPrecision(PrecisionCallback):
         "Start the loss scale afresh at its initial value"
         if self.scaler is not None: self.scaler.reset()
 
-def _scaler(dynamic:bool, loss_scale:float, growth_interval:int, min_scale:float, max_scale:float, hysteresis:int, **kwargs) -> LossScaler:
-    "The `LossScaler`, in plain floats and ints; a dynamic scale outside its bounds is reported as the `loss_scale` the user passed"
+def _scaler(dynamic:bool, loss_scale:float, growth_interval:int, min_scale:float, max_scale:float, hysteresis:int,
+            **kwargs) -> LossScaler:
+    "The `LossScaler`, in plain floats and ints"
     if dynamic and not min_scale <= loss_scale <= max_scale:
-        raise ValueError(f"loss_scale={loss_scale!r} is outside [min_scale, max_scale] = [{min_scale!r}, {max_scale!r}]: "
+        bounds = f"[min_scale, max_scale] = [{min_scale!r}, {max_scale!r}]"
+        raise ValueError(f"loss_scale={loss_scale!r} is outside {bounds}: "
                          "it must lie within them when dynamic=True")
-    return LossScaler(float(loss_scale), dynamic, int(growth_interval), min_scale=float(min_scale), max_scale=float(max_scale),
+    return LossScaler(float(loss_scale), dynamic, int(growth_interval), min_scale=float(min_scale),
+                      max_scale=float(max_scale),
                       hysteresis=int(hysteresis), **{k: float(v) for k,v in kwargs.items()})

@@ -15,7 +15,7 @@ class Copied(Kind):
     in_place = False
     def build(self, b):
         super().build(b)
-        b.x = b.flat_copy(b.params)
+        b.x = b.w.clone()
         b.xv = b.views(b.x)
     def wide(self, b, i, j): return b.part(b.x, i, j),b.part(b.g, i, j)
     def fold(self, b, i, j, x, phase=0): b.part(b.w, i, j).copy_(x)
