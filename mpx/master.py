@@ -171,16 +171,14 @@ class MasterPrecision(PrecisionCallback):
     def __init__(self,
         amp_mode:str|AMPMode=AMPMode.FP16, # Model dtype: 'fp16' (with loss scaling) or 'bf16' (without)
         loss_scale:float=default(512.), # fp16: the loss scale, the first one when `dynamic`
-        # fastai v1's flag, for its code: masters are always flat (a `FutureWarning` says so)
-        flat_master:bool|None=None,
+        flat_master:bool|None=None, # fastai v1's flag: masters are always flat (a `FutureWarning` says so)
         dynamic:bool=False, # fp16: adapt the scale to overflows
         growth_interval:int=default(2000), # Dynamic: clean steps in a row before the scale grows
         growth_factor:float=default(2.), # Dynamic: multiply the scale by this after `growth_interval` clean steps
         backoff_factor:float=default(.5), # Dynamic: multiply the scale by this after an overflow
         min_scale:float=default(1.), # Dynamic: the scale never goes below this
         max_scale:float=default(2.**24), # Dynamic: the scale never goes above this
-        # Dynamic: back off on the N-th overflow only, the budget refilled when the scale grows (DeepSpeed's)
-        hysteresis:int=default(1),
+        hysteresis:int=default(1), # Dynamic: back off at the N-th overflow only (DeepSpeed's hysteresis)
         check_finite:bool=True, # bf16: skip a step whose gradients hold inf/nan (fp16 always checks)
         fused:bool|str=True, # How the step engine steps (`Fused`): True, False or 'compile'
         schedule_skips:bool=True, # False: a skipped step does not advance fastai's schedules
@@ -224,8 +222,8 @@ class MasterPrecision(PrecisionCallback):
         if gt is not None: raise ValueError(
             f"GANTrainer(clip={gt.clip}) clamps the critic's weights through `p.data` before each batch, a write no "
             "version counter sees, so under fp32 master weights the next step would undo it. Train a clipped GAN "
-            "(GANLearner.wgan) "
-            "with AMP (learn.to_fp16() or learn.to_bf16()) or pure bf16 (learn.to_bf16(pure=True)), or pass clip=None")
+            "(GANLearner.wgan) with AMP (learn.to_fp16() or learn.to_bf16()) or pure bf16 (learn.to_bf16(pure=True)), "
+            "or pass clip=None")
     def _new_fit_state(self):  # under FSDP2 its fp32 shards are the masters (`mpx.parallel`)
         return ShardedMasters(self.learn) if is_sharded(self.model) else MasterCopies(self.learn, self.amp_mode.dtype)
     def _begin_fit(self):

@@ -253,8 +253,7 @@ class PureBF16(PrecisionCallback):
     "bf16 weights stepped in place by the optimizer, no fp32 masters: updates computed in fp32, folded back"
     input_dtype = torch.bfloat16
     def __init__(self,
-        # 'kahan': a bf16 compensation per weight; 'stochastic': unbiased random rounding, nothing kept
-        update:str='kahan',
+        update:str='kahan', # 'kahan' (a bf16 compensation per weight) or 'stochastic' (unbiased rounding)
         check_finite:bool=True, # Skip a step whose gradients hold inf/nan (one host sync a step)
         seed:int=0, # Seeds the random bits of `stochastic` rounding
         fused:bool|str=True, # How the step engine steps (`Fused`): True, False or 'compile'
