@@ -1,7 +1,7 @@
 """What bounds pure kahan's compiled step (issue 27): one Adam step over 5.27M elements as one `torch.compile`d kernel,
 in the storage of each mode, timed side by side in interleaved rounds on one thread.
 
-The kernels are mpx's own: the widen and fold of each kind (`kwiden`/`kfold` of `mpx.pure`), around the same Adam
+The kernels are mpx's own: the widen and fold of each kind (`kernel_widen`/`kernel_fold` of `mpx.pure`), around the same Adam
 arithmetic. mpx's split rounds with `bf16_nearest`, integer ops on the bits (an integer view, which inductor's CPU code
 writes as a store, a loop over a vector's lanes and a load). The same split rounded by converting to bf16 and back in a
 kernel compiled with `emulate_precision_casts` (`kahan_kept_casts`: inductor drops those round trips otherwise) and in
@@ -28,8 +28,8 @@ def adam(x, g, m, v, lr=1e-3, b1=.9, b2=.99, eps=1e-5, wd=1e-2, step=10):
 def fp32_weights(w, c, g, m, v): w.copy_(adam(w, g.float(), m, v))               # AMP's and the master mode's kernel
 def bf16_weights(w, c, g, m, v): w.copy_(adam(w.float(), g.float(), m, v))       # bf16 weights, rounded to nearest, no compensation
 def kahan(w, c, g, m, v):                                                         # mpx's: the canonical split, on the bits
-    x,gf = KahanKind.kwiden(dict(w=w, c=c, g=g), {})
-    out = KahanKind.kfold({}, {}, adam(x, gf, m, v)); w.copy_(out['w']); c.copy_(out['c'])
+    x,gf = KahanKind.kernel_widen(dict(w=w, c=c, g=g), {})
+    out = KahanKind.kernel_fold({}, {}, adam(x, gf, m, v)); w.copy_(out['w']); c.copy_(out['c'])
 def kahan_one_rounding(w, c, g, m, v):
     x = adam(w.float() + c.float(), g.float(), m, v); hi = bf16_nearest(x); w.copy_(hi); c.copy_(x - hi)
 

@@ -24,7 +24,7 @@ alone, `--arms a,b` to pick arms by name, `--model deep`, `--explain`, `--plot`)
 import argparse, bisect, gc, itertools, time
 from _common import *
 from torch.profiler import profile, record_function, ProfilerActivity
-from mpx.lowbit import param_bytes, OPT_STATES
+from mpx.lowbit import param_bytes
 from mpx.patches import is_mpx_precision
 
 ADAM_KW = dict(betas=(.9, .99), eps=1e-5, weight_decay=1e-2)  # fastai's Adam defaults (wd decoupled), for the other optimizers
@@ -84,7 +84,7 @@ def arms(chunk=1<<22) -> dict:
     "Every arm by name; `default(name)` says whether a plain run measures it"
     res = {'fastai fp32': (lambda l: l, 'fp32', 'fp32')}
     for name,(mm,kw) in MODES.items():
-        for st in OPT_STATES:
+        for st in ('fp32', 'bf16', '8bit', '4bit'):
             res[f'{name} {st}'] = _mode(name, mm, st, **kw)
             if st != 'fp32': res[f'{name} {st} compile'] = _mode(name, mm, st, fused='compile', **kw)
             if st != 'fp32': res[f'{name} {st} chunk {chunk}'] = _mode(name, mm, st, chunk=chunk, **kw)
@@ -138,7 +138,7 @@ def held(learn) -> dict:
             for k,v in vars(b).items():
                 if k in ENGINE_PARTS: parts[ENGINE_PARTS[k]] += flat_tensors(v)
                 elif k not in ('params', 'engine'): parts['other'] += flat_tensors(v)
-        parts['workspaces'] += list(fs.ws.bufs.values())
+        parts['workspaces'] += list(fs.workspace.bufs.values())
     inner = opt.opt if isinstance(opt, OptimWrapper) else opt
     parts['optimizer state'] += flat_tensors(list(inner.state.values()))
     parts['other'] += [getattr(learn, k, None) for k in ('pred', 'loss', 'loss_grad')]  # none before the first step (`--at 0`)

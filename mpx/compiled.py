@@ -4,7 +4,7 @@
 
 # %% ../nbs/01g_compiled.ipynb #cx0003
 from __future__ import annotations
-import types
+import types, inspect, functools
 from functools import partial
 from fastai.torch_basics import *
 from fastai.optimizer import *
@@ -21,131 +21,180 @@ _COMPILED = {}
 
 def _compiled_as(f):
     "Register a class of compiled `scalars` and `update` for `f`"
-    def deco(cls): _COMPILED[f] = cls; return cls
+    def deco(cls):
+        _COMPILED[f] = cls
+        return cls
     return deco
+
+# `hyper`: the hyper-parameters, 0-dim tensors; `run`: the run's scalars, made from them once a run (`scalars`);
+# `vals`: the run's elementwise values (`x` stepped, `g` its gradient, the state by key), which `update` steps
 
 @_compiled_as(weight_decay)
 class _WeightDecay:
-    def scalars(q, s, kw): q['wdf'] = 1 - s['lr'] * s['wd']  # `wd` is 0 where `do_wd` is off: `x * 1`
-    def update(e, q, kw): e['x'] = e['x'] * q['wdf']
+    @staticmethod
+    def scalars(run, hyper, kw): run['wdf'] = 1 - hyper['lr'] * hyper['wd']  # `wd` is 0 where `do_wd` is off: `x * 1`
+    @staticmethod
+    def update(vals, run, kw): vals['x'] = vals['x'] * run['wdf']
 
 @_compiled_as(l2_reg)
 class _L2Reg:
-    def scalars(q, s, kw): q['wd'] = s['wd']
-    def update(e, q, kw): e['g'] = e['g'] + q['wd'] * e['x']
+    @staticmethod
+    def scalars(run, hyper, kw): run['wd'] = hyper['wd']
+    @staticmethod
+    def update(vals, run, kw): vals['g'] = vals['g'] + run['wd'] * vals['x']
+
+def _damped(mom:Tensor, dampening:bool) -> Tensor:
+    "The gradient's weight in a moving average"
+    return 1 - mom if dampening else torch.ones_like(mom)
 
 @_compiled_as(average_grad)
 class _AverageGrad:
-    def scalars(q, s, kw): q['mom'],q['damp1'] = s['mom'],(1 - s['mom'] if kw.get('dampening', False) else torch.ones_like(s['mom']))
-    def update(e, q, kw): e['grad_avg'] = e['grad_avg'] * q['mom'] + q['damp1'] * e['g']
+    @staticmethod
+    def scalars(run, hyper, kw):
+        run['mom'] = hyper['mom']
+        run['damp1'] = _damped(hyper['mom'], kw.get('dampening', False))
+    @staticmethod
+    def update(vals, run, kw): vals['grad_avg'] = vals['grad_avg'] * run['mom'] + run['damp1'] * vals['g']
 
 @_compiled_as(average_sqr_grad)
 class _AverageSqrGrad:
-    def scalars(q, s, kw):
-        q['sqr_mom'],q['damp2'] = s['sqr_mom'],(1 - s['sqr_mom'] if kw.get('dampening', True) else torch.ones_like(s['sqr_mom']))
-    def update(e, q, kw): e['sqr_avg'] = e['sqr_avg'] * q['sqr_mom'] + q['damp2'] * e['g'] * e['g']
+    @staticmethod
+    def scalars(run, hyper, kw):
+        run['sqr_mom'] = hyper['sqr_mom']
+        run['damp2'] = _damped(hyper['sqr_mom'], kw.get('dampening', True))
+    @staticmethod
+    def update(vals, run, kw): vals['sqr_avg'] = vals['sqr_avg'] * run['sqr_mom'] + run['damp2'] * vals['g'] * vals['g']
 
 @_compiled_as(step_stat)
 class _StepStat:
-    def scalars(q, s, kw): q['step'] = q['step'] + 1
-    def update(e, q, kw): pass
+    @staticmethod
+    def scalars(run, hyper, kw): run['step'] = run['step'] + 1
+    @staticmethod
+    def update(vals, run, kw): pass
 
 @_compiled_as(sgd_step)
 class _SGDStep:
-    def scalars(q, s, kw): q['lr'] = s['lr']
-    def update(e, q, kw): e['x'] = e['x'] - q['lr'] * e['g']
+    @staticmethod
+    def scalars(run, hyper, kw): run['lr'] = hyper['lr']
+    @staticmethod
+    def update(vals, run, kw): vals['x'] = vals['x'] - run['lr'] * vals['g']
 
 @_compiled_as(momentum_step)
 class _MomentumStep:
-    def scalars(q, s, kw): q['lr'] = s['lr']
-    def update(e, q, kw): e['x'] = e['x'] - q['lr'] * e['grad_avg']
+    @staticmethod
+    def scalars(run, hyper, kw): run['lr'] = hyper['lr']
+    @staticmethod
+    def update(vals, run, kw): vals['x'] = vals['x'] - run['lr'] * vals['grad_avg']
 
 @_compiled_as(rms_prop_step)
 class _RMSPropStep:
-    def scalars(q, s, kw): q['lr'],q['eps'] = s['lr'],s['eps']
-    def update(e, q, kw): e['x'] = e['x'] - q['lr'] * e.get('grad_avg', e['g']) / (e['sqr_avg'].sqrt() + q['eps'])
+    @staticmethod
+    def scalars(run, hyper, kw): run['lr'],run['eps'] = hyper['lr'],hyper['eps']
+    @staticmethod
+    def update(vals, run, kw):
+        vals['x'] = vals['x'] - run['lr'] * vals.get('grad_avg', vals['g']) / (vals['sqr_avg'].sqrt() + run['eps'])
 
 @_compiled_as(adam_step)
 class _AdamStep:
-    def scalars(q, s, kw):
-        st = q['step']
-        q['a'],q['db2'],q['eps'] = s['lr'] / debias(s['mom'], 1-s['mom'], st),debias(s['sqr_mom'], 1-s['sqr_mom'], st),s['eps']
-    def update(e, q, kw): e['x'] = e['x'] - q['a'] * e['grad_avg'] / ((e['sqr_avg'] / q['db2']).sqrt() + q['eps'])
+    @staticmethod
+    def scalars(run, hyper, kw):
+        step = run['step']
+        run['a'] = hyper['lr'] / debias(hyper['mom'], 1-hyper['mom'], step)
+        run['db2'] = debias(hyper['sqr_mom'], 1-hyper['sqr_mom'], step)
+        run['eps'] = hyper['eps']
+    @staticmethod
+    def update(vals, run, kw):
+        den = (vals['sqr_avg'] / run['db2']).sqrt() + run['eps']
+        vals['x'] = vals['x'] - run['a'] * vals['grad_avg'] / den
 
 @_compiled_as(radam_step)
 class _RAdamStep:
-    def scalars(q, s, kw):
+    @staticmethod
+    def scalars(run, hyper, kw):
         "RAdam's rectification `v`, and the two branches' rates"
-        st,sq = q['step'],s['sqr_mom']
-        db1 = debias(s['mom'], 1-s['mom'], st)
+        step,sq = run['step'],hyper['sqr_mom']
+        db1 = debias(hyper['mom'], 1-hyper['mom'], step)
         r_inf = 2/(1-sq) - 1
-        r = r_inf - 2*st*sq**st/(1-sq**st)  # the SMA's length: `v` applies where it is long enough (`r > 5`)
+        r = r_inf - 2*step*sq**step/(1-sq**step)  # the SMA's length: `v` applies where it is long enough (`r > 5`)
         v = (((r-4) * (r-2) * r_inf)/((r_inf-4)*(r_inf-2)*r)).clamp_min(0).sqrt()
-        q['on'],q['a_on'],q['a_off'],q['db2'],q['eps'] = (r > 5).float(),s['lr']*v/db1,s['lr']/db1,debias(sq, 1-sq, st),s['eps']
-    def update(e, q, kw):
-        denom = (e['sqr_avg'] / q['db2']).sqrt() + q['eps']
+        run['on'] = (r > 5).float()
+        run['a_on'],run['a_off'] = hyper['lr']*v/db1,hyper['lr']/db1
+        run['db2'],run['eps'] = debias(sq, 1-sq, step),hyper['eps']
+    @staticmethod
+    def update(vals, run, kw):
+        denom = (vals['sqr_avg'] / run['db2']).sqrt() + run['eps']
         if kw.get('beta'): denom = F.softplus(denom, kw['beta'])  # SAdam: `beta` is a number in the kernel
-        e['x'] = torch.where(q['on'] != 0, e['x'] - q['a_on'] * e['grad_avg'] / denom, e['x'] - q['a_off'] * e['grad_avg'])
+        x,m = vals['x'],vals['grad_avg']
+        vals['x'] = torch.where(run['on'] != 0, x - run['a_on'] * m / denom, x - run['a_off'] * m)
 
 @_compiled_as(qhadam_step)
 class _QHAdamStep:
-    def scalars(q, s, kw):
-        q['db1'],q['db2'] = debias(s['mom'], 1-s['mom'], q['step']),debias(s['sqr_mom'], 1-s['sqr_mom'], q['step'])
-        for k in ('lr', 'nu_1', 'nu_2', 'eps'): q[k] = s[k]
-    def update(e, q, kw):
-        g = e['g']
-        num = (1 - q['nu_1']) * g + q['nu_1'] * (e['grad_avg'] / q['db1'])
-        den = ((1 - q['nu_2']) * g**2 + q['nu_2'] * (e['sqr_avg'] / q['db2'])).sqrt() + q['eps']
-        e['x'] = e['x'] - q['lr'] * num / den
+    @staticmethod
+    def scalars(run, hyper, kw):
+        run['db1'] = debias(hyper['mom'], 1-hyper['mom'], run['step'])
+        run['db2'] = debias(hyper['sqr_mom'], 1-hyper['sqr_mom'], run['step'])
+        for k in ('lr', 'nu_1', 'nu_2', 'eps'): run[k] = hyper[k]
+    @staticmethod
+    def update(vals, run, kw):
+        g = vals['g']
+        num = (1 - run['nu_1']) * g + run['nu_1'] * (vals['grad_avg'] / run['db1'])
+        den = ((1 - run['nu_2']) * g**2 + run['nu_2'] * (vals['sqr_avg'] / run['db2'])).sqrt() + run['eps']
+        vals['x'] = vals['x'] - run['lr'] * num / den
 
-_STATE = ('grad_avg', 'sqr_avg')  # the state tensors the compiled functions keep
+_STATE = {'grad_avg': average_grad, 'sqr_avg': average_sqr_grad}  # the state the compiled functions keep, by its maker
+
+def _state_keys(chain:tuple) -> list:
+    "The state keys `chain` keeps"
+    return [k for k,f in _STATE.items() if any(g is f for g,_ in chain)]
 
 # %% ../nbs/01g_compiled.ipynb #cx0008
-def _scalar_body(chain:tuple, s:dict, steps:Tensor|None) -> dict:
-    "The scalars of `chain` for a run, from `s` and its step count"
-    q = dict(step=steps[0] if steps is not None else None)
-    for f,kw in chain: _COMPILED[f].scalars(q, s, dict(kw))
-    return {k: v for k,v in q.items() if v is not None}
+def _scalar_body(chain:tuple, hyper:dict, steps:Tensor|None) -> dict:
+    "The run's scalars of `chain`, from the hyper-parameters and its step count"
+    run = dict(step=steps[0] if steps is not None else None)
+    for f,kw in chain: _COMPILED[f].scalars(run, hyper, dict(kw))
+    return {k: v for k,v in run.items() if v is not None}
 
-def _kernel_body(kind, store, chain:tuple, t:dict, s:dict, q:dict):
-    "One step of `chain` on a run: widen, step, fold"
-    x,g = kind.kwiden(t, s)
-    ks = [k for k in _STATE if any(n == k or n.startswith(k + '@') for n in t)]
-    e = dict(x=x, g=g, **{k: store.kload(t, k) for k in ks})  # the state, dequantised where it is low-bit (`mpx.lowbit`)
-    for f,kw in chain: _COMPILED[f].update(e, q, dict(kw))
-    keep = s['found'] != 0  # nothing changes where the finite check found an inf or nan
-    out = {k: kept(keep, t[k], v) for k,v in kind.kfold(t, s, e['x']).items()}
-    for k in ks: out.update(store.kstore(t, k, e[k], keep))
+def _kernel_body(kind, store, chain:tuple, keys:list, t:dict, hyper:dict, run:dict):
+    "One step of `chain` (keeping state `keys`) on a run: widen, step, fold"
+    x,g = kind.kernel_widen(t, hyper)
+    vals = dict(x=x, g=g, **{k: store.kernel_load(t, k) for k in keys})  # the state, dequantised where it is low-bit
+    for f,kw in chain: _COMPILED[f].update(vals, run, dict(kw))
+    keep = hyper['found'] != 0  # nothing changes where the finite check found an inf or nan
+    out = {k: kept(keep, t[k], v) for k,v in kind.kernel_fold(t, hyper, vals['x']).items()}
+    for k in keys: out.update(store.kernel_store(t, k, vals[k], keep))
     for k,v in out.items(): t[k].copy_(v)
     if 'steps' in t: t['steps'].copy_(torch.where(keep, t['steps'], t['steps'] + 1))
 
-_kernels,_failed,_said = {},{},set()
+_kernels,_failed,_warned = {},{},set()
 
 def _known_options(options:dict) -> dict:
-    "The inductor `options` this torch knows; the others said once (torch 2.13 knows every one a store asks for)"
+    "The inductor `options` this torch knows (the others said once)"
     import torch._inductor.config as inductor  # imported with `torch.compile`, never at mpx's import
     missing = sorted(k for k in options if not hasattr(inductor, k))
-    if missing and 'options' not in _said:
-        _said.add('options')  # once a process
-        warn_user(f"torch {torch.__version__}'s inductor has no {', '.join(missing)}: a compiled low-bit step keeps its new values "
-                  "in two fp32 temporaries the size of a run (8 B/param more at its peak); torch 2.13 or later avoids them")
+    if missing and 'options' not in _warned:
+        _warned.add('options')  # once a process
+        warn_user(f"torch {torch.__version__}'s inductor has no {', '.join(missing)}: a compiled low-bit step keeps "
+                  "its new values in two fp32 temporaries the size of a run (8 B/param more at its peak); "
+                  "torch 2.13 or later avoids them")
     return {k: v for k,v in options.items() if k not in missing}
 
 def _own(f, name:str) -> Callable:
     "`f` with a code object of its own, named `name`"
     return types.FunctionType(f.__code__.replace(co_name=name), f.__globals__, name, None, f.__closure__)
 
-def _signature(t:dict, s:dict) -> tuple:
+def _signature(t:dict, hyper:dict) -> tuple:
     "What a kernel specialises on"
-    return tuple((k, v.dtype, v.numel() == 1) for k,v in sorted(t.items())) + tuple((k, v.dtype) for k,v in sorted(s.items()))
+    tensors = tuple((k, v.dtype, v.numel() == 1) for k,v in sorted(t.items()))
+    return tensors + tuple((k, v.dtype) for k,v in sorted(hyper.items()))
 
 def _kernel(kind, store, chain:tuple, sig:tuple=()) -> tuple:
     "The compiled scalars and step of `chain`, made once a process"
     key = (type(kind), repr(store), tuple((f, tuple(sorted(kw.items()))) for f,kw in chain), sig)
     if key not in _kernels:
         name = f"mpx_{type(kind).__name__}_{store.name}_{'_'.join(f.__name__ for f,_ in chain)}"
-        def scalars(s, steps): return _scalar_body(chain, s, steps)
-        def step(t, s, q): return _kernel_body(kind, store, chain, t, s, q)
+        def scalars(hyper, steps): return _scalar_body(chain, hyper, steps)
+        keys = _state_keys(chain)
+        def step(t, hyper, run): return _kernel_body(kind, store, chain, keys, t, hyper, run)
         opts,known = dict(dynamic=True, fullgraph=True),_known_options(store.kernel_options)
         step = torch.compile(_own(step, name), **opts, **({'options': known} if known else {}))
         _kernels[key] = (torch.compile(_own(scalars, name + '_scalars'), **opts),step)
@@ -155,8 +204,8 @@ def _kernel(kind, store, chain:tuple, sig:tuple=()) -> tuple:
 def _step_of(d:dict|None) -> int: return (d or {}).get('step', 0)
 
 class StepCount(int):
-    "A step count the compiled step read from a dict: a callback's write is another object, whatever its value"
-    __slots__ = ()
+    "A step count the compiled step read from a dict"
+    __slots__ = ()  # a callback's write is another object, whatever its value: so any write is seen
     def __reduce__(self): return int,(int(self),)  # pickled (a checkpoint) as a plain int
 
 def _marked(d:dict|None):
@@ -166,14 +215,15 @@ def _marked(d:dict|None):
     return d['step']
 
 class DeviceSteps:
-    "A bucket's step counts on its device, derived from the dicts: each count read is marked, so that any write is seen"
+    "A bucket's step counts on its device, derived from the dicts"
+    # each count read is marked (`StepCount`), so that any write is seen (a dict replaced by a copy keeps its mark)
     def __init__(self, b:Bucket):
         self.host,self.marks = [_step_of(d) for d in b.dicts],[_marked(d) for d in b.dicts]
         self.t = torch.tensor([float(v) for v in self.host], device=b.device)
         self.hist = [hash(('at', v)) for v in self.host]
 
     def follow(self, b:Bucket):
-        "Counts written in the dicts since the last look (a dict replaced by a copy keeps its mark: no write), onto the device"
+        "Counts written in the dicts since the last look, onto the device"
         moved = [i for i,(d,m) in enumerate(zip(b.dicts, self.marks)) if (d or {}).get('step') is not m]
         if not moved: return
         for i in moved:
@@ -184,18 +234,19 @@ class DeviceSteps:
 
     def keys(self, b:Bucket) -> list:
         "Each parameter's run key: `do_wd`, its state keys, its history"
-        ks = tuple(b.st)
+        ks = tuple(b.state_bufs)
         return [(d.get('do_wd', True), *(k in d for k in ks), h) for d,h in zip(b.dicts, self.hist)]
 
     def advance(self, b:Bucket, counts:bool=True):
-        "After a compiled step: each run's history moves; a stepped parameter's dict holds a marked count (`counts`: the chain keeps one)"
+        "After a compiled step: histories move, new counts marked"
         self.hist = [hash((h, l)) for h,l in zip(self.hist, b.live)]
         if not counts or None not in self.marks: return
-        for i,(d,l) in enumerate(zip(b.dicts, b.live)):  # as fastai's `step_stat` adds `step` at a parameter's first step
+        # as fastai's `step_stat` adds `step` at a parameter's first step
+        for i,(d,l) in enumerate(zip(b.dicts, b.live)):
             if l and d is not None and self.marks[i] is None: self.marks[i] = d['step'] = StepCount(self.host[i])
 
     def to_host(self, b:Bucket, dicts:list|None=None):
-        "The device's counts into the dicts (`dicts`: the optimizer's now, copies too) where no count was written since (one sync)"
+        "The device's counts into the dicts where none was written since (one sync)"
         for i,(d,v,m) in enumerate(zip(dicts or b.dicts, self.t.tolist(), self.marks)):
             if d is None: continue
             s = d.get('step')
@@ -204,12 +255,23 @@ class DeviceSteps:
             self.host[i] = _step_of(d)
 
 # %% ../nbs/01g_compiled.ipynb #cx0013
+# the parameter, its state, the keywords a kernel reads as numbers
+_NOT_HYPER = ('p', 'step', 'do_wd', 'dampening', *_STATE)
+
+@functools.cache
+def _hyper_names(f) -> tuple:
+    "The hyper-parameters step function `f` takes, with defaults"
+    ps = inspect.signature(f).parameters.values()
+    return tuple((p.name, p.default) for p in ps if p.kind is p.POSITIONAL_OR_KEYWORD and p.name not in _NOT_HYPER)
+
 def _hypers(chain:tuple, hyper:dict) -> dict:
     "The scalars the chain reads, as fastai's loop passes them"
     res = {}
     for f,kw in chain:
-        for k,d in (('lr', None), ('mom', .9), ('sqr_mom', .99), ('eps', 1e-5), ('wd', 0.), ('beta', 0.), ('nu_1', .7), ('nu_2', 1.)):
-            v = hyper.get(k, kw.get(k, d))  # the hyper-parameter, else the keyword, else the default
+        for k,d in _hyper_names(f):
+            v = hyper.get(k, kw.get(k, d))
+            if v is inspect.Parameter.empty:
+                raise TypeError(f"{f.__name__}() missing 1 required positional argument: '{k}'")
             if v is not None: res[k] = float(v)
     return res
 
@@ -234,16 +296,17 @@ def compile_plan(eng, p:list|None):
 def _static_why(eng, p:list|None) -> str|None:
     if p is None: return "a step function is not fastai's own"
     bad = [fn_name(w[1]) for w in p if base_fn(w[1]) not in _COMPILED]
-    if bad: return f"{', '.join(bad)} {'reduce' if len(bad) > 1 else 'reduces'} over each parameter: no elementwise kernel"
-    if eng.las: return "Lookahead syncs its slow weights every k steps outside the kernel"
+    if bad:
+        return f"{', '.join(bad)} {'reduce' if len(bad) > 1 else 'reduces'} over each parameter: no elementwise kernel"
+    if eng.lookaheads: return "Lookahead syncs its slow weights every k steps outside the kernel"
 
 # %% ../nbs/01g_compiled.ipynb #cx0014
 class CompiledSteps:
-    "One compiled kernel a run of a flat bucket; else eager, said once"
+    "One compiled kernel a run of a flat bucket, else eager (said once)"
     def __init__(self, eager): self.eager,self.dev,self.scal = eager,{},{}
 
     def why_not(self, eng, b:Bucket) -> str|None:
-        "Why bucket `b` cannot step compiled now; None where it can"
+        "Why bucket `b` cannot step compiled now (None where it can)"
         if torch._C._len_torch_dispatch_stack():
             return "a dispatch mode is active (an op counter), and torch.compile refuses to run under one"
         if not b.flat: return "a parameter cannot take a slot in a flat buffer (a DTensor, a non-dense tensor)"
@@ -261,15 +324,18 @@ class CompiledSteps:
         why = self.why_not(eng, b)
         if why is None:
             chain = _static_chain(eng.inner.cbs, hyper)
-            hs = _hypers(chain, hyper)
+            scal = _hypers(chain, hyper)
             for k,(a,c) in enumerate(runs):
-                if self._run(eng, b, a, c, chain, hs, phase): continue
-                if k: raise RuntimeError(f"mpx: a compiled kernel failed after another of the same bucket ran: {_failed[type(b.kind)]}")
+                if self._run(eng, b, a, c, chain, scal, phase): continue
+                if k:
+                    why = _failed[type(b.kind)]
+                    raise RuntimeError(f"mpx: a compiled kernel failed after another of the same bucket ran: {why}")
                 why = _failed[type(b.kind)]
                 break
             else: return True
         self.to_host(eng, b)
-        if eng.found is not None and bool(eng.found): return False  # a step skipped on the device: the eager one must not run
+        # a step skipped on the device: the eager one must not run
+        if eng.found is not None and bool(eng.found): return False
         eng.say(why)
         if phase: self.eager.extra(eng, b, runs[0][0], phase, hyper)
         else: self.eager.bucket(eng, b, hyper)
@@ -295,26 +361,28 @@ class CompiledSteps:
             t,old = self.scal.get(key, (None, None))
             if t is None: t = torch.zeros((), device=device, dtype=torch.int32 if type(v) is int else torch.float32)
             if v != old: t.fill_(v)  # filled only where a value changed
-            self.scal[key] = (t, v); res[k] = t
+            self.scal[key] = (t, v)
+            res[k] = t
         return res
 
-    def _run(self, eng, b:Bucket, a:int, c:int, chain:tuple, hs:dict, phase:int) -> bool:
-        "One kernel over `a` to `c` of `b`; False where compiling failed"
-        t,extra = b.kind.kio(b, a, c, phase)
-        t = b.store.kshape(t)
-        sd = b.kind.sdtype(b)
-        for k,f in (('grad_avg', average_grad), ('sqr_avg', average_sqr_grad)):
-            if any(g is f for g,_ in chain): t.update(_zeros_state(b, k, a, c, sd))
+    def _run(self, eng, b:Bucket, a:int, c:int, chain:tuple, scal:dict, phase:int) -> bool:
+        "One kernel over `a` to `c` of `b` (False where compiling failed)"
+        t,extra = b.kind.kernel_io(b, a, c, phase)
+        t = b.store.kernel_shape(t)
+        dtype = b.kind.state_dtype(b)
+        for k in _state_keys(chain): t.update(_zeros_state(b, k, a, c, dtype))
         if any(g is step_stat for g,_ in chain): t['steps'] = self.dev[id(b)].t[a:c]
-        s = self._scalars(b.device, {**hs, 'wd': hs.get('wd', 0.) if b.dicts[a].get('do_wd', True) else 0., **extra})
+        wd = scal.get('wd', 0.) if b.dicts[a].get('do_wd', True) else 0.
+        hyper = self._scalars(b.device, {**scal, 'wd': wd, **extra})
         found = eng.found if eng.found is not None else self._scalars(b.device, {'nothing_found': 0.})['nothing_found']
-        s['found'] = found.reshape(())  # a view: the finite check's flag may come as one element of rank 1
+        hyper['found'] = found.reshape(())  # a view: the finite check's flag may come as one element of rank 1
         try:
-            scalars,step = _kernel(b.kind, b.store, chain, _signature(t, s))
-            step(t, s, scalars(s, t.get('steps')))
+            scalars,step = _kernel(b.kind, b.store, chain, _signature(t, hyper))
+            step(t, hyper, scalars(hyper, t.get('steps')))
         except Exception as e:
             if torch._C._len_torch_dispatch_stack(): raise
-            _failed[type(b.kind)] = f"torch.compile failed on this machine ({type(e).__name__}: {str(e).strip().splitlines()[0][:200]})"
+            first_line = str(e).strip().splitlines()[0][:200]
+            _failed[type(b.kind)] = f"torch.compile failed on this machine ({type(e).__name__}: {first_line})"
             return False  # nothing changed
         return True
 
@@ -323,5 +391,5 @@ def _zeros_state(b:Bucket, k:str, a:int, c:int, dtype) -> dict:
     b.state_new(k, dtype)
     if k not in b.dicts[a]:  # the run has none yet: zeros
         b.store.zero(b, k, a, c)
-        for i in range(a, c): b.dicts[i][k] = b.stv[k][i]
-    return b.store.kio(b, k, a, c)
+        for i in range(a, c): b.dicts[i][k] = b.state_held[k][i]
+    return b.store.kernel_io(b, k, a, c)

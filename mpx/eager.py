@@ -30,7 +30,7 @@ def _is(f, fns) -> bool:
     except TypeError: return False  # an unhashable callable
 
 def plan(cbs) -> list|None:
-    "The engine's plan for `cbs`; None where one is not fastai's"
+    "The engine's plan for `cbs` (None where one is not fastai's)"
     res = []
     for cb in cbs:
         f = base_fn(cb)
@@ -49,19 +49,21 @@ class StateWindow:
     "The fp32 state of flat bucket `b`'s parameters `i` to `j`"
     def __init__(self, b:Bucket, i:int, j:int):
         self.b,self.i,self.j,self.lo,self.x = b,i,j,b.lo(i),{}
-        for k in b.st: self._open(k)
+        for k in b.state_bufs: self._open(k)
     def _open(self, k:str):
         b = self.b
-        ws = None if b.store.bits is None else b.ws(b.device, b.end(self.j) - self.lo, 50 + len(self.x))
-        self.x[k] = b.store.window(b, k, self.i, self.j, ws)
+        scratch = None if b.store.bits is None else b.workspace(b.device, b.end(self.j) - self.lo, ('state', k))
+        self.x[k] = b.store.load_window(b, k, self.i, self.j, scratch)
     def part(self, k:str, a:int, c:int) -> Tensor: return self.b.part(self.x[k], a, c, self.lo)
     def slot(self, k:str, i:int) -> Tensor: return self.b.slot(self.x[k], i, self.lo)
     def make(self, k:str, dtype):
         "State `k`, new to the bucket: its store made, zero, and opened"
-        if k not in self.b.st: self.b.state_new(k, dtype); self._open(k)
+        if k not in self.b.state_bufs:
+            self.b.state_new(k, dtype)
+            self._open(k)
     def close(self):
         "The window's state back into its store"
-        for k,x in self.x.items(): self.b.store.back(self.b, k, self.i, self.j, x)
+        for k,x in self.x.items(): self.b.store.store_window(self.b, k, self.i, self.j, x)
 
 def run_state(b:Bucket, a:int, c:int, sw:StateWindow, shaped:bool=False) -> dict:
     "The state dict of run `a` to `c` of `b`"
@@ -76,9 +78,10 @@ def put_state(b:Bucket, a:int, c:int, new:dict|None, sw:StateWindow, shaped:bool
         if isinstance(v, Tensor) and v.numel() == n and (shaped or v.dim() == 1) and v.is_floating_point():
             sw.make(k, v.dtype)
             s = sw.slot(k, a) if shaped else sw.part(k, a, c)
-            if v is s or (v.data_ptr() == s.data_ptr() and v.shape == s.shape): continue  # stepped in place: the dicts hold it
+            # stepped in place: the dicts hold it
+            if v is s or (v.data_ptr() == s.data_ptr() and v.shape == s.shape): continue
             s.copy_(v)
-            for d,t in zip(b.dicts[a:c], b.stv[k][a:c]): d[k] = t
+            for d,t in zip(b.dicts[a:c], b.state_held[k][a:c]): d[k] = t
         else:
             for d in b.dicts[a:c]: d[k] = v
 
@@ -118,11 +121,14 @@ def _axpy(xs:list, ys:list, alphas):
 # %% ../nbs/01f_eager.ipynb #ea0013
 def _larc_layer_lr(c:ParamItems, kw:dict):
     "`larc_layer_lr`: `local_lr` from weight and gradient norms"
-    lr,tc,wd,eps,clip = [c.hp(k, kw, d) for k,d in (('lr',None),('trust_coeff',None),('wd',None),('eps',None),('clip',True))]
+    lr,tc,wd,eps = [c.hp(k, kw) for k in ('lr', 'trust_coeff', 'wd', 'eps')]
+    clip = c.hp('clip', kw, True)
     pn,gn = torch.stack(torch._foreach_norm(c.data)),torch.stack(torch._foreach_norm(c.grads))
     local = lr*tc * (pn) / (gn + pn * wd + eps)
     lrs = local.unbind()
-    if not clip: c.memo['alpha'] = -local; return c.put('local_lr', lrs)
+    if not clip:
+        c.memo['alpha'] = -local
+        return c.put('local_lr', lrs)
     below = local < lr  # fastai's `min(lr, local_lr)`: the tensor where it is below `lr`, else `lr` itself
     c.memo['alpha'] = -torch.where(below, local, lr)
     c.put('local_lr', [t if b else lr for t,b in zip(lrs, below.tolist())])
@@ -192,22 +198,28 @@ def _stepped_param(b:Bucket, k:int, x, g, i:int) -> Tensor:
 def _as_before(b:Bucket, i:int, d:dict):
     "Parameter `i`'s dict as `d`, but with its state tensors as now"
     now = b.dicts[i]
-    held = {k: now[k] for k in b.st if k in now}
-    now.clear(); now.update(d); now.update(held)
+    held = {k: now[k] for k in b.state_bufs if k in now}
+    now.clear()
+    now.update(d)
+    now.update(held)
 
 def _transcendental(cb, hyper:dict) -> bool:
     "Whether `cb` must step a parameter a run (SAdam's softplus)"
-    return base_fn(cb) is radam_step and bool(hyper.get('beta', cb.keywords.get('beta') if isinstance(cb, partial) else None))
+    if base_fn(cb) is not radam_step: return False
+    return bool(hyper.get('beta', cb.keywords.get('beta') if isinstance(cb, partial) else None))
 
 class RunSteps(LoopSteps):
     "A `plan` of fastai's functions, elementwise ones once a run"
     def __init__(self, plan:list): self.plan = plan
     def bucket(self, eng, b:Bucket, hyper:dict):
-        "Each window; a large parameter in pieces where the plan allows"
-        split = all(w[0] == 'run' and not _transcendental(w[1], hyper) for w in self.plan)  # elementwise, a run at a time
+        "Each window, a large parameter in pieces where the plan allows"
+        # elementwise, a run at a time
+        split = all(w[0] == 'run' and not _transcendental(w[1], hyper) for w in self.plan)
         before = {}  # a parameter stepped in pieces: its dict as the step found it
         for i,j,lo,hi in b.windows(eng.chunk, split):
-            if (lo, hi) == (b.lo(i), b.end(j)): self.window(eng, b, i, j, hyper); continue
+            if (lo, hi) == (b.lo(i), b.end(j)):
+                self.window(eng, b, i, j, hyper)
+                continue
             if i in before: _as_before(b, i, before[i])  # each piece reads the scalars (`step`) the step began with
             else: before[i] = dict(b.dicts[i])
             with b.clipped(lo, hi): self.window(eng, b, i, j, hyper)
@@ -238,8 +250,11 @@ class RunSteps(LoopSteps):
         ks = [k for a,c in rs for k in range(a, c)]
         def zeros(n, key):
             d = b.dicts[ks[n]]
-            sw.make(key, b.kind.sdtype(b))
-            if key not in d: sw.slot(key, ks[n]).zero_(); d[key] = b.stv[key][ks[n]]
+            sw.make(key, b.kind.state_dtype(b))
+            if key not in d:
+                sw.slot(key, ks[n]).zero_()
+                d[key] = b.state_held[key][ks[n]]
             return sw.slot(key, ks[n])
         def tensors(key): return [sw.slot(key, k) if key in b.dicts[k] else None for k in ks] if key in sw.x else None
-        return ParamItems([b.slot(x, k, lo) for k in ks], [b.slot(g, k, lo) for k in ks], [b.dicts[k] for k in ks], hyper, zeros, tensors)
+        xs,gs = [b.slot(x, k, lo) for k in ks],[b.slot(g, k, lo) for k in ks]
+        return ParamItems(xs, gs, [b.dicts[k] for k in ks], hyper, zeros, tensors)

@@ -15,11 +15,12 @@ __all__ = ['ForeignSteps', 'LookaheadSync']
 
 # %% ../nbs/01h_foreign.ipynb #fo0005
 class ForeignSteps:
-    "A foreign step on the tensors a mode steps, swapped in; the engine comes as an argument"
+    "A foreign step on the tensors a mode steps, swapped in"
     def install(self, eng, led:Ledger):
         "Wrap the foreign step, through the ledger"
         o = eng.inner
-        outer = o if isinstance(o, OptimWrapper) and not eng.las else eng.opt  # a Lookahead's own sync must see the swap
+        # a Lookahead's own sync must see the swap
+        outer = o if isinstance(o, OptimWrapper) and not eng.lookaheads else eng.opt
         led.set(outer, 'step', partial(self.step, eng, getattr(outer, 'step'), isinstance(outer, OptimWrapper)))
 
     @torch.no_grad()
@@ -43,7 +44,8 @@ class ForeignSteps:
                 _put(p, d.detach(), gr)
             if only:
                 topt,keep = eng.inner.opt,set(id(p) for p,*_ in ps)
-                led.set(topt, 'param_groups', [{**g, 'params': [p for p in g['params'] if id(p) in keep]} for g in topt.param_groups])
+                groups = [{**g, 'params': [p for p in g['params'] if id(p) in keep]} for g in topt.param_groups]
+                led.set(topt, 'param_groups', groups)
             step()
         for (b,i,j),(x,_) in zip(wins, xs):
             b.kind.fold(b, i, j, x)
@@ -55,16 +57,18 @@ def _part(x, b:Bucket, k:int, i:int) -> Tensor:
 
 def _put(p:Tensor, data:Tensor, grad:Tensor|None):
     "`p.data = data`, `p.grad = grad`, whatever their dtypes"
-    p.grad = None; p.data = data; p.grad = grad
+    p.grad = None
+    p.data = data
+    p.grad = grad
 
 # %% ../nbs/01h_foreign.ipynb #fo0007
 class LookaheadSync:
-    "`Lookahead`'s step, its slow weights synced in bulk; the engine comes as an argument"
+    "`Lookahead`'s step, its slow weights synced in bulk"
     def __init__(self): self.slow = {}  # id(la) -> (the slow weights adopted, their flat buffers)
 
     @torch.no_grad()
     def step(self, eng, la:Lookahead, closure=None):
-        "`Lookahead.step`: the wrapped step; every `k` steps, the sync"
+        "`Lookahead.step`: the wrapped step, and every `k` steps the sync"
         if closure is not None: raise NotImplementedError("fastai optimizers currently do not support closure")
         if la.slow_weights is None: la.slow_weights = self._copies(eng, la)
         la.opt.step()
@@ -81,14 +85,16 @@ class LookaheadSync:
         bufs = {}
         for b in eng.buckets:
             if not b.flat: continue
-            buf = bufs[id(b)] = b.zeros(b.kind.sdtype(b))  # a flat bucket's copies in one buffer
+            buf = bufs[id(b)] = b.zeros(b.kind.state_dtype(b))  # a flat bucket's copies in one buffer
             for i,j,_,_ in b.windows(eng.chunk): b.part(buf, i, j).copy_(b.kind.wide(b, i, j)[0])
         res = []
         for gi,pg in enumerate(eng.lists):
             row = []
             for k,p in enumerate(pg):
                 b,i = eng.home[id(p)]
-                if id(b) in bufs and b.group == gi and eng.places[(gi, id(p))][0] == k: row.append(b.slot(bufs[id(b)], i)); continue
+                if id(b) in bufs and b.group == gi and eng.places[(gi, id(p))][0] == k:
+                    row.append(b.slot(bufs[id(b)], i))
+                    continue
                 x,_ = b.kind.wide(b, i, i+1)
                 row.append(_part(x, b, i, i).detach().clone())
             res.append(L(row))
@@ -103,10 +109,12 @@ class LookaheadSync:
         bufs = {}
         for b in eng.buckets:
             if not b.flat: continue
-            buf = bufs[id(b)] = b.zeros(b.kind.sdtype(b))
+            buf = bufs[id(b)] = b.zeros(b.kind.state_dtype(b))
             for i,p in enumerate(b.params):
                 k = eng.places[(b.group, id(p))][0]
-                v = b.slot(buf, i); v.copy_(la.slow_weights[b.group][k]); la.slow_weights[b.group][k] = v
+                v = b.slot(buf, i)
+                v.copy_(la.slow_weights[b.group][k])
+                la.slow_weights[b.group][k] = v
         self.slow[id(la)] = (la.slow_weights, bufs)
         return bufs
 
@@ -115,12 +123,15 @@ class LookaheadSync:
         x,_ = b.kind.wide(b, i, j)
         if b.flat:
             s = b.part(slow[id(b)], i, j)
-            d = eng.ws(s.device, s.numel(), 20, s.dtype)
-            torch.sub(x, s, out=d); s.add_(d, alpha=la.alpha); x.copy_(s)
+            d = eng.workspace(s.device, s.numel(), 'slow_diff', s.dtype)
+            torch.sub(x, s, out=d)
+            s.add_(d, alpha=la.alpha)
+            x.copy_(s)
         else:
             ss = [la.slow_weights[b.group][eng.places[(b.group, id(p))][0]] for p in b.params[i:j]]
             fast = [t.detach() for t in x]
-            torch._foreach_add_(ss, torch._foreach_sub(fast, ss), alpha=la.alpha); torch._foreach_copy_(fast, ss)
+            torch._foreach_add_(ss, torch._foreach_sub(fast, ss), alpha=la.alpha)
+            torch._foreach_copy_(fast, ss)
         b.kind.fold(b, i, j, x, -1)
 
     def _sync_extra(self, eng, la:Lookahead, gi:int, n:int, p:Tensor):
@@ -129,12 +140,13 @@ class LookaheadSync:
         s = la.slow_weights[gi][eng.places[(gi, id(p))][n - (b.group != gi)]]
         x,_ = b.kind.wide(b, i, i+1)
         fast = _part(x, b, i, i).detach()
-        s.add_(fast - s, alpha=la.alpha); fast.copy_(s)
+        s.add_(fast - s, alpha=la.alpha)
+        fast.copy_(s)
         b.kind.fold(b, i, i+1, x, -1)
 
     def finish(self, eng):
         "After the fit: slow weights in storage of their own"
-        for la in eng.las:
+        for la in eng.lookaheads:
             got = self.slow.get(id(la))
             if got is not None and la.slow_weights is not None:
                 la.slow_weights = L(L(s.clone() for s in pg) for pg in la.slow_weights)

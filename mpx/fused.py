@@ -6,6 +6,7 @@
 from __future__ import annotations
 import warnings, operator
 from functools import partial
+from enum import Enum
 from fastai.torch_basics import *
 from fastai.optimizer import *
 from .core import Fused
@@ -19,25 +20,28 @@ from .foreign import ForeignSteps, LookaheadSync
 from .lowbit import DenseStore, LowBitState, make_store, MIN_LOWBIT
 
 # %% auto #0
-__all__ = ['why_not_fused', 'why_not_lowbit', 'default_chunk', 'FusedSteps']
+__all__ = ['why_not_fused', 'why_not_lowbit', 'StepPhase', 'default_chunk', 'FusedSteps']
 
 # %% ../nbs/01a_fused.ipynb #fz0006
 def why_not_fused(opt) -> str|None:
-    "Why `opt`'s step is not the engine's own; None where it is"
-    las,o = unwrap(opt)
-    if isinstance(o, OptimWrapper): return "an OptimWrapper steps a torch optimizer, which has its own foreach and fused implementations"
+    "Why `opt`'s step is not the engine's own (None where it is)"
+    lookaheads,o = unwrap(opt)
+    if isinstance(o, OptimWrapper):
+        return "an OptimWrapper steps a torch optimizer, which has its own foreach and fused implementations"
     if not isinstance(o, Optimizer): return f"{type(o).__name__} is not a fastai Optimizer"
     if type(o).step is not Optimizer.step: return f"{type(o).__name__} overrides Optimizer.step"
-    if any(type(la).step is not Lookahead.step for la in las): return "a Lookahead subclass overrides its step"
+    if any(type(la).step is not Lookahead.step for la in lookaheads): return "a Lookahead subclass overrides its step"
     if 'step' in vars(o): return "its step is already replaced on the instance"
 
 def why_not_lowbit(opt, fused, opt_state:str) -> str|None:
-    "Why `opt_state` cannot hold `opt`'s state; None where it can"
+    "Why `opt_state` cannot hold `opt`'s state (None where it can)"
     if opt_state == 'fp32' or opt is None: return None
     why = why_not_fused(opt)
     if why: why = f"{why}, and it keeps its own state in fp32"
-    elif Fused.of(fused) is Fused.LOOP: why = "fused=False steps fastai's loop, which keeps each parameter's state tensors in fp32"
-    elif plan(unwrap(opt)[1].cbs) is None: why = "a step function is not fastai's own, and may read its state in any way"
+    elif Fused.of(fused) is Fused.LOOP:
+        why = "fused=False steps fastai's loop, which keeps each parameter's state tensors in fp32"
+    elif plan(unwrap(opt)[1].cbs) is None:
+        why = "a step function is not fastai's own, and may read its state in any way"
     return f"opt_state={opt_state!r} needs the step engine's own steps: {why}. Use opt_state='fp32'" if why else None
 
 def _own_zero_grad(o) -> bool:
@@ -46,31 +50,47 @@ def _own_zero_grad(o) -> bool:
     return 'zero_grad' in vars(o) or type(o).zero_grad is not base.zero_grad
 
 # %% ../nbs/01a_fused.ipynb #fz0010
+class StepPhase(Enum):
+    "Where the engine's step stands between two optimizer steps, as `GradScaler`'s `OptState`"
+    READY = 'ready'  # no gradient taken since the last step: the next backward's are the step's first
+    BACKWARD = 'backward'  # the step's first backward under way, its gradients not taken yet
+    TAKEN = 'taken'  # gradients taken: the step, or another backward, to come
+    ACCUMULATING = 'accumulating'  # a later backward under way, its gradients to add to those taken
+    @property
+    def fresh(self) -> bool: return self in (StepPhase.READY, StepPhase.BACKWARD)  # a take copies, not adds
+    @property
+    def pending(self) -> bool: return self in (StepPhase.BACKWARD, StepPhase.ACCUMULATING)  # a backward not yet taken
+
 def default_chunk(device) -> int:
     "Elements a window holds on `device`: cache-sized on a CPU"
     return 1<<17 if torch.device(device).type == 'cpu' else 1<<22
 
 # %% ../nbs/01a_fused.ipynb #fz0012
+_grad = operator.attrgetter('grad')
+
 class FusedSteps:
     "The optimizer step of one fit, over flat buffers"
     def __init__(self,
         opt, # The learner's optimizer: fastai's (maybe inside `Lookahead`s), an `OptimWrapper`, or another
-        kind_of:Callable|None=None, # `kind_of(p) -> Kind` for each parameter; None: `Kind()` (in place)
+        kind_of:Callable|None=None, # `kind_of(p) -> Kind` for each parameter (None: `Kind()`, in place)
         fused:bool|str|Fused=True, # How it steps (see `Fused`): True, False or 'compile'
-        ledger:Ledger|None=None, # The fit's ledger, where the engine's undo is recorded; None: its own
-        chunk:int|None=None, # Most elements a window holds; None: `default_chunk` of the device
+        ledger:Ledger|None=None, # The fit's ledger, where the engine's undo is recorded (None: its own)
+        chunk:int|None=None, # Most elements a window holds (None: `default_chunk` of the device)
         opt_state:str='fp32', # How the optimizer's state is held: 'fp32', 'bf16', '8bit' or '4bit' (`mpx.lowbit`)
     ):
         self.opt,self.path,self.chunk,self.opt_state = opt,Fused.of(fused),chunk,opt_state
         self.ledger,self.done = Ledger(),False
         if ledger is not None: ledger.defer(self.undo)
-        self.las,self.inner = unwrap(opt)
+        self.lookaheads,self.inner = unwrap(opt)
         self.reason = why_not_fused(opt)
         self.native = self.reason is None
         self.lists = [list(pg) for pg in self.inner.param_lists]
-        self.fresh,self.pending,self.found,self.exposed,self.ws,self.said = True,False,None,False,Workspace(),set()
-        self._st,self._st_ids,self.lazy = None,None,False  # `lazy`: `state_dict` gives `LazyTensor`s (a streamed checkpoint)
-        self.lookahead,self.foreign = LookaheadSync(),ForeignSteps()  # helpers: the engine is their argument, never their attribute
+        self.phase,self.found,self.exposed = StepPhase.READY,None,False  # `found`: the finite check's device flag
+        self.workspace,self.warned = Workspace(),set()  # scratch buffers its buckets share, and what `say` said
+        # `lazy`: `state_dict` gives `LazyTensor`s (a streamed checkpoint)
+        self._st,self._st_ids,self.lazy = None,None,False
+        # helpers: the engine is their argument, never their attribute
+        self.lookahead,self.foreign = LookaheadSync(),ForeignSteps()
         self.dense,self.low = DenseStore(),make_store(opt_state)
         why = why_not_lowbit(opt, self.path, opt_state)
         if why: raise ValueError(why)
@@ -82,10 +102,11 @@ class FusedSteps:
 
     def __repr__(self):
         how = f"{self.path.value}" if self.native else f"{type(self.inner).__name__}'s own step"
-        return f"FusedSteps({type(self.opt).__name__}, {how}: {len(self.buckets)} buckets{', undone' if self.done else ''})"
+        undone = ', undone' if self.done else ''
+        return f"FusedSteps({type(self.opt).__name__}, {how}: {len(self.buckets)} buckets{undone})"
 
     def _layout(self, kind_of:Callable|None=None):
-        "Lay out every group's buckets and extras, each parameter's `Kind` from `kind_of`"
+        "Lay out every group's buckets and extras, kinds from `kind_of`"
         self.home,self.places,self.groups,base = {},{},[],0
         st = self.inner.state if self.native else {}
         tied = overlapping([p for pg in self.lists for p in pg])  # stepped where they lie, so they stay tied
@@ -95,18 +116,21 @@ class FusedSteps:
                 self.places.setdefault((gi, id(p)), []).append(k)
                 if id(p) in self.home: continue
                 kind = (kind_of(p) if kind_of is not None else None) or _in_place
-                flat = not kind.in_place or (self.native and self.path is not Fused.LOOP and slottable(p) and id(p) not in tied)
+                own = self.native and self.path is not Fused.LOOP  # the engine's own step: a parameter may take a slot
+                flat = not kind.in_place or (own and slottable(p) and id(p) not in tied)
                 store = self.low if flat and p.numel() >= MIN_LOWBIT else self.dense
                 key = (id(kind), p.device, p.dtype, bool(st.get(p, {}).get('do_wd', True)), flat, id(store))
                 keys.setdefault(key, (kind, flat, store, []))[3].append(p)
                 self.home[id(p)] = None
             bs = []
             for kind,flat,store,ps in keys.values():
-                b = Bucket(ps, kind, flat, gi, base, self.ws, store); base += b.n
+                b = Bucket(ps, kind, flat, gi, base, self.workspace, store)
+                base += b.n
                 for i,p in enumerate(ps): self.home[id(p)] = (b, i)
                 bs.append(b)
             self.groups.append(bs)
         self.buckets = [b for bs in self.groups for b in bs]
+        self.takes = any(b.kind.takes for b in self.buckets)  # a kind keeps gradients of its own: the phase matters
         self.extras = [self._extra_places(gi) for gi in range(len(self.lists))]
         self.refresh()
 
@@ -114,7 +138,8 @@ class FusedSteps:
         "Group `gi`'s extra places, as `(n, p)`"
         seen,res = {},[]
         for p in self.lists[gi]:
-            n = seen.get(id(p), 0); seen[id(p)] = n + 1
+            n = seen.get(id(p), 0)
+            seen[id(p)] = n + 1
             away = self.home[id(p)][0].group != gi
             if n or away: res.append((n + away, p))  # `n`: the places of `p` stepped before this one
         return res
@@ -138,25 +163,27 @@ class FusedSteps:
         if self.path is Fused.COMPILE or self.opt_state != 'fp32': led.set(o, 'state_dict', self._state_dict)
         if self.path is Fused.LOOP and not widened: return  # fastai's own loop on the parameters themselves
         led.set(o, 'step', self.step)
-        for la in self.las: led.set(la, 'step', partial(self.lookahead.step, self, la))
-        for x in [o, *self.las]:
+        for la in self.lookaheads: led.set(la, 'step', partial(self.lookahead.step, self, la))
+        for x in [o, *self.lookaheads]:
             if not _own_zero_grad(x): led.set(x, 'zero_grad', self.zero_grad)
 
     def stale(self, opt) -> bool:
         "Whether `opt` is no longer the optimizer laid out"
         if opt is not self.opt: return True  # another object (`create_opt`)
         pl = unwrap(opt)[1].param_lists  # or other parameter lists
-        return len(pl) != len(self.lists) or any(len(a) != len(b) or any(x is not y for x,y in zip(a, b)) for a,b in zip(pl, self.lists))
+        if len(pl) != len(self.lists): return True
+        return any(len(a) != len(b) or any(x is not y for x,y in zip(a, b)) for a,b in zip(pl, self.lists))
 
     def refresh(self):
         "Adopt what changed since the last step"
         st = self.inner.state if self.native else None
         ids = list(map(id, st.values())) if st is not None else None
-        same = st is self._st and ids == self._st_ids  # no state dict replaced (`clear_state`, `load_state_dict` replace them)
+        # no state dict replaced (`clear_state`, `load_state_dict` replace them)
+        same = st is self._st and ids == self._st_ids
         for b in self.buckets:
             b.adopt_weights()
             if not b.kind.takes: b.adopt_grads()  # a taking kind's gradients: in `take`
-            if self.native: b.adopt_states(st, b.kind.sdtype(b), same)
+            if self.native: b.adopt_states(st, b.kind.state_dtype(b), same)
         self._st,self._st_ids = st,ids
 
     @torch.no_grad()
@@ -175,9 +202,14 @@ class FusedSteps:
 
     def prelude(self, full:bool=True):
         "Before a step (`full`) or a finite check: what changed adopted"
+        if full and self.takes and self.phase.pending: raise RuntimeError(
+            f"mpx: opt.step() came in step phase {self.phase.value!r}: after a backward whose gradients the engine "
+            "has not taken (`take`, at after_backward). Step after the backward's after_backward event")
         if full: self.refresh()  # the finite check reads only gradients: weights and state wait for the step
         for b in self.buckets:  # the taking kinds take what callbacks wrote into the model's gradients
-            if b.kind.takes: b.adopt_grads(); b.kind.merge(b, self.exposed)
+            if b.kind.takes:
+                b.adopt_grads()
+                b.kind.merge(b, self.exposed)
             elif not full: b.adopt_grads()
 
     def will_compile(self) -> bool:
@@ -206,73 +238,149 @@ class FusedSteps:
 
     def say(self, why:str):
         "Warn once an engine why `fused='compile'` steps eagerly"
-        if why in self.said: return
-        self.said.add(why)
+        if why in self.warned: return
+        self.warned.add(why)
         warn_user(f"fused='compile' steps eagerly here: {why}")
 
     def steps_to_host(self):
         "Device step counts into fastai's state dicts (one host sync)"
-        for st in {id(b.stepper): b.stepper for b in self.buckets if hasattr(b, 'stepper')}.values():
+        for st in {id(b.stepper): b.stepper for b in self.buckets if b.stepper is not None}.values():
             if hasattr(st, 'to_host'): st.to_host(self)  # only a compiled stepper has any: a no-op otherwise
 
     def undo(self):
-        "Put storage and methods back; a no-op the second time"
+        "Put storage and methods back (a no-op the second time)"
         if self.done: return
         self.done = True
         self.ledger.close()
 
     def rest(self):
-        "Between fits, where the mode keeps the layout: writes since the last step taken, step counts to the host, scratch freed"
+        "Between fits, the layout kept: late writes taken, counts to the host, scratch freed"
         for b in self.buckets: b.adopt_weights()  # a weight written after the last step (a compensation reset)
         self.steps_to_host()
-        self.ws.bufs.clear()
+        self.workspace.bufs.clear()
 
     def fp32_of(self, p:Tensor) -> Callable|None:
-        "How to make parameter `p`'s fp32 value where the engine holds it otherwise (a bf16 weight, its compensation); None: `p` is it"
+        "How to make `p`'s fp32 value where the engine holds it otherwise (None: `p` is it)"
         h = self.home.get(id(p))
         return None if h is None or h[0].kind.in_place else partial(_value_now, *h)
 
     def assign(self, p:Tensor, x:Tensor) -> bool:
-        "Parameter `p` takes fp32 value `x`, held as a fit beginning from it would; False where the engine does not hold `p`"
+        "Parameter `p` takes fp32 value `x` (False where the engine does not hold `p`)"
         h = self.home.get(id(p))
         if h is None or h[0].kind.in_place: return False
         b,i = h
         b.kind.assign(b, i, x.to(b.device, torch.float32))
-        b.versions[i] = b.params[i]._version  # held as a fit beginning from `x` holds it: not a write for the kind to take
+        # held as a fit beginning from `x` holds it: not a write for the kind to take
+        b.versions[i] = b.params[i]._version
         return True
 
     def load_state(self, sd:dict):
-        "fastai's `load_state_dict` of a streamed checkpoint (`Stored` tensors): each state tensor read into its store, then freed"
+        "fastai's `load_state_dict` of a streamed checkpoint, a state tensor at a time"
         o = self.inner
-        if not self.native or self.las:  # `Lookahead`'s own state beside: loaded whole (a torch optimizer's: `Learner.load`'s own)
+        # `Lookahead`'s own state beside: loaded whole (a torch optimizer's: `Learner.load`'s own)
+        if not self.native or self.lookaheads:
             return self.opt.load_state_dict(read_stored(sd))
         if len(sd['hypers']) != len(o.param_lists) or len(sd['state']) != sum(map(len, o.param_lists)):
-            raise ValueError(f"the checkpoint's optimizer state has {len(sd['state'])} parameters in {len(sd['hypers'])} groups")
+            n,groups = len(sd['state']),len(sd['hypers'])
+            raise ValueError(f"the checkpoint's optimizer state has {n} parameters in {groups} groups")
         o.hypers = sd['hypers']
-        o.state = {p: {k: self._stored(p, k, v) for k,v in s.items()} for p,s in zip(o.all_params().itemgot(0), sd['state'])}
+        ps = o.all_params().itemgot(0)
+        o.state = {p: {k: self._stored(p, k, v) for k,v in s.items()} for p,s in zip(ps, sd['state'])}
 
     def _stored(self, p:Tensor, k:str, v):
-        "State `k` of `p`, read from a checkpoint: in its store where its bucket keeps one (the dict holds what the store gives)"
+        "State `k` of `p` from a checkpoint, into its store where its bucket keeps one"
         if not isinstance(v, Stored): return v
         x,h = v.load(),self.home.get(id(p))
         if h is None or not h[0].flat or not _flat_keys(p, x): return x.to(p.device)
         b,i = h
-        b.state_new(k, b.kind.sdtype(b))
+        b.state_new(k, b.kind.state_dtype(b))
         b.store.put(b, k, i, x.to(b.device))
-        return b.stv[k][i]
+        return b.state_held[k][i]
 
     def _finish(self):
-        "The end of the fit: fastai's fp32 layout, holding what callbacks wrote since the last step; fp32 buffers stay as they are"
+        "The end of the fit: fastai's fp32 layout, late writes included"
         self.steps_to_host()  # the device's step counts written back first
         for b in self.buckets:
-            b.adopt_weights()  # a write after the last step, or before a mid-fit save, reaches the masters (or resets a compensation)
-            b.kind.finish(b)  # a gradient in its slot stays there (the next fit takes the buffer as it is), else it is cast
-            if b.store.bits is None: continue  # so does dense state: each dict's tensor is already fastai's, in its slot
-            ds = [self.inner.state.get(p) for p in b.params] if self.native else b.dicts  # a dict replaced since the last step too
+            # a write after the last step, or before a mid-fit save, reaches the masters (or resets a compensation)
+            b.adopt_weights()
+            # a gradient in its slot stays there (the next fit takes the buffer as it is), else it is cast
+            b.kind.finish(b)
+            # so does dense state: each dict's tensor is already fastai's, in its slot
+            if b.store.bits is None: continue
+            # a dict replaced since the last step too
+            ds = [self.inner.state.get(p) for p in b.params] if self.native else b.dicts
             for i,d in enumerate(ds):
-                for k,vs in b.stv.items():
+                for k,vs in b.state_held.items():
                     if d is not None and d.get(k) is vs[i]: d[k] = b.store.value(b, k, i)  # fp32 (dequantised), its own
         self.lookahead.finish(self)
+
+    @torch.no_grad()
+    def zero_grad(self):
+        "fastai's `zero_grad`, one op a flat bucket"
+        gs = []
+        for b in self.buckets:
+            if b.flat and b.g is not None: gs.append(b.g)
+            own = list(map(_grad, b.params))
+            if b.gv is not None and all(map(operator.is_, own, b.gv)): continue  # all in the flat buffer: its one op
+            for i,g in enumerate(own):
+                if g is None or (b.gv is not None and g is b.gv[i]): continue
+                # only a `create_graph` backward leaves such a gradient
+                if g.grad_fn is not None or g.requires_grad: g.detach_()
+                gs.append(g)
+        if gs: torch._foreach_zero_(gs)
+        self.end_step()
+    def _taking(self) -> list: return [b for b in self.buckets if b.kind.takes]
+    @torch.no_grad()
+    def take(self):
+        "After a backward: the taking kinds take the model's gradients"
+        for b in self._taking():
+            b.adopt_grads()
+            b.kind.take(b, self.phase.fresh)
+        self.phase = StepPhase.TAKEN
+    @torch.no_grad()
+    def before_backward(self):
+        "Before a backward (in a step's second, callbacks' writes taken)"
+        fresh = self.phase.fresh
+        self.phase = StepPhase.BACKWARD if fresh else StepPhase.ACCUMULATING  # a backward the engine has not taken
+        if fresh: return
+        for b in self._taking():
+            b.adopt_grads()
+            b.kind.merge(b, self.exposed)
+            b.kind.clear(b)
+    def checked(self) -> list:
+        "The gradients the finite check reads, one a flat bucket"
+        self.prelude(full=False)  # the gradients adopted first
+        return [g for b in self.buckets for g in b.kind.checked(b) if g is not None]
+    @torch.no_grad()
+    def publish(self):
+        "The taking kinds' checked gradients back into the model's"
+        for b in self._taking(): b.kind.publish(b)
+    def named_grads(self, model:nn.Module) -> list:
+        "`(name, stepped gradient)` of `model`'s parameters"
+        res = []
+        for n,p in model.named_parameters():
+            h = self.home.get(id(p))
+            res.append((n, p.grad if h is None else h[0].kind.grad_of(*h)))
+        return res
+    def stepped(self) -> list:
+        "Each parameter's stepped tensor, with its gradient"
+        self.exposed = True  # a caller may write into them: the step asks their version counters
+        seen = {id(p): p for pg in self.lists for p in pg}
+        return [b.kind.stepped(b, i) for b,i in (self.home[k] for k in seen)]
+    def grads_in_flight(self) -> dict:
+        "Gradients accumulated since the last step that `undo` would drop"
+        idle = self.phase is StepPhase.READY  # no gradient accumulated, none pending: nothing to carry
+        res = {k: v for b in self.buckets for k,v in b.kind.carried(b, idle).items()}
+        # by `id` of parameter; 'at': where the step stands
+        return {**res, 'at': self.phase} if res else {}
+    def end_step(self):
+        "The step is over (taken or skipped): the next backward's gradients are the next step's first"
+        self.phase = StepPhase.BACKWARD if self.phase.pending else StepPhase.READY
+    def restore_grads(self, grads:dict):
+        "Put back what `grads_in_flight` took from an earlier layout"
+        if not grads: return
+        for b in self.buckets: b.kind.restore(b, grads)
+        self.phase = grads['at']
 
 _in_place = Kind()
 
@@ -280,82 +388,3 @@ def _value_now(b:Bucket, i:int) -> Tensor:
     "Parameter `i`'s fp32 value, a write since the last step taken first"
     b.adopt_weights()
     return b.kind.value(b, i)
-
-# %% ../nbs/01a_fused.ipynb #fz0014
-_grad = operator.attrgetter('grad')
-
-@patch
-@torch.no_grad()
-def zero_grad(self:FusedSteps):
-    "fastai's `zero_grad`, one op a flat bucket"
-    gs = []
-    for b in self.buckets:
-        if b.flat and b.g is not None: gs.append(b.g)
-        own = list(map(_grad, b.params))
-        if b.gv is not None and all(map(operator.is_, own, b.gv)): continue  # all in the flat buffer: its one op
-        for i,g in enumerate(own):
-            if g is None or (b.gv is not None and g is b.gv[i]): continue
-            if g.grad_fn is not None or g.requires_grad: g.detach_()  # only a `create_graph` backward leaves such a gradient
-            gs.append(g)
-    if gs: torch._foreach_zero_(gs)
-    self.fresh = True
-
-@patch
-def _taking(self:FusedSteps) -> list: return [b for b in self.buckets if b.kind.takes]
-
-@patch
-@torch.no_grad()
-def take(self:FusedSteps):
-    "After a backward: the taking kinds take the model's gradients"
-    for b in self._taking(): b.adopt_grads(); b.kind.take(b, self.fresh)
-    self.fresh = self.pending = False
-
-@patch
-@torch.no_grad()
-def before_backward(self:FusedSteps):
-    "Before a backward; in a step's second, take callbacks' writes"
-    self.pending = True  # the model's gradients will hold a backward not yet taken
-    if self.fresh: return
-    for b in self._taking(): b.adopt_grads(); b.kind.merge(b, self.exposed); b.kind.clear(b)
-
-@patch
-def checked(self:FusedSteps) -> list:
-    "The gradients the finite check reads, one a flat bucket"
-    self.prelude(full=False)  # the gradients adopted first
-    return [g for b in self.buckets for g in b.kind.checked(b) if g is not None]
-
-@patch
-@torch.no_grad()
-def publish(self:FusedSteps):
-    "The taking kinds' checked gradients back into the model's"
-    for b in self._taking(): b.kind.publish(b)
-
-@patch
-def named_grads(self:FusedSteps, model:nn.Module) -> list:
-    "`(name, stepped gradient)` of `model`'s parameters"
-    res = []
-    for n,p in model.named_parameters():
-        h = self.home.get(id(p))
-        res.append((n, p.grad if h is None else h[0].kind.grad_of(*h)))
-    return res
-
-@patch
-def stepped(self:FusedSteps) -> list:
-    "Each parameter's stepped tensor, with its gradient"
-    self.exposed = True  # a caller may write into them: the step asks their version counters
-    seen = {id(p): p for pg in self.lists for p in pg}
-    return [b.kind.stepped(b, i) for b,i in (self.home[k] for k in seen)]
-
-@patch
-def grads_in_flight(self:FusedSteps) -> dict:
-    "Gradients accumulated since the last step that `undo` would drop"
-    idle = self.fresh and not self.pending  # no gradient accumulated, none pending: nothing to carry
-    res = {k: v for b in self.buckets for k,v in b.kind.carried(b, idle).items()}
-    return {**res, 'at': (self.fresh, self.pending)} if res else {}  # by `id` of parameter; 'at': where the step stands
-
-@patch
-def restore_grads(self:FusedSteps, grads:dict):
-    "Put back what `grads_in_flight` took from an earlier layout"
-    if not grads: return
-    for b in self.buckets: b.kind.restore(b, grads)
-    self.fresh,self.pending = grads['at']

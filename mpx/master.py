@@ -19,15 +19,19 @@ from .callback import *
 __all__ = ['MasterKind', 'MasterCopies', 'MasterPrecision']
 
 # %% ../nbs/04_master.ipynb #971f8fad
+_grad_of = operator.attrgetter('grad')
+
 class MasterKind(Kind):
-    "fp32 masters of a half model's parameters, stepped in their place; the model's weights and gradients stay the truth"
+    "fp32 masters of a half model's parameters, stepped in their place"
     takes,in_place = True,False
     def __init__(self, dtype:torch.dtype): self.half = dtype
-    def sdtype(self, b): return torch.float32
+    def state_dtype(self, b): return torch.float32
     def build(self, b):
-        "Flat buffers of fp32 masters (the fp32 weights' own, where a former fit left them so), half weights and both gradients"
+        "Flat buffers of fp32 masters, half weights and both gradients"
         b.x = b.hold_weights(torch.float32)
-        b.w = b.zeros(self.half); b.w.copy_(b.x); b.point(b.w)
+        b.w = b.zeros(self.half)
+        b.w.copy_(b.x)
+        b.point(b.w)
         b.gx,b.g = b.zeros(torch.float32),b.zeros(self.half)
         b.xv,b.gxv = b.views(b.x),b.views(b.gx)
         b.ms = [nn.Parameter(m, requires_grad=False) for m in b.xv]
@@ -44,97 +48,87 @@ class MasterKind(Kind):
         m = b.ms[i]
         m.grad = b.shown[i] = b.gxv[i] if b.live[i] else None
         return m
-    def kio(self, b, a, c, phase=0): return dict(x=b.part(b.x, a, c), gx=b.part(b.gx, a, c), w=b.part(b.w, a, c)),{}
-    @staticmethod
-    def kwiden(t, s): return t['x'],t['gx']
-    @staticmethod
-    def kfold(t, s, x): return dict(x=x, w=x)  # the half weights are the stepped masters, cast
-
-# %% ../nbs/04_master.ipynb #4d1a7c02
-@patch
-def take(self:MasterKind, b, fresh:bool):
-    "After a backward: the half gradients into the fp32 ones (copied on a step's first), their sum shown in the model"
-    (b.gx.copy_ if fresh else b.gx.add_)(b.g)
-    for i in sorted(b.loose):  # a sparse gradient, added densely
-        if fresh: b.gxv[i].zero_()
-        b.gxv[i].add_(b.params[i].grad); b.params[i].grad.zero_()
-    if b.loose or not fresh: b.g.copy_(b.gx)
-    b.seen = [g._version for g in b.gv]  # autograd's own writes (it adds into `p.grad`) are not a callback's
-    if b.shown is None: return
-    for i,(m,g,l) in enumerate(zip(b.ms, b.gxv, b.live)): m.grad = b.shown[i] = g if l else None  # as a backward sets `p.grad`
-
-@patch
-def merge(self:MasterKind, b, exposed:bool=False):
-    "Model gradients a callback wrote since they were shown (their versions moved), or assigned to the masters: taken"
-    self._take_assigned(b)
-    if exposed: self._show_handed(b)
-    now = [g._version for g in b.gv]
-    if b.seen is not None and now != b.seen:
-        for i,(v,u) in enumerate(zip(now, b.seen)):
-            if v != u: merge_writes(b.gxv[i], b.gv[i])
-    b.seen = now
-
-_grad_of = operator.attrgetter('grad')
-
-@patch
-def _take_assigned(self:MasterKind, b):
-    "Gradients assigned to the masters through `learn.parameters()`: None, not stepped (as fastai's loop skips it); a tensor, taken"
-    if b.shown is None or all(map(operator.is_, map(_grad_of, b.ms), b.shown)): return  # never handed out, or none assigned
-    for i,(m,s) in enumerate(zip(b.ms, b.shown)):
-        g = m.grad
-        if g is s: continue
-        if g is None: b.live[i] = False
-        else:
-            b.gxv[i].copy_(g)
-            b.slot(b.g, i).copy_(b.gxv[i])  # shown in the model too
+    def value(self, b, i): return b.xv[i].clone()
+    def take(self, b, fresh:bool):
+        "After a backward: the half gradients into the fp32 ones"
+        (b.gx.copy_ if fresh else b.gx.add_)(b.g)
+        for i in sorted(b.loose):  # a sparse gradient, added densely
+            if fresh: b.gxv[i].zero_()
+            b.gxv[i].add_(b.params[i].grad)
+            b.params[i].grad.zero_()
+        if b.loose or not fresh: b.g.copy_(b.gx)
+        b.seen = [g._version for g in b.gv]  # autograd's own writes (it adds into `p.grad`) are not a callback's
+        if b.shown is None: return
+        # as a backward sets `p.grad`
+        for i,(m,g,l) in enumerate(zip(b.ms, b.gxv, b.live)): m.grad = b.shown[i] = g if l else None
+    def merge(self, b, exposed:bool=False):
+        "Model gradients a callback wrote or assigned since: taken"
+        self._take_assigned(b)
+        if exposed: self._show_handed(b)
+        now = [g._version for g in b.gv]
+        if b.seen is not None and now != b.seen:
+            for i,(v,u) in enumerate(zip(now, b.seen)):
+                if v != u: merge_writes(b.gxv[i], b.gv[i])
+        b.seen = now
+    def _take_assigned(self, b):
+        "Gradients assigned to the masters through `learn.parameters()`"
+        # None: not stepped (as fastai's loop skips it), a tensor: taken
+        # never handed out, or none assigned
+        if b.shown is None or all(map(operator.is_, map(_grad_of, b.ms), b.shown)): return
+        for i,(m,s) in enumerate(zip(b.ms, b.shown)):
+            g = m.grad
+            if g is s: continue
+            if g is None: b.live[i] = False
+            else:
+                b.gxv[i].copy_(g)
+                b.slot(b.g, i).copy_(b.gxv[i])  # shown in the model too
+                b.live[i] = True
+            m.grad = b.shown[i] = b.gxv[i] if b.live[i] else None
+            b._grads = None  # the next step asks the model's gradients again
+    def _show_handed(self, b):
+        "Masters or gradients written through `learn.parameters()`, shown"
+        now = [(m._version, g._version) for m,g in zip(b.ms, b.gxv)]
+        for i,((m,g),(m0,g0)) in enumerate(zip(now, b.handed)):
+            if m != m0: b.slot(b.w, i).copy_(b.xv[i])
+            if g != g0: b.slot(b.g, i).copy_(b.gxv[i])
+        b.handed = now
+    def clear(self, b):
+        b.g.zero_()
+        b.seen = None  # before a step's second backward: autograd adds the new ones
+    def publish(self, b): b.g.copy_(b.gx)  # the checked (unscaled) gradients, shown in the model
+    def finish(self, b):
+        "The masters become the fp32 parameters, never rounded through half"
+        for p,m in zip(b.params, b.xv): set_data(p, m)  # the next fit takes the buffer as it is
+    def carried(self, b, idle:bool=False) -> dict:
+        "The fp32 and half gradients of a step under way, by `id`"
+        if idle: return {}  # no step under way: the model's gradients are the last step's, already taken
+        return {id(p): ('master', gx.clone(), g.clone()) for p,gx,g,l in zip(b.params, b.gxv, b.gv, b.live) if l}
+    def restore(self, b, grads:dict):
+        "What `carried` took from an earlier layout, into this one"
+        for i,p in enumerate(b.params):
+            if id(p) not in grads: continue
+            _,gx,g = grads[id(p)]
+            b.gxv[i].copy_(gx)
+            b.gv[i].copy_(g)
+            p.grad = b.gv[i]
             b.live[i] = True
-        m.grad = b.shown[i] = b.gxv[i] if b.live[i] else None
-        b._grads = None  # the next step asks the model's gradients again
-
-@patch
-def _show_handed(self:MasterKind, b):
-    "Masters, or their gradients, written through `learn.parameters()` (versions moved): shown in the model first"
-    now = [(m._version, g._version) for m,g in zip(b.ms, b.gxv)]
-    for i,((m,g),(m0,g0)) in enumerate(zip(now, b.handed)):
-        if m != m0: b.slot(b.w, i).copy_(b.xv[i])
-        if g != g0: b.slot(b.g, i).copy_(b.gxv[i])
-    b.handed = now
-
-@patch
-def clear(self:MasterKind, b): b.g.zero_(); b.seen = None  # before a step's second backward: autograd adds the new ones
-@patch
-def publish(self:MasterKind, b): b.g.copy_(b.gx)  # the checked (unscaled) gradients, shown in the model
-
-@patch
-def finish(self:MasterKind, b):
-    "The masters become the fp32 parameters, never rounded through half, in their buffer; a gradient stays, in fp32"
-    for p,m in zip(b.params, b.xv): set_data(p, m)  # the next fit takes the buffer as it is
-
-@patch
-def carried(self:MasterKind, b, idle:bool=False) -> dict:
-    "The fp32 and half gradients of a step under way (accumulated, or a backward not yet taken), by `id` of parameter"
-    if idle: return {}  # no step under way: the model's gradients are the last step's, already taken
-    return {id(p): ('master', gx.clone(), g.clone()) for p,gx,g,l in zip(b.params, b.gxv, b.gv, b.live) if l}
-
-@patch
-def restore(self:MasterKind, b, grads:dict):
-    "The gradients `carried` took from an earlier layout of the same fit, both sides, into this one's"
-    for i,p in enumerate(b.params):
-        if id(p) not in grads: continue
-        _,gx,g = grads[id(p)]
-        b.gxv[i].copy_(gx); b.gv[i].copy_(g)
-        p.grad = b.gv[i]; b.live[i] = True
-    b._grads,b.seen = None,[g._version for g in b.gv]
+        b._grads,b.seen = None,[g._version for g in b.gv]
+    def kernel_io(self, b, a, c, phase=0):
+        return dict(x=b.part(b.x, a, c), gx=b.part(b.gx, a, c), w=b.part(b.w, a, c)),{}
+    @staticmethod
+    def kernel_widen(t, s): return t['x'],t['gx']
+    @staticmethod
+    def kernel_fold(t, s, x): return dict(x=x, w=x)  # the half weights are the stepped masters, cast
 
 # %% ../nbs/04_master.ipynb #8802bdff
 class _LoadHook:
-    "`MasterCopies`' load pre-hook: a copy or a pickle of the model (an EMA's, say) gets one that does nothing, not the fit"
+    "`MasterCopies`' load pre-hook (a copy of the model gets a no-op)"
     def __init__(self, f): self.f = f
     def __call__(self, *args): return self.f(*args)
     def __reduce__(self): return (_LoadHook, (noop,))
 
 class MasterCopies(FitState):
-    "A master fit's half model: the optimizer's halvable parameters stepped through fp32 masters, the rest halved exactly"
+    "A master fit's half model, and the masters' kind"
     def __init__(self,
         learn:Learner, # The learner whose model is halved
         dtype:torch.dtype, # The model's dtype during the fit: torch.float16 or torch.bfloat16
@@ -149,12 +143,13 @@ class MasterCopies(FitState):
         for h in self.hooks: h.remove()
         self.rest.undo()
     def _load_masters(self, module, state_dict, prefix, *args):
-        "`module.load_state_dict` mid-fit: the values it loads go into the masters whole, not only their half rounding"
+        "`module.load_state_dict` mid-fit: the values into the masters, whole"
         homes = getattr(self.engine, 'home', {})
         for n,p in module.named_parameters(recurse=False):
             v,home = state_dict.get(prefix + n),homes.get(id(p))
             if isinstance(v, Tensor) and v.shape == p.shape and home is not None and home[0].kind is self.kind:
-                with torch.no_grad(): home[0].xv[home[1]].copy_(v)  # the model's half weight then rounds it: merged, it changes nothing
+                # the model's half weight then rounds it: merged, it changes nothing
+                with torch.no_grad(): home[0].xv[home[1]].copy_(v)
 
     @property
     def params(self) -> list:
@@ -166,7 +161,7 @@ class MasterCopies(FitState):
         return [m for b in self._buckets() for m in b.ms]
     @property
     def buffers(self) -> list:
-        "The flat fp32 buffers holding the masters: one a parameter group (split by `do_wd`)"
+        "The flat fp32 buffers holding the masters"
         return [b.x for b in self._buckets()]
     def _buckets(self): return [b for b in getattr(self.engine, 'buckets', []) if b.kind is self.kind]
 
@@ -176,14 +171,14 @@ class MasterPrecision(PrecisionCallback):
     def __init__(self,
         amp_mode:str|AMPMode=AMPMode.FP16, # Model dtype: 'fp16' (with loss scaling) or 'bf16' (without)
         loss_scale:float=default(512.), # fp16: the loss scale, the first one when `dynamic`
-        flat_master:bool|None=None, # fastai v1's flag, for its code: masters are always flat (a `FutureWarning` says so)
+        flat_master:bool|None=None, # fastai v1's flag: masters are always flat (a `FutureWarning` says so)
         dynamic:bool=False, # fp16: adapt the scale to overflows
         growth_interval:int=default(2000), # Dynamic: clean steps in a row before the scale grows
         growth_factor:float=default(2.), # Dynamic: multiply the scale by this after `growth_interval` clean steps
         backoff_factor:float=default(.5), # Dynamic: multiply the scale by this after an overflow
         min_scale:float=default(1.), # Dynamic: the scale never goes below this
         max_scale:float=default(2.**24), # Dynamic: the scale never goes above this
-        hysteresis:int=default(1), # Dynamic: back off on the N-th overflow only, the budget refilled when the scale grows (DeepSpeed's)
+        hysteresis:int=default(1), # Dynamic: back off at the N-th overflow only (DeepSpeed's hysteresis)
         check_finite:bool=True, # bf16: skip a step whose gradients hold inf/nan (fp16 always checks)
         fused:bool|str=True, # How the step engine steps (`Fused`): True, False or 'compile'
         schedule_skips:bool=True, # False: a skipped step does not advance fastai's schedules
@@ -191,17 +186,18 @@ class MasterPrecision(PrecisionCallback):
     ):
         super().__init__(amp_mode, check_finite, fused, schedule_skips, opt_state)
         check_args(dynamic=dynamic, **({} if flat_master is None else dict(flat_master=flat_master)))
-        if flat_master is not None: warn_user("flat_master has no effect: the fp32 masters are always flat, one buffer a parameter "
-                                              "group (split by weight decay), whatever `fused` says. Drop it", FutureWarning)
-        args = dict(loss_scale=loss_scale, growth_interval=growth_interval, growth_factor=growth_factor, backoff_factor=backoff_factor,
-                    min_scale=min_scale, max_scale=max_scale, hysteresis=hysteresis)
+        if flat_master is not None:
+            warn_user("flat_master has no effect: the fp32 masters are always flat, one buffer a parameter group "
+                      "(split by weight decay), whatever `fused` says. Drop it", FutureWarning)
+        args = dict(loss_scale=loss_scale, growth_interval=growth_interval, growth_factor=growth_factor,
+                    backoff_factor=backoff_factor, min_scale=min_scale, max_scale=max_scale, hysteresis=hysteresis)
         check_mode_args('master', self.amp_mode, dynamic, **passed(**args), **({'dynamic': dynamic} if dynamic else {}))
         self.scaler = None if self.amp_mode is AMPMode.BF16 else _scaler(dynamic, **args)
         self._check_schedule_skips()
 
     @property
     def loss_scale(self) -> float:
-        "The current loss scale (1.0 for bf16); a host value, free to read (one host sync during a compiled fit)"
+        "The current loss scale (1.0 for bf16), a host value: free to read"
         return 1.0 if self.scaler is None else self.scaler.pull().scale
     memory_mode = 'master'  # half weight and gradient (2 + 2), fp32 master and master gradient (4 + 4)
     keeps_layout = False  # after a fit its masters are the fp32 model (nothing copied), its half copy freed
@@ -216,21 +212,24 @@ class MasterPrecision(PrecisionCallback):
     @property
     def _at_floor(self) -> bool: return self.scaler is None or self.scaler.at_floor
     def _repr_extra(self):
-        s = self.scaler.pull() if self.scaler is not None and self.scaler.dynamic and self.scaler.hysteresis > 1 else None
+        shown = self.scaler is not None and self.scaler.dynamic and self.scaler.hysteresis > 1
+        s = self.scaler.pull() if shown else None
         return f'hysteresis={s.hysteresis_left}/{s.hysteresis}, ' if s else ''
 
     def _check_cbs(self, cbs):
         "Refuse fastai's `GANTrainer` with `clip`: it clamps through `p.data`, which the masters cannot see"
         gt = first(c for c in cbs if type(c).__name__ == 'GANTrainer' and getattr(c, 'clip', None) is not None)
         if gt is not None: raise ValueError(
-            f"GANTrainer(clip={gt.clip}) clamps the critic's weights through `p.data` before each batch, a write no version "
-            "counter sees, so under fp32 master weights the next step would undo it. Train a clipped GAN (GANLearner.wgan) "
-            "with AMP (learn.to_fp16() or learn.to_bf16()) or pure bf16 (learn.to_bf16(pure=True)), or pass clip=None")
+            f"GANTrainer(clip={gt.clip}) clamps the critic's weights through `p.data` before each batch, a write no "
+            "version counter sees, so under fp32 master weights the next step would undo it. Train a clipped GAN "
+            "(GANLearner.wgan) with AMP (learn.to_fp16() or learn.to_bf16()) or pure bf16 (learn.to_bf16(pure=True)), "
+            "or pass clip=None")
     def _new_fit_state(self):  # under FSDP2 its fp32 shards are the masters (`mpx.parallel`)
         return ShardedMasters(self.learn) if is_sharded(self.model) else MasterCopies(self.learn, self.amp_mode.dtype)
     def _begin_fit(self):
         super()._begin_fit()
-        if self.fused_steps is not None: self.ledger.set(self.learn, 'parameters', self.fused_steps.stepped)  # what `GradientClip` clips
+        # what `GradientClip` clips
+        if self.fused_steps is not None: self.ledger.set(self.learn, 'parameters', self.fused_steps.stepped)
     def _scale_loss(self, loss): return self.scaler.scale_loss(loss)
     def before_backward(self):
         super().before_backward()
@@ -239,7 +238,7 @@ class MasterPrecision(PrecisionCallback):
         self._restart_if_stale()
         if self.fused_steps is not None: self.fused_steps.take()
     def _unscale_and_find_overflow(self, lazy:bool=False) -> tuple:
-        "Unscale (fp16) and check the master gradients: one fused pass, one host sync (`lazy`: none, the scaler's state on the device)"
+        "Unscale (fp16) and check the master gradients: one fused pass, one host sync (`lazy`: none)"
         if self.scaler is None: return super()._unscale_and_find_overflow(lazy)
         if lazy: self.scaler.to_device(training_device(self.dls, self.model))
         scale,found = (self.scaler.dev['scale'] if lazy else self.scaler.scale),self.scaler.unscale_(self._step_grads())
@@ -249,7 +248,8 @@ class MasterPrecision(PrecisionCallback):
         super()._finish()
         if self.scaler is not None: self.scaler.pull(keep=False)  # between fits the scale is a host value
     def after_step(self):
-        if self.fused_steps is not None: self.fused_steps.fresh = True  # the next backward starts fresh master gradients, skipped or not
+        # the next backward starts fresh master gradients, skipped or not
+        if self.fused_steps is not None: self.fused_steps.end_step()
         super().after_step()
     def _update_scale(self, found:bool):
         if self.scaler is not None: self.scaler.update(found)
@@ -261,10 +261,13 @@ class MasterPrecision(PrecisionCallback):
         "Start the loss scale afresh at its initial value"
         if self.scaler is not None: self.scaler.reset()
 
-def _scaler(dynamic:bool, loss_scale:float, growth_interval:int, min_scale:float, max_scale:float, hysteresis:int, **kwargs) -> LossScaler:
-    "The `LossScaler`, in plain floats and ints; a dynamic scale outside its bounds is reported as the `loss_scale` the user passed"
+def _scaler(dynamic:bool, loss_scale:float, growth_interval:int, min_scale:float, max_scale:float, hysteresis:int,
+            **kwargs) -> LossScaler:
+    "The `LossScaler`, in plain floats and ints"
     if dynamic and not min_scale <= loss_scale <= max_scale:
-        raise ValueError(f"loss_scale={loss_scale!r} is outside [min_scale, max_scale] = [{min_scale!r}, {max_scale!r}]: "
+        bounds = f"[min_scale, max_scale] = [{min_scale!r}, {max_scale!r}]"
+        raise ValueError(f"loss_scale={loss_scale!r} is outside {bounds}: "
                          "it must lie within them when dynamic=True")
-    return LossScaler(float(loss_scale), dynamic, int(growth_interval), min_scale=float(min_scale), max_scale=float(max_scale),
+    return LossScaler(float(loss_scale), dynamic, int(growth_interval), min_scale=float(min_scale),
+                      max_scale=float(max_scale),
                       hysteresis=int(hysteresis), **{k: float(v) for k,v in kwargs.items()})

@@ -20,15 +20,15 @@ def test_stochastic_rounding_same_eager_and_compiled():
     x = _values()
     for seed,count,phase,base in ((0, 1, 0, 0), (7, 123, 1, 4096), (2**40, 5, 0, 2**31 - 64)):
         key = stream_key(seed, count, phase)
-        kernel = torch.compile(lambda x, k, b: StochasticKind.kfold({}, dict(key=k, base=b), x)['w'], dynamic=True)
+        kernel = torch.compile(lambda x, k, b: StochasticKind.kernel_fold({}, dict(key=k, base=b), x)['w'], dynamic=True)
         got = kernel(x, torch.tensor(key, dtype=torch.int32), torch.tensor(base, dtype=torch.int32))
         assert torch.equal(got.view(torch.int32), round_stochastic(x, key, base).view(torch.int32))
 
 def _bits(x, ref): return torch.where(ref.isnan(), 0, x.view(torch.int16))  # every NaN alike
 
 def _kfold(x):
-    "`KahanKind.kfold` compiled, its results as stored (bf16)"
-    return {k: v.bfloat16() for k,v in KahanKind.kfold({}, {}, x).items()}
+    "`KahanKind.kernel_fold` compiled, its results as stored (bf16)"
+    return {k: v.bfloat16() for k,v in KahanKind.kernel_fold({}, {}, x).items()}
 
 def test_kahan_split_same_eager_and_compiled():
     """The compiled kernel's Kahan split is the eager fold's, bit for bit: bf16's edge cases (ties of both parities, subnormals, zeros,

@@ -72,7 +72,7 @@ class HeldOn(Callback):
     "The devices of the low-bit codes the optimizer holds after each step"
     order = 100
     def after_step(self):
-        self.devices = {v.b.st[v.k].device.type for s in self.learn.opt.state.values() for v in s.values() if isinstance(v, LowBitState)}
+        self.devices = {v.b.state_bufs[v.k].device.type for s in self.learn.opt.state.values() for v in s.values() if isinstance(v, LowBitState)}
 
 @pytest.mark.parametrize('opt_state', ['8bit', '4bit'])
 @pytest.mark.parametrize('mode', LOWBIT)

@@ -65,7 +65,7 @@ class GrabBuffers(Callback):
             for k in ('w', 'g', 'x', 'gx', 'c'):
                 t = getattr(b, k, None)
                 if isinstance(t, torch.Tensor): self.refs.append((f'bucket.{k}', weakref.ref(t)))
-            self.refs += [(f'state {k}', weakref.ref(t)) for k,t in b.st.items()]
+            self.refs += [(f'state {k}', weakref.ref(t)) for k,t in b.state_bufs.items()]
     def alive(self) -> list: return [k for k,r in self.refs if r() is not None]
 
 MODES = [m for m in ALL_MODES if m != 'master_fp16_dynamic']  # its fits are master_fp16's, with another scaler

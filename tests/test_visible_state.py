@@ -115,8 +115,8 @@ def fp32_view(learn, p) -> torch.Tensor:
     cb = precision_cb(learn)
     if cb is None or cb.fused_steps is None: return p.detach().float().clone()
     b,i = cb.fused_steps.home[id(p)]
-    if hasattr(b, 'xv'): return b.xv[i].detach().clone()
-    if hasattr(b, 'cv'): return p.detach().float() + b.cv[i].float()
+    if b.xv is not None: return b.xv[i].detach().clone()
+    if b.cv is not None: return p.detach().float() + b.cv[i].float()
     return p.detach().float().clone()
 
 WRITES = dict(fill=lambda p,sd: p.fill_(.25), load_state_dict=None)

@@ -1,0 +1,120 @@
+"""The engine's contracts (issue 47): a new storage kind is one subclass of `Kind`, a new store one of `Store`, and the engine steps
+them as its own, eagerly bit for bit as fastai's loop, compiled within its tolerance."""
+import pytest, torch
+from fastai.optimizer import Adam, SGD
+from mpx.flat import Kind
+from mpx.lowbit import Store, DenseStore, kept
+from mpx.fused import FusedSteps
+from mpx.test_utils import stepped_opt, opt_diffs
+from conftest import compiles
+
+pytestmark = pytest.mark.filterwarnings('ignore::UserWarning')
+
+class Copied(Kind):
+    "fp32 weights stepped in a buffer of the kind's own (a master's role), copied into the model's after each step"
+    in_place = False
+    def build(self, b):
+        super().build(b)
+        b.x = b.w.clone()
+        b.xv = b.views(b.x)
+    def wide(self, b, i, j): return b.part(b.x, i, j),b.part(b.g, i, j)
+    def fold(self, b, i, j, x, phase=0): b.part(b.w, i, j).copy_(x)
+    def written(self, b, idx):
+        for i in idx: b.xv[i].copy_(b.params[i].data)
+    def value(self, b, i): return b.xv[i].clone()
+    def assign(self, b, i, x):
+        b.xv[i].copy_(x)
+        b.params[i].data.copy_(x)
+    def kernel_io(self, b, a, c, phase=0): return dict(x=b.part(b.x, a, c), w=b.part(b.w, a, c), g=b.part(b.g, a, c)),{}
+    @staticmethod
+    def kernel_widen(t, s): return t['x'],t['g']
+    @staticmethod
+    def kernel_fold(t, s, x): return dict(x=x, w=x)
+
+class Cloned(Store):
+    "fp32 state held in a buffer a key, stepped in a copy: a store that is not `DenseStore`'s view"
+    name = 'cloned'
+    def bytes(self, dtype) -> float: return 4.
+    def new(self, b, k, dtype):
+        b.state_bufs[k] = b.zeros(torch.float32)
+        b.state_held[k] = b.views(b.state_bufs[k])
+    def put(self, b, k, i, v): b.state_held[k][i].copy_(v)
+    def value(self, b, k, i): return b.state_held[k][i].clone()
+    def zero(self, b, k, a, c): b.part(b.state_bufs[k], a, c).zero_()
+    def load_window(self, b, k, i, j, scratch=None): return scratch.copy_(b.part(b.state_bufs[k], i, j))
+    def store_window(self, b, k, i, j, x): b.part(b.state_bufs[k], i, j).copy_(x)
+    def kernel_io(self, b, k, a, c): return {k: b.part(b.state_bufs[k], a, c)}
+    def kernel_load(self, t, k): return t[k]
+    def kernel_store(self, t, k, x, keep): return {k: kept(keep, t[k], x)}
+
+def _engine(fused=True):
+    "Installs a step engine whose every parameter is `Copied`"
+    return lambda o: FusedSteps(o, lambda p: Copied(), fused=fused)
+
+@pytest.mark.parametrize('opt,kw', [(Adam, dict(lr=1e-2, wd=.1)), (SGD, dict(lr=1e-2, mom=.9, wd=.1))])
+def test_new_kind_bit_for_bit(opt, kw):
+    "A kind written as one subclass, which the engine has never seen, steps as fastai's loop bit for bit, twice-listed weights too."
+    assert opt_diffs(stepped_opt(opt, **kw), stepped_opt(opt, _engine(), **kw)) == []
+    assert opt_diffs(stepped_opt(opt, dup=True, **kw), stepped_opt(opt, _engine(), dup=True, **kw)) == []
+
+def test_new_kind_holds_its_own_weights():
+    "The kind's buffer is what is stepped; the model's weights are its copy, and a write into them is taken."
+    m = torch.nn.Linear(4, 3)
+    opt = Adam(list(m.parameters()), lr=1e-2)
+    fs = FusedSteps(opt, lambda p: Copied())
+    b = fs.buckets[0]
+    assert b.x is not None and b.x.data_ptr() != b.w.data_ptr()
+    for p in m.parameters(): p.grad = torch.ones_like(p)
+    opt.step()
+    assert torch.equal(b.xv[0], m.weight.data)
+    with torch.no_grad(): m.weight.fill_(.5)
+    opt.step()
+    assert torch.equal(b.xv[0], m.weight.data) and fs.fp32_of(m.weight)().ne(.5).all()
+    fs.undo()
+
+@pytest.mark.compiled
+def test_new_kind_compiled():
+    "Compiled, the new kind steps as the engine's own in-place kind compiles, bit for bit: one arithmetic, another storage."
+    if not compiles(): pytest.skip('torch.compile cannot build a kernel here (no C++ compiler)')
+    ref = stepped_opt(Adam, lambda o: FusedSteps(o, fused='compile'), lr=1e-2, wd=.1)
+    assert opt_diffs(ref, stepped_opt(Adam, _engine('compile'), lr=1e-2, wd=.1)) == []
+
+def test_new_store():
+    "A store written as one subclass of `Store` keeps the state as `DenseStore` does: the same steps, bit for bit."
+    from mpx import fused
+    make = fused.make_store
+    try:
+        fused.make_store = lambda s: Cloned()
+        got = stepped_opt(Adam, lambda o: FusedSteps(o, opt_state='bf16'), lr=1e-2, wd=.1)
+    finally: fused.make_store = make
+    ref = stepped_opt(Adam, lambda o: FusedSteps(o), lr=1e-2, wd=.1)
+    assert [torch.equal(a, b) for a,b in zip(ref[0].parameters(), got[0].parameters())] == [True]*len(list(ref[0].parameters()))
+
+def test_contracts_declared():
+    "Every method the engine calls on a kind or a store is declared on the base, with a one-line docstring."
+    for name in ('build', 'finish', 'value', 'assign', 'wide', 'fold', 'written', 'tick', 'checked', 'stepped', 'carried', 'restore',
+                 'take', 'merge', 'clear', 'publish', 'kernel_io', 'kernel_widen', 'kernel_fold'):
+        assert callable(getattr(Kind, name)) and '\n' not in (getattr(Kind, name).__doc__ or 'x'), name
+    for name in ('bytes', 'new', 'put', 'value', 'zero', 'load_window', 'store_window', 'kernel_io', 'kernel_shape', 'kernel_load',
+                 'kernel_store'):
+        assert callable(getattr(Store, name)) and getattr(Store, name).__doc__, name
+    assert issubclass(DenseStore, Store)
+    with pytest.raises(NotImplementedError): Kind().take(None, True)
+
+def test_step_phase():
+    "The step phase is one state: a step while a backward's gradients are not yet taken is refused, naming the phase."
+    from mpx.fused import StepPhase
+    from mpx.master import MasterKind
+    ps = [torch.nn.Parameter(torch.randn(4, 3))]
+    fs = FusedSteps(SGD(ps, lr=.1), lambda p: MasterKind(torch.float16))
+    ps[0].grad = torch.ones_like(ps[0])
+    fs.before_backward()
+    with pytest.raises(RuntimeError, match="came in step phase 'backward'"): fs.opt.step()
+    fs.take()
+    fs.before_backward()
+    with pytest.raises(RuntimeError, match="came in step phase 'accumulating'"): fs.opt.step()
+    fs.take()
+    fs.opt.step()
+    fs.end_step()
+    assert fs.phase is StepPhase.READY and fs.grads_in_flight() == {}
+    fs.undo()
