@@ -161,6 +161,7 @@ class FusedSteps:
             if widened: self.foreign.install(self, led)
             return
         if self.path is Fused.COMPILE or self.opt_state != 'fp32': led.set(o, 'state_dict', self._state_dict)
+        if not self.lookaheads: led.set(o, 'load_state_dict', self.load_state)  # each loaded state tensor into its store
         if self.path is Fused.LOOP and not widened: return  # fastai's own loop on the parameters themselves
         led.set(o, 'step', self.step)
         for la in self.lookaheads: led.set(la, 'step', partial(self.lookahead.step, self, la))
@@ -275,7 +276,7 @@ class FusedSteps:
         return True
 
     def load_state(self, sd:dict):
-        "fastai's `load_state_dict` of a streamed checkpoint, a state tensor at a time"
+        "fastai's `load_state_dict`, each state tensor into its store (a streamed checkpoint's read then)"
         o = self.inner
         # `Lookahead`'s own state beside: loaded whole (a torch optimizer's: `Learner.load`'s own)
         if not self.native or self.lookaheads:
@@ -289,8 +290,8 @@ class FusedSteps:
 
     def _stored(self, p:Tensor, k:str, v):
         "State `k` of `p` from a checkpoint, into its store where its bucket keeps one"
-        if not isinstance(v, Stored): return v
-        x,h = v.load(),self.home.get(id(p))
+        if not isinstance(v, (Stored, Tensor)): return v
+        x,h = v.load() if isinstance(v, Stored) else v,self.home.get(id(p))
         if h is None or not h[0].flat or not _flat_keys(p, x): return x.to(p.device)
         b,i = h
         b.state_new(k, b.kind.state_dtype(b))

@@ -197,3 +197,21 @@ def test_state_read_between_fits_is_fp32(mode, opt_state, fused):
     assert not state_diffs(before, state_of(a)), 'a read changed the state'
     fit_both(a, b, seed=2)
     assert_same(a, b, 'after the next fit')
+
+@pytest.mark.parametrize('mode,opt_state,fused', ARMS)
+def test_opt_load_state_dict_keeps_no_fp32_copy(mode, opt_state, fused):
+    "`opt.load_state_dict` of fastai's fp32 state into a kept layout (fastai's `TextLearner.load` calls it) puts each tensor into its store"
+    path = Path(tempfile.mkdtemp())
+    a,b = learner(mode, opt_state, fused, path=path),learner(mode, opt_state, fused, kept=False, path=path)
+    fit_both(a, b)
+    a.save('a')
+    fit_both(a, b, seed=3)  # away from the checkpoint, then back
+    for l in (a, b): l.opt.load_state_dict(torch.load(path/'models/a.pth', weights_only=False)['opt'])
+    sd = torch.load(path/'models/a.pth', weights_only=False)['opt']
+    refs = [weakref.ref(v) for s in sd['state'] for v in s.values() if isinstance(v, torch.Tensor) and v.numel() >= 96 * 96]
+    a.opt.load_state_dict(sd)
+    del sd
+    assert refs and [r for r in refs if r() is not None] == [], 'the loaded fp32 state is still held'
+    assert precision_cb(a).kept
+    fit_both(a, b, seed=4)
+    assert_same(a, b, 'resumed')
