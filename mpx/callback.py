@@ -166,7 +166,7 @@ class LoadsInto:
 # %% ../nbs/02_callback.ipynb #e9ed62b0
 class PrecisionCallback(Callback, ScaleTelemetry):
     "What every precision mode shares: checks, fp32 predictions, one fused finite check a step, telemetry, state, nothing left behind"
-    order,scaling,input_dtype = 10,False,None
+    order,input_dtype,scaler = 10,None,None  # `scaler`: the `LossScaler` of a mode that scales the loss
     _mpx_precision = True  # see `is_mpx_precision`
     def __init__(self,
         amp_mode:str|AMPMode=AMPMode.FP16, # The 16-bit dtype: 'fp16' or 'bf16'
@@ -187,6 +187,10 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         self._began_kept = False  # the fit under way took the layout the last one kept
 
     @property
+    def scaling(self) -> bool:
+        "Whether the loss is scaled: the mode holds a `LossScaler`"
+        return self.scaler is not None
+    @property
     def checking(self) -> bool:
         "Whether each optimizer step's gradients are checked for inf/nan: always when the loss is scaled, else `check_finite`"
         return self.scaling or self.check_finite
@@ -201,8 +205,8 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         return None
     @property
     def loss_scale(self) -> float:
-        "The current loss scale: 1.0 where the loss is not scaled"
-        return 1.0
+        "The current loss scale, 1.0 where unscaled (a host sync in a compiled fit)"
+        return 1.0 if self.scaler is None else self.scaler.pull().scale
     @property
     def _at_floor(self) -> bool:
         "Whether the scale can fall no further, so that repeated skips are the model's fault, not the scale's"
@@ -211,7 +215,9 @@ class PrecisionCallback(Callback, ScaleTelemetry):
     def __repr__(self):
         return (f"{type(self).__name__}(amp_mode='{self.amp_mode}', loss_scale={self.loss_scale:g}, {self._repr_extra()}"
                 f"{self._repr_state()}skipped_steps={self.skipped_steps}/{self.total_steps})")
-    def _repr_extra(self) -> str: return ''
+    def _repr_extra(self) -> str:
+        s = self.scaler
+        return f'hysteresis={s.pull().hysteresis_left}/{s.hysteresis}, ' if s is not None and s.dynamic and s.hysteresis > 1 else ''
     memory_mode = 'amp'  # the `MODE_BYTES` entry of `mpx.lowbit` saying what a parameter holds besides its state
     keeps_layout = None  # between fits: None keeps a fit's layout where the state is low-bit; a mode says True or False
     @property
@@ -249,7 +255,7 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         if self.learn.opt is None: return None
         kind_of = None if self.fit_state is None else self.fit_state.kind_of
         return FusedSteps(self.learn.opt, kind_of, fused=self.fused, ledger=self.ledger, opt_state=self.opt_state)  # undo: the ledger
-    def _scale_loss(self, loss): return loss
+    def _scale_loss(self, loss): return loss if self.scaler is None else self.scaler.scale_loss(loss)
     def _step_grads(self) -> list:
         "The gradients the optimizer is about to apply, each tensor once: one a flat bucket of the step engine"
         if self.fused_steps is not None: return self.fused_steps.checked()
@@ -260,14 +266,20 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         return [(n, p.grad) for n,p in get_model(self.model).named_parameters()]
     def _unscale_and_find_overflow(self, lazy:bool=False) -> tuple:
         "This step's loss scale, and whether its gradients hold an inf or nan: one fused pass, one host sync (`lazy`: none)"
-        found = unscale_and_find_inf_(self._step_grads())
-        return 1.0,(found if lazy else bool(found.item()))
+        s,grads = self.scaler,self._step_grads()
+        if s is not None and lazy: s.to_device(training_device(self.dls, self.model))  # the scale's state stays there
+        found = unscale_and_find_inf_(grads) if s is None else s.unscale_(grads)
+        scale = 1.0 if s is None else s.dev['scale'] if lazy else s.scale
+        return scale,(found if lazy else bool(found.item()))
     def _update_scale(self, found:bool):
         "Update the loss scale after a checked step"
+        if self.scaler is not None: self.scaler.update(found)
     def reset_scaler(self):
         "Start the loss scale afresh at its initial value"
-    def _scaler_state(self) -> dict: return {}
-    def _load_scaler_state(self, sd:dict): pass
+        if self.scaler is not None: self.scaler.reset()
+    def _scaler_state(self) -> dict: return {} if self.scaler is None else self.scaler.state_dict()
+    def _load_scaler_state(self, sd:dict):
+        if self.scaler is not None: self.scaler.load_state_dict(sd)
 
     # ---- one fit: begun in `before_fit`, ended in `after_fit` or by whatever ends the fit
     def before_fit(self):
@@ -349,6 +361,7 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         finally: self._end_fit()  # whatever failed before, the fit is undone
         self._settle_overflows()
         self._autocast,self._loss_autocast,self._norms,self._outer = None,None,None,None
+        if self.scaler is not None: self.scaler.pull(keep=False)  # between fits the scale is a host value
     def _nest(self):
         "Begin a fit or validation nested in the one under way: put aside what the outer one has in flight"
         self._outer.append((self._entered, {k: getattr(self, k, None) for k in _in_flight}))

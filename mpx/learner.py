@@ -63,7 +63,7 @@ def _pure_cb(master:bool, kwargs:dict) -> PureBF16:
 @patch
 @delegates(MixedPrecision, but=['amp_mode'])
 def to_fp16(self:Learner, master:bool=False, **kwargs):
-    "fp16 mixed precision: autocast and a `GradScaler`, or `MasterPrecision` with `master=True` or any of its arguments"
+    "fp16 mixed precision: autocast and a dynamic loss scale, or `MasterPrecision` with `master=True` or any of its arguments"
     return self._set_precision(precision_callback(AMPMode.FP16, master, **kwargs))._warn_if_slow()
 
 @patch

@@ -14,7 +14,7 @@ from fastcore.basics import *
 from fastcore.xtras import is_listy, join_path_file
 from fastai.torch_core import distrib_barrier
 from fastai.learner import load_model
-from .plumbing import FitState, opt_params, state_owners, unwrap
+from .plumbing import FitState, Ledger, opt_params, state_owners, unwrap
 
 # %% auto #0
 __all__ = ['GradComm', 'comm_hook', 'compress_grads', 'is_sharded', 'ShardedMasters', 'gathered', 'save_sharded',
@@ -36,15 +36,16 @@ def comm_hook(state:GradComm, bucket):
     return fut.then(lambda f: buf.copy_(f.value()[0]).div_(n))  # the 16-bit sum, widened, divided in fp32
 
 # %% ../nbs/01d_parallel.ipynb #58d5b563
-def compress_grads(model:nn.Module, dtype:torch.dtype|None) -> GradComm|None:
-    "Under DDP, all-reduce `model`'s gradients in `dtype` (None: fp32): `comm_hook` registered on first use, then switched; else None"
+def compress_grads(model:nn.Module, dtype:torch.dtype|None, ledger:Ledger|None=None) -> GradComm|None:
+    "Under DDP, all-reduce `model`'s gradients in `dtype` until `ledger` closes; else None"
     if not isinstance(model, DistributedDataParallel): return None
-    state = model.__dict__.get('_mpx_comm')
+    state = getattr(model, '_mpx_comm', None)
     if state is None:
         state = GradComm(model.process_group)
         model.register_comm_hook(state, comm_hook)  # once: DDP refuses a second hook
         model._mpx_comm = state
-    state.dtype = dtype
+    if ledger is None: state.dtype = dtype
+    elif state.dtype != dtype: ledger.set(state, 'dtype', dtype)
     return state
 
 # %% ../nbs/01d_parallel.ipynb #270abb57

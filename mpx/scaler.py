@@ -4,7 +4,7 @@
 
 # %% ../nbs/01_scaler.ipynb #sc000004
 from __future__ import annotations
-import struct
+import math, struct
 from typing import NamedTuple
 import torch
 import torch.distributed as dist
@@ -117,7 +117,14 @@ class Overflow(NamedTuple):
     scale: float # The loss scale that step's loss was multiplied by
 
 # %% ../nbs/01_scaler.ipynb #d9c95419
-def _f32(x:float) -> float: return struct.unpack('f', struct.pack('f', x))[0]  # float32 rounding, as GradScaler's kernels compute
+def _f32(x:float) -> float:
+    "`x` rounded to float32, as `GradScaler`'s kernels compute; infinite beyond fp32's range"
+    try: return struct.unpack('f', struct.pack('f', x))[0]
+    except OverflowError: return math.copysign(math.inf, x)
+
+def _clamp(v:float, lo:float|None, hi:float|None) -> float:
+    "`v` within [`lo`, `hi`]; a bound that is None is open"
+    return min(max(v, -math.inf if lo is None else lo), math.inf if hi is None else hi)
 
 class LossScaler:
     "Dynamic or static loss scaling with statistics; the dynamic trajectory is `torch.amp.GradScaler`'s, within [`min_scale`, `max_scale`]"
@@ -127,12 +134,13 @@ class LossScaler:
         growth_interval:int=2000, # Clean updates in a row before the scale grows
         growth_factor:float=2., # Multiply the scale by this after `growth_interval` clean updates
         backoff_factor:float=.5, # Multiply the scale by this after an overflow
-        min_scale:float=1., # Dynamic scale never goes below this
-        max_scale:float=2.**24, # Dynamic scale never goes above this
+        min_scale:float|None=1., # Dynamic scale never goes below this (None: no floor, as `GradScaler`)
+        max_scale:float|None=2.**24, # Dynamic scale never goes above this (None: no ceiling but fp32's, as `GradScaler`)
         hysteresis:int=1, # Dynamic: back off on the N-th overflow only, the budget refilled when the scale grows (DeepSpeed's)
     ):
-        check_args(dynamic=dynamic, growth_interval=growth_interval, growth_factor=growth_factor, backoff_factor=backoff_factor,
-                   min_scale=min_scale, max_scale=max_scale, hysteresis=hysteresis)
+        args = dict(dynamic=dynamic, growth_interval=growth_interval, growth_factor=growth_factor, backoff_factor=backoff_factor,
+                    min_scale=min_scale, max_scale=max_scale, hysteresis=hysteresis)
+        check_args(**{k: v for k,v in args.items() if v is not None})  # an open bound is None
         store_attr('dynamic,growth_interval,growth_factor,backoff_factor,min_scale,max_scale,hysteresis')
         self.init_scale,self.dev = self._checked_scale(init_scale),None
         self.reset()
@@ -140,7 +148,7 @@ class LossScaler:
     def _checked_scale(self, v:float) -> float:
         "`v` if it may start this scaler: an fp32 number, and within [`min_scale`, `max_scale`] when dynamic"
         check_args(init_scale=v)
-        if self.dynamic and not self.min_scale <= v <= self.max_scale:
+        if self.dynamic and _clamp(v, self.min_scale, self.max_scale) != v:
             raise ValueError(f"init_scale={v!r} is outside [min_scale, max_scale] = [{self.min_scale!r}, {self.max_scale!r}]: "
                              "it must lie within them when dynamic=True")
         return v
@@ -173,7 +181,7 @@ def unscale_(self:LossScaler, tensors) -> torch.Tensor:
 @patch(as_prop=True)
 def at_floor(self:LossScaler) -> bool:
     "Whether the scale cannot fall any further: static, or dynamic at `min_scale` (a host sync where the state is on the device)"
-    return not self.dynamic or self.pull().scale <= self.min_scale
+    return not self.dynamic or (self.min_scale is not None and self.pull().scale <= self.min_scale)
 
 @patch
 def has_overflow(self:LossScaler, tensors) -> bool:
@@ -194,15 +202,19 @@ def update(self:LossScaler, found_inf) -> float|None:
     if self.dev is not None and isinstance(found_inf, torch.Tensor): return self._update_on_device(found_inf)
     self.pull(keep=False)  # a host update: the host values are the state from now on
     found = bool(found_inf.item()) if isinstance(found_inf, torch.Tensor) else bool(found_inf)
-    self.total_updates += 1; self.skipped_updates += found
+    self.total_updates += 1
+    self.skipped_updates += found
     if not self.dynamic: return self.scale
     if found:
         self.growth_tracker = 0
         if self.hysteresis_left > 1: self.hysteresis_left -= 1  # an overflow the budget absorbs: the scale stays
         else: self.scale = _f32(self.scale * _f32(self.backoff_factor))
     elif self.growth_tracker + 1 < self.growth_interval: self.growth_tracker += 1
-    else: self.scale,self.growth_tracker,self.hysteresis_left = _f32(self.scale * _f32(self.growth_factor)),0,self.hysteresis
-    self.scale = min(max(self.scale, self.min_scale), self.max_scale)
+    else:
+        grown = _f32(self.scale * _f32(self.growth_factor))
+        if math.isfinite(grown): self.scale = grown  # `GradScaler`'s rule: a scale never grows to infinity
+        self.growth_tracker,self.hysteresis_left = 0,self.hysteresis
+    self.scale = _clamp(self.scale, self.min_scale, self.max_scale)
     return self.scale
 
 # %% ../nbs/01_scaler.ipynb #ds000002
