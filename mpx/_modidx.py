@@ -219,6 +219,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                               'mpx.callback.ScaleTelemetry.total_steps': ('callback.html#scaletelemetry.total_steps', 'mpx/callback.py'),
                               'mpx.callback._cast_floats': ('callback.html#_cast_floats', 'mpx/callback.py'),
                               'mpx.callback._check_opt_state': ('callback.html#_check_opt_state', 'mpx/callback.py'),
+                              'mpx.callback._give_back': ('callback.html#_give_back', 'mpx/callback.py'),
                               'mpx.callback._trailing': ('callback.html#_trailing', 'mpx/callback.py'),
                               'mpx.callback.check_single_autocast': ('callback.html#check_single_autocast', 'mpx/callback.py'),
                               'mpx.callback.first_not_fp32': ('callback.html#first_not_fp32', 'mpx/callback.py')},

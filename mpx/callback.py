@@ -125,6 +125,11 @@ def first_not_fp32(model:nn.Module) -> tuple|None:
     "The `(name, dtype)` of `model`'s first floating parameter that is not fp32, or None"
     return first((n, p.dtype) for n,p in model.named_parameters() if p.is_floating_point() and p.dtype != torch.float32)
 
+def _give_back(t:Tensor, data:Tensor, grad:Tensor|None):
+    "Tensor `t` holds `data` and `grad` again"
+    t.data = data
+    t.grad = grad
+
 def _cast_floats(x, dtype):
     "The floating tensors of `x` (a batch's inputs) in `dtype`; integer inputs such as token ids untouched"
     return apply(lambda t: t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t, x)
@@ -481,17 +486,13 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         ts = [t for t in get_model(self.model).state_dict(keep_vars=True).values()
               if isinstance(t, Tensor) and self._fp32_of(t) is not None]
         vals = [self.fp32_value(t) for t in ts]  # all read before any is swapped: a swap would read as a write to the engine
-        held = [(t, t.data, t.grad) for t in ts]
-        try:
+        with Ledger() as led:
             for t,v in zip(ts, vals):
+                led.defer(partial(_give_back, t, t.data, t.grad))
                 t.grad = None  # a half gradient cannot stay on an fp32 tensor; `export` pickles none
                 t.data = v
             del vals
             yield
-        finally:
-            for t,d,g in held:
-                t.data = d
-                t.grad = g
     def __getstate__(self):
         "What `export` pickles: the settings and telemetry, not a fit's (or a layout kept's) engine, ledger and fit state"
         return {**self.__dict__, **{k: None for k in _not_pickled}}

@@ -9,7 +9,7 @@ from typing import NamedTuple
 from fastai.basics import *
 from .core import *
 from .warn import warn_user
-from .plumbing import FitState
+from .plumbing import FitState, Ledger
 from .callback import *
 import mpx.patches  # Learner._set_precision, which `to_fp8` ends with
 
@@ -111,11 +111,10 @@ def linear_rows(model:nn.Module, *xb) -> dict:
     "`{name: M}` for each `nn.Linear` of `model`, M being its input's rows (all dimensions but the last) in one no-grad forward of `xb`"
     inner,rows = unwrapped(model),{}
     def hook(n): return lambda m,i,o: rows.__setitem__(n, i[0].numel() // i[0].shape[-1])  # returns None: the output stays
-    hs = [m.register_forward_hook(hook(n)) for n,m in inner.named_modules() if isinstance(m, nn.Linear)]
-    try:
-        with torch.no_grad(): inner(*xb)
-    finally:
-        for h in hs: h.remove()
+    with Ledger() as led, torch.no_grad():
+        for n,m in inner.named_modules():
+            if isinstance(m, nn.Linear): led.defer(m.register_forward_hook(hook(n)).remove)
+        inner(*xb)
     return rows
 
 def fp8_table(

@@ -106,14 +106,14 @@ def add_cb(self:Learner, cb):
     if isinstance(cb, type): cb = cb()
     check_one_precision(self.cbs, cb)
     _fastai_add_cb(self, cb)
-    if is_mpx_precision(cb): self.__dict__['mixed_precision'] = cb
+    if is_mpx_precision(cb): self.mixed_precision = cb
     return self
 
 @patch
 def remove_cb(self:Learner, cb):
     "fastai's `remove_cb`; a removed mpx precision callback first finishes any fit it left half done"
     if is_mpx_precision(cb): cb._finish()
-    if not isinstance(cb, type) and self.__dict__.get('mixed_precision') is cb: del self.__dict__['mixed_precision']
+    if not isinstance(cb, type) and getattr(self, 'mixed_precision', None) is cb: del self.mixed_precision
     return _fastai_remove_cb(self, cb)
 
 _fastai_add_cbs = getattr(Learner.add_cbs, '_fastai', Learner.add_cbs)
@@ -214,10 +214,9 @@ def _save_streamed(learn:Learner, cb, file, with_opt:bool=True, pickle_protocol:
     cb.fused_steps.refresh()  # writes since the last step first (a weight written resets its compensation)
     state = cb.fp32_model_state()
     if with_opt and learn.opt is not None:
-        cb.fused_steps.lazy = True  # low-bit state as `LazyTensor`s
-        try:
-            with _state_into_opt(learn): state = {'model': state, 'opt': learn.opt.state_dict()}
-        finally: cb.fused_steps.lazy = False
+        with Ledger() as led, _state_into_opt(learn):
+            led.set(cb.fused_steps, 'lazy', True)  # low-bit state as `LazyTensor`s
+            state = {'model': state, 'opt': learn.opt.state_dict()}
     save_streamed(state, file, pickle_protocol)
     return file
 
@@ -257,12 +256,11 @@ def _export_kept(learn:Learner, cb, fname='export.pkl', pickle_module=cloudpickl
     "fastai's `export` of a layout kept: the fp32 values in the model while it is pickled, the optimizer (and its layout) kept"
     if rank_distrib(): return
     learn._end_cleanup()
-    dls,opt = learn.dls,learn.opt
-    learn.dls,learn.opt = dls.new_empty(),None  # as fastai's: the optimizer is not exported; it is given back, not made again
-    try:
+    with Ledger() as led:
+        led.set(learn, 'dls', learn.dls.new_empty())
+        led.set(learn, 'opt', None)  # as fastai's: the optimizer is not exported; it is given back, not made again
         with cb.fp32_model(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             torch.save(learn, learn.path/fname, pickle_module=pickle_module, pickle_protocol=pickle_protocol)
-    finally: learn.dls,learn.opt = dls,opt
 
 Learner.export._fastai = _fastai_export
