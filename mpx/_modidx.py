@@ -985,7 +985,6 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                 'mpx.test_utils.check_stochastic_rounding': ( 'test_utils.html#check_stochastic_rounding',
                                                                               'mpx/test_utils.py'),
                                 'mpx.test_utils.collab_app_learner': ('test_utils.html#collab_app_learner', 'mpx/test_utils.py'),
-                                'mpx.test_utils.count_step_ops': ('test_utils.html#count_step_ops', 'mpx/test_utils.py'),
                                 'mpx.test_utils.count_syncs': ('test_utils.html#count_syncs', 'mpx/test_utils.py'),
                                 'mpx.test_utils.fastai_gan': ('test_utils.html#fastai_gan', 'mpx/test_utils.py'),
                                 'mpx.test_utils.first_mse': ('test_utils.html#first_mse', 'mpx/test_utils.py'),

@@ -7,12 +7,12 @@ __all__ = ['MASTER_MODES', 'MODES', 'BASIC_MODES', 'ALL_MODES', 'OPTIMIZERS', 'A
            'tiny_model', 'tiny_split', 'tiny_learner', 'fit_quiet', 'TupleModel', 'first_mse', 'tabular_split',
            'tabular_app_learner', 'collab_app_learner', 'text_app_learner', 'Tied', 'tied_split', 'tied_learner',
            'SparseEmb', 'sparse_learner', 'fastai_gan', 'gan_learner', 'precision_cbs', 'precision_cb', 'CountSyncs',
-           'CountOps', 'count_step_ops', 'count_syncs', 'one_thread', 'bf16_lstm_runs', 'needs_mode', 'bf16_edges',
-           'InjectGrad', 'PoisonLoss', 'PoisonInput', 'weights', 'state_of', 'state_diffs', 'same_state',
-           'all_stepped_changed', 'Snapshot', 'check_skips_change_nothing', 'assert_same_state', 'learner_problems',
-           'suspended', 'rel_err', 'grad_norm', 'GradNormProbe', 'DtypeHook', 'PredProbe', 'LossProbe', 'replay',
-           'stepped_opt', 'opt_diffs', 'ramp_learner', 'check_stochastic_rounding', 'StepLrs', 'step_lr_tol',
-           'check_step_lrs', 'raised', 'StepProfile', 'check_compiled_steps', 'KernelRuns']
+           'CountOps', 'count_syncs', 'one_thread', 'bf16_lstm_runs', 'needs_mode', 'bf16_edges', 'InjectGrad',
+           'PoisonLoss', 'PoisonInput', 'weights', 'state_of', 'state_diffs', 'same_state', 'all_stepped_changed',
+           'Snapshot', 'check_skips_change_nothing', 'assert_same_state', 'learner_problems', 'suspended', 'rel_err',
+           'grad_norm', 'GradNormProbe', 'DtypeHook', 'PredProbe', 'LossProbe', 'replay', 'stepped_opt', 'opt_diffs',
+           'ramp_learner', 'check_stochastic_rounding', 'StepLrs', 'step_lr_tol', 'check_step_lrs', 'raised',
+           'StepProfile', 'check_compiled_steps', 'KernelRuns']
 
 # %% ../nbs/99_test_utils.ipynb #29d10340
 import functools, os, re, sys
@@ -256,10 +256,6 @@ class CountOps(TorchDispatchMode):
         self.ops[str(func)] = self.ops.get(str(func), 0) + 1
         return func(*args, **(kwargs or {}))
 
-def count_step_ops(opt) -> int:
-    "Number of aten ops one `opt.step()` dispatches (it steps `opt`)"
-    with CountOps() as c: opt.step()
-    return c.n
 def count_syncs(learn:Learner, n_epoch:int=1, **kwargs) -> int:
     "Host syncs made by `fit_quiet(learn, n_epoch, **kwargs)`"
     with CountSyncs() as c: fit_quiet(learn, n_epoch, **kwargs)
