@@ -12,8 +12,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.modules.batchnorm import _BatchNorm
 from fastai.basics import *
 from fastai.callback.progress import ProgressCallback
-try: import accelerate  # fastai's distributed training is built on it: without it `fastai.distributed` fails on a NameError
-except ImportError as e: raise ImportError("mpx.distributed (learn.to_fsdp()) needs accelerate: pip install 'mpx[fsdp]'") from e
+try: import accelerate  # fastai's distributed training needs it: without it `fastai.distributed` fails (a NameError)
+except ImportError as e:
+    raise ImportError("mpx.distributed (learn.to_fsdp()) needs accelerate: pip install 'mpx[fsdp]'") from e
 from fastai.distributed import DistributedDL, DistributedTrainer
 from fastai.optimizer import larc_layer_lr
 from .core import *
@@ -32,33 +33,37 @@ __all__ = ['fsdp_policy', 'shard_model', 'ShardedTrainer']
 # %% ../nbs/06a_distributed.ipynb #759eca24
 _fp32 = MixedPrecisionPolicy(reduce_dtype=torch.float32)
 _refused = dict(
-    PureBF16="PureBF16 turns the weights to bf16 when a fit starts and back when it ends, and FSDP2 fixes the dtype of each "
-             "sharded parameter the first time the model runs; sharded pure bf16 is not built yet. Train in bf16 with "
-             "learn.to_bf16(): FSDP2 all-gathers and computes in bf16 from fp32 shards",
-    FP8Precision="Float8Linear under FSDP2 needs torchao's fp8 all-gather, which mpx does not set up. Train in bf16 with learn.to_bf16()")
+    PureBF16="PureBF16 turns the weights to bf16 when a fit starts and back when it ends, and FSDP2 fixes the dtype "
+             "of each sharded parameter the first time the model runs; sharded pure bf16 is not built yet. Train in "
+             "bf16 with learn.to_bf16(): FSDP2 all-gathers and computes in bf16 from fp32 shards",
+    FP8Precision="Float8Linear under FSDP2 needs torchao's fp8 all-gather, which mpx does not set up. "
+                 "Train in bf16 with learn.to_bf16()")
 
-_lowbit = ("mpx's low-bit optimizer state is not built for DTensor shards, which would be stepped with fp32 state all the same. "
-           "Sharded training takes opt_state='fp32' (the default): switch with learn.to_bf16() or learn.to_fp16(), master=True or not, "
-           "without opt_state, before to_fsdp()")
+_lowbit = ("mpx's low-bit optimizer state is not built for DTensor shards, which would be stepped with fp32 state "
+           "all the same. Sharded training takes opt_state='fp32' (the default): switch with learn.to_bf16() or "
+           "learn.to_fp16(), master=True or not, without opt_state, before to_fsdp()")
 
 def fsdp_policy(cb:Callback|None) -> MixedPrecisionPolicy:
-    "FSDP2's `MixedPrecisionPolicy` for precision callback `cb` (None: fp32): 16-bit parameters for AMP and master, fp32 reductions"
+    "FSDP2's `MixedPrecisionPolicy` for precision callback `cb`"
+    name = type(cb).__name__
     if getattr(cb, 'opt_state', 'fp32') != 'fp32':
-        raise ValueError(f"{type(cb).__name__}(opt_state={cb.opt_state!r}) cannot train a model sharded with FSDP2: {_lowbit}")
+        raise ValueError(f"{name}(opt_state={cb.opt_state!r}) cannot train a model sharded with FSDP2: {_lowbit}")
     if cb is None or (isinstance(cb, MixedPrecision) and not cb.enabled): return _fp32
-    if isinstance(cb, (MixedPrecision, MasterPrecision)): return MixedPrecisionPolicy(cb.amp_mode.dtype, reduce_dtype=torch.float32)
-    why = _refused.get(type(cb).__name__, 'train with learn.to_fp16() or learn.to_bf16()')
-    raise ValueError(f"{type(cb).__name__} cannot train a model sharded with FSDP2: {why}")
+    if isinstance(cb, (MixedPrecision, MasterPrecision)):
+        return MixedPrecisionPolicy(cb.amp_mode.dtype, reduce_dtype=torch.float32)
+    why = _refused.get(name, 'train with learn.to_fp16() or learn.to_bf16()')
+    raise ValueError(f"{name} cannot train a model sharded with FSDP2: {why}")
 
 # %% ../nbs/06a_distributed.ipynb #1b174fed
 def _units(model:nn.Module, units) -> list:
-    "The modules of `model` to shard each on its own: `units` (a type or tuple of types, or modules), or the children with parameters"
-    if units is None: return [m for m in model.children() if first(m.parameters()) is not None and not isinstance(m, _BatchNorm)]
+    "The modules of `model` to shard each on its own"
+    if units is None:
+        return [m for m in model.children() if first(m.parameters()) is not None and not isinstance(m, _BatchNorm)]
     if isinstance(units, (type, tuple)): return [m for m in model.modules() if isinstance(m, units) and m is not model]
     return list(units)
 
 def shard_model(model:nn.Module, policy:MixedPrecisionPolicy, units=None, **kwargs) -> nn.Module:
-    "Shard `model` in place with `fully_shard`: each BatchNorm in fp32, each of `units` in `policy`, then the whole"
+    "Shard `model` in place: BatchNorms in fp32, then `units`, then the whole"
     for m in model.modules():
         if isinstance(m, _BatchNorm): fully_shard(m, mp_policy=_fp32, **kwargs)
     for m in _units(model, units): fully_shard(m, mp_policy=policy, **kwargs)
@@ -66,37 +71,42 @@ def shard_model(model:nn.Module, policy:MixedPrecisionPolicy, units=None, **kwar
 
 # %% ../nbs/06a_distributed.ipynb #bb573c6a
 class _ShardDL(DistributedDL):
-    "fastai's `DistributedDL` over the process group, broadcasting the shuffled order on CUDA under NCCL, else on the CPU"
+    "fastai's `DistributedDL`, broadcasting its order where the backend can"
     def _broadcast(self, t, rank):
         t = torch.tensor(t, dtype=torch.long, device='cuda' if dist.get_backend() == 'nccl' else 'cpu')
         dist.broadcast(t, rank)
         return t.cpu().tolist()
 
-def _wrap(dl, device): return dl if isinstance(dl, DistributedDL) else _ShardDL(dl, dist.get_rank(), dist.get_world_size(), device)
+def _wrap(dl, device):
+    return dl if isinstance(dl, DistributedDL) else _ShardDL(dl, dist.get_rank(), dist.get_world_size(), device)
 def _plain(dl): return dl.dl if isinstance(dl, _ShardDL) else dl
 
 # %% ../nbs/06a_distributed.ipynb #d4710fcf
 def _why_not_sharded(learn:Learner, policy:MixedPrecisionPolicy) -> str|None:
-    "Why `learn` cannot fit its model sharded in `policy`, in a sentence; None where it can"
+    "Why `learn` cannot fit its model sharded in `policy`, or None"
     if not is_sharded(learn.model): return "learn.model is not that model any more: shard a new model with to_fsdp()"
-    if first(learn.cbs, risinstance(DistributedTrainer)): return "DDP (distrib_ctx, to_distributed) would wrap it too: use one or the other"
+    if first(learn.cbs, risinstance(DistributedTrainer)):
+        return "DDP (distrib_ctx, to_distributed) would wrap it too: use one or the other"
     cb = first(learn.cbs, is_mpx_precision)
-    if fsdp_policy(cb) != policy: return (f"{type(cb).__name__ if cb else 'fp32'} needs {fsdp_policy(cb)} but the model was sharded "
-                                          f"in {policy}: FSDP2 fixes a module's policy when it shards it. Choose the precision first")
-    if getattr(cb, 'comm', None): return f"comm={cb.comm!r} sets DDP's all-reduce; FSDP2 reduce-scatters in fp32. Drop comm"
-    if getattr(cb, 'fused', Fused.LOOP) is not Fused.LOOP and learn.opt is not None and why_not_fused(learn.opt) is None:
-        return _why_not_fused_dtensor(learn.opt)
+    if fsdp_policy(cb) != policy:
+        return (f"{type(cb).__name__ if cb else 'fp32'} needs {fsdp_policy(cb)} but the model was sharded in {policy}: "
+                "FSDP2 fixes a module's policy when it shards it. Choose the precision first")
+    if getattr(cb, 'comm', None):
+        return f"comm={cb.comm!r} sets DDP's all-reduce; FSDP2 reduce-scatters in fp32. Drop comm"
+    fused = getattr(cb, 'fused', Fused.LOOP) is not Fused.LOOP
+    if fused and learn.opt is not None and why_not_fused(learn.opt) is None: return _why_not_fused_dtensor(learn.opt)
 
 def _why_not_fused_dtensor(opt) -> str|None:
-    "Why mpx's fused steps of `opt` cannot step `DTensor` shards; None where they can"
+    "Why mpx's fused steps of `opt` cannot step `DTensor` shards, or None"
     las,o = unwrap(opt)
     if las: return "mpx's fused Lookahead step copies with an op DTensor lacks: pass fused=False (fastai's loop)"
     if any(getattr(cb, 'func', cb) is larc_layer_lr for cb in o.cbs):
-        return "mpx's fused Larc step reads its learning rates to the host, which DTensor does not allow: pass fused=False (fastai's loop)"
+        return ("mpx's fused Larc step reads its learning rates to the host, which DTensor does not allow: "
+                "pass fused=False (fastai's loop)")
 
 # %% ../nbs/06a_distributed.ipynb #c0982941
 class ShardedTrainer(Callback):
-    "Train a model sharded by `to_fsdp`: each rank its part of the data; a precision that does not fit the sharding refused first"
+    "Train a model sharded by `to_fsdp`: each rank its part of the data"
     order = PrecisionCallback.order - 1  # before the precision callback: a refused fit changes nothing
     def __init__(self, policy:MixedPrecisionPolicy, device=None): self.policy,self.device = policy,device
     def before_fit(self):
@@ -110,20 +120,22 @@ class ShardedTrainer(Callback):
 
 # %% ../nbs/06a_distributed.ipynb #f0868201
 def _join_process_group(device_type:str):
-    "Join the process group that torchrun (or `accelerate launch`) describes in the environment, unless in one already"
+    "Join the process group torchrun describes, if in none"
     if dist.is_initialized(): return
-    if 'RANK' not in os.environ: raise ValueError("learn.to_fsdp() needs torch.distributed: launch the script once per device with "
-                                                  "torchrun (torchrun --nproc_per_node=N train.py), or join a process group first")
+    if 'RANK' not in os.environ:
+        raise ValueError("learn.to_fsdp() needs torch.distributed: launch the script once per device with "
+                         "torchrun (torchrun --nproc_per_node=N train.py), or join a process group first")
     if device_type == 'cuda': torch.cuda.set_device(int(os.environ.get('LOCAL_RANK', 0)))
     dist.init_process_group()
 
 @patch
 def to_fsdp(self:Learner,
-    units=None, # Sharded each on its own, before the whole model: a module type or tuple of types, modules, or None: the children
+    units=None, # Sharded each on its own first: a module type or tuple of types, modules, or None (the children)
     **kwargs, # To `fully_shard`: `reshard_after_forward`, `offload_policy`...
 ):
-    "Shard the model with FSDP2's `fully_shard`, in the policy of the learner's precision callback, and train it with `ShardedTrainer`"
-    if first(self.cbs, risinstance(ShardedTrainer)): raise ValueError("This learner's model is sharded already: to_fsdp() shards it once")
+    "Shard the model with FSDP2 in the precision's policy, to train it so"
+    if first(self.cbs, risinstance(ShardedTrainer)):
+        raise ValueError("This learner's model is sharded already: to_fsdp() shards it once")
     policy,dev = fsdp_policy(first(self.cbs, is_mpx_precision)),training_device(self.dls, self.model)
     _join_process_group(dev.type)
     if dev.type == 'cuda': dev = torch.device('cuda', torch.cuda.current_device())

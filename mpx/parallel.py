@@ -22,12 +22,12 @@ __all__ = ['GradComm', 'comm_hook', 'compress_grads', 'is_sharded', 'ShardedMast
 
 # %% ../nbs/01d_parallel.ipynb #051f414d
 class GradComm:
-    "What `comm_hook` all-reduces DDP's fp32 gradients in (`dtype`; None: fp32), and the bytes it has all-reduced (`nbytes`)"
+    "The dtype `comm_hook` all-reduces in, and the bytes it sent"
     def __init__(self, group=None, dtype:torch.dtype|None=None): self.group,self.dtype,self.nbytes = group,dtype,0
     def __repr__(self): return f'{type(self).__name__}(dtype={self.dtype}, nbytes={self.nbytes})'
 
 def comm_hook(state:GradComm, bucket):
-    "DDP communication hook: a bucket of fp32 gradients summed over the ranks in `state.dtype`, then averaged in fp32"
+    "DDP hook: a bucket summed in `state.dtype`, then averaged in fp32"
     buf = bucket.buffer()
     t = buf.to(state.dtype) if state.dtype is not None and buf.dtype == torch.float32 else buf
     state.nbytes += t.numel() * t.element_size()
@@ -37,7 +37,7 @@ def comm_hook(state:GradComm, bucket):
 
 # %% ../nbs/01d_parallel.ipynb #58d5b563
 def compress_grads(model:nn.Module, dtype:torch.dtype|None, ledger:Ledger|None=None) -> GradComm|None:
-    "Under DDP, all-reduce `model`'s gradients in `dtype` until `ledger` closes; else None"
+    "Under DDP, all-reduce in `dtype` until `ledger` closes"
     if not isinstance(model, DistributedDataParallel): return None
     state = getattr(model, '_mpx_comm', None)
     if state is None:
@@ -50,7 +50,7 @@ def compress_grads(model:nn.Module, dtype:torch.dtype|None, ledger:Ledger|None=N
 
 # %% ../nbs/01d_parallel.ipynb #270abb57
 def _loaded(name:str, cls:str):
-    "Class `cls` of module `name` if that module is imported, else None: nothing can be an instance of a class never imported"
+    "Class `cls` of module `name` if that module is imported, else None"
     return getattr(sys.modules.get(name), cls, None)
 
 def is_sharded(model:nn.Module) -> bool:
@@ -59,37 +59,37 @@ def is_sharded(model:nn.Module) -> bool:
     return fsdp is not None and isinstance(model, fsdp)
 
 def _is_dtensor(t) -> bool:
-    "Whether `t` is a `DTensor`: a shard of a parameter, gradient or state of a model sharded with FSDP2"
+    "Whether `t` is a `DTensor`, a shard of FSDP2's"
     dt = _loaded('torch.distributed.tensor', 'DTensor')
     return dt is not None and isinstance(t, dt)
 
 class ShardedMasters(FitState):
-    "The fp32 masters of a model sharded with FSDP2: its own shards, stepped in place by the step engine while FSDP2 computes in half"
-    def __init__(self, learn): pass  # nothing to take or put: FSDP2 reduce-scatters into the shards, and all-gathers them in half
+    "The fp32 masters of a model sharded with FSDP2: its own shards"
+    def __init__(self, learn): pass  # nothing to take or put: FSDP2 reduces into the shards, gathers them in half
     def undo(self): "Nothing to undo"
 
 # %% ../nbs/01d_parallel.ipynb #50d88e1b
 def _full(t, keep:bool):
-    "`t` gathered whole if it is a `DTensor` (a collective: every rank calls it, in the same order), on the CPU where `keep`, else None"
+    "`t` gathered whole if a `DTensor`: on the CPU where `keep`, else None"
     if not _is_dtensor(t): return t
     full = t.full_tensor()
     return full.cpu() if keep else None
 
 def gathered(x, keep:bool=True):
-    "`x` (a state dict's nested dicts, lists and tuples) with every `DTensor` in it gathered whole (see `_full`)"
+    "`x`, a state dict, with every `DTensor` in it gathered whole"
     if isinstance(x, dict): return {k: gathered(v, keep) for k,v in x.items()}
     if is_listy(x): return type(x)([gathered(o, keep) for o in x])
     return _full(x, keep)
 
 # %% ../nbs/01d_parallel.ipynb #e2baa937
 def _full_model_state(model:nn.Module, everyone:bool) -> dict:
-    "`model`'s full state dict on the CPU: on rank 0 only, or on every rank (`everyone`)"
+    "`model`'s full state dict on the CPU: on rank 0, or on `everyone`"
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=not everyone))
     return {k: v.cpu() for k,v in sd.items()} if everyone else sd
 
 def save_sharded(learn, file, with_opt:bool=True, pickle_protocol:int=2, **torch_save_kwargs) -> Path:
-    "fastai's `Learner.save` for a model sharded with FSDP2: every rank gathers the full state dict, rank 0 writes it"
+    "fastai's `Learner.save` for a model sharded with FSDP2"
     file = join_path_file(file, learn.path/learn.model_dir, ext='.pth')
     paths = [None] * dist.get_world_size()
     dist.all_gather_object(paths, str(file))
@@ -102,17 +102,17 @@ def save_sharded(learn, file, with_opt:bool=True, pickle_protocol:int=2, **torch
 
 # %% ../nbs/01d_parallel.ipynb #b076da21
 def _shard_like(t:Tensor, p):
-    "Full tensor `t` as a `DTensor` placed like parameter `p` (a `DTensor`): each rank keeps its shard of its own copy, no communication"
+    "Full tensor `t` as a `DTensor` placed like `p`, with no communication"
     from torch.distributed.tensor import distribute_tensor
     return distribute_tensor(t.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
 
 def _sharded(t, p):
-    "`t` placed like `p` where `p` is sharded and `t` is a full tensor of its shape; else `t`"
+    "`t` placed like `p` where `p` is sharded and `t` is full and its shape"
     full = isinstance(t, Tensor) and not _is_dtensor(t)
     return _shard_like(t, p) if _is_dtensor(p) and full and t.shape == p.shape else t
 
 def shard_opt_state(opt):
-    "Place each full tensor in `opt`'s state (and `Lookahead`'s slow weights) like its sharded parameter, as a checkpoint loads them"
+    "Place each full tensor of `opt`'s state like its sharded parameter"
     for o in state_owners(opt):
         for p,s in o.state.items(): s.update({k: _sharded(v, p) for k,v in s.items()})
     for la in unwrap(opt)[0]:
@@ -122,14 +122,14 @@ def shard_opt_state(opt):
 
 # %% ../nbs/01d_parallel.ipynb #2c8df550
 class _FullStateInto:
-    "What fastai's `load_model` loads a full state dict into, for sharded `model`: `set_model_state_dict`, each rank keeping its shards"
+    "What `load_model` loads a full state dict into, for a sharded `model`"
     def __init__(self, model:nn.Module): self.model = model
     def load_state_dict(self, sd:dict, strict:bool=True):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
         set_model_state_dict(self.model, sd, options=StateDictOptions(full_state_dict=True, strict=strict))
 
 def load_sharded(learn, file, device=None, with_opt:bool=True, **kwargs):
-    "fastai's `Learner.load` for a model sharded with FSDP2: every rank reads the full state dict (on the CPU) and keeps its shards"
+    "fastai's `Learner.load` for a model sharded with FSDP2"
     if learn.opt is None: learn.create_opt()
     file = join_path_file(file, learn.path/learn.model_dir, ext='.pth')
     distrib_barrier()
