@@ -23,14 +23,14 @@ class FitState:
     engine = None  # the fit's `FusedSteps`
     def undo(self): raise NotImplementedError  # puts back what the mode changed
     def kind_of(self, p):
-        "The `Kind` (`mpx.flat`) the step engine gives `p`; None: in place"
+        "The `Kind` (`mpx.flat`) the step engine gives `p` (None: in place)"
     def same(self, learn) -> bool:
-        "Whether a fit beginning now would change the learner as this one did (a mode that keeps its layout between fits)"
+        "Whether a fit beginning now would change the learner as this one did"
         return True
     def fp32_of(self, t):
-        "How to make the fp32 value of tensor `t` where the fit holds it otherwise, and no optimizer steps it; None: `t` is it"
+        "How to make `t`'s fp32 value where the fit holds it otherwise, or None"
     def assign(self, t, x) -> bool:
-        "`t`, held otherwise by the fit, takes fp32 value `x`; False where the fit does not hold `t`"
+        "`t`, held otherwise by the fit, takes fp32 value `x`"
         return False
 
 # %% ../nbs/01b_plumbing.ipynb #508cbdd9
@@ -49,10 +49,14 @@ class HalvedRest:
     "The tensors a fit halves that no optimizer steps"
     def __init__(self, ts:list, dtype:torch.dtype):
         self.kept = [(t, t.detach().clone()) for t in ts]
-        for t in ts: t.grad = None; t.data = t.data.to(dtype)  # an fp32 gradient cannot stay on a half tensor
+        for t in ts:
+            t.grad = None  # an fp32 gradient cannot stay on a half tensor
+            t.data = t.data.to(dtype)
     def undo(self):
-        "Each tensor back in fp32; a no-op the second time"
-        for t,c in self.kept: t.grad = None; t.data = exact_fp32(t, c)  # its exact value, or its half value widened
+        "Each tensor back in fp32, a no-op the second time"
+        for t,c in self.kept:
+            t.grad = None
+            t.data = exact_fp32(t, c)  # its exact value, or its half value widened
         self.kept = []
 
 # %% ../nbs/01b_plumbing.ipynb #ce970274
@@ -63,12 +67,15 @@ def opt_params(opt) -> list:
 
 def _wraps(o) -> bool:
     "Whether `o` wraps and steps a fastai optimizer (`Lookahead`)"
-    return not isinstance(o, OptimWrapper) and 'cbs' not in vars(o) and isinstance(getattr(o, 'opt', None), _BaseOptimizer)
+    if isinstance(o, OptimWrapper) or 'cbs' in vars(o): return False
+    return isinstance(getattr(o, 'opt', None), _BaseOptimizer)
 
 def unwrap(opt) -> tuple:
     "`opt`'s wrappers, outermost first, and the optimizer they wrap"
     wrappers = []
-    while opt is not None and _wraps(opt): wrappers.append(opt); opt = opt.opt
+    while opt is not None and _wraps(opt):
+        wrappers.append(opt)
+        opt = opt.opt
     return wrappers,opt
 
 def state_owners(opt) -> list:
@@ -91,7 +98,7 @@ class Ledger:
         self.log.append((f,))
         return f
     def close(self):
-        "Undo everything, last first; a no-op the second time"
+        "Undo everything, last first, a no-op the second time"
         err = None
         while self.log:
             try: self._undo(self.log.pop())
@@ -109,42 +116,44 @@ class Ledger:
 
 # %% ../nbs/01b_plumbing.ipynb #8f6d98d3
 class LazyTensor:
-    "A tensor made only when a checkpoint writes it (`make()`), its dtype and shape known before"
-    def __init__(self, make:Callable, dtype:torch.dtype, shape): self.make,self.dtype,self.shape = make,dtype,torch.Size(shape)
+    "A tensor made (`make()`) only when a checkpoint writes it"
+    def __init__(self, make:Callable, dtype:torch.dtype, shape):
+        self.make,self.dtype,self.shape = make,dtype,torch.Size(shape)
     def __repr__(self): return f"LazyTensor({self.dtype}, {tuple(self.shape)})"
     def __reduce_ex__(self, protocol):
         stride = torch.empty(self.shape, device='meta').stride()  # written contiguous
-        return torch._utils._rebuild_tensor_v2,(_Pending(self), 0, tuple(self.shape), stride, False, collections.OrderedDict())
+        args = (_Pending(self), 0, tuple(self.shape), stride, False, collections.OrderedDict())
+        return torch._utils._rebuild_tensor_v2,args
 
 class _Pending:
     "A `LazyTensor`'s record, not made yet"
     def __init__(self, lazy:LazyTensor): self.lazy = lazy
 
 def _lazy_leaves(o):
-    "`o` with every tensor in its dicts, lists and tuples a `LazyTensor`: each written as a record of its own"
+    "`o` with every tensor in its dicts, lists and tuples a `LazyTensor`"
     if isinstance(o, Tensor): return LazyTensor(o.detach, o.dtype, o.shape)
-    if isinstance(o, dict): return type(o)((k, _lazy_leaves(v)) for k,v in o.items()) if type(o) in (dict, collections.OrderedDict) else o
+    if type(o) in (dict, collections.OrderedDict): return type(o)((k, _lazy_leaves(v)) for k,v in o.items())
     if type(o) in (list, tuple): return type(o)(map(_lazy_leaves, o))
     return o
 
 def _storage_type(dtype:torch.dtype):
-    "The storage class a checkpoint names for `dtype` (`torch.FloatStorage`, ...)"
+    "The storage class a checkpoint names for `dtype`"
     return getattr(torch, torch.storage._dtype_to_storage_type_map()[dtype])
 
 def _storage_dtypes() -> dict:
-    "The dtype of each storage class a checkpoint names (asked of the class, it warns that typed storages are deprecated)"
+    "The dtype of each storage class a checkpoint names"
     return {getattr(torch, n): dt for dt,n in torch.storage._dtype_to_storage_type_map().items()}
 
 # %% ../nbs/01b_plumbing.ipynb #c19fd374
 def save_streamed(obj, file, pickle_protocol:int=2):
-    "`torch.save(obj, file)` holding one tensor at a time: each tensor (or `LazyTensor`) made, written and freed in turn"
+    "`torch.save(obj, file)`, holding one tensor at a time"
     records,real = {},{}
     def persistent_id(o):
         if isinstance(o, _Pending):
             key = str(len(records) + len(real))
             records[key] = o
             return ('storage', _storage_type(o.lazy.dtype), key, 'cpu', o.lazy.shape.numel())
-        if isinstance(o, torch.storage.TypedStorage):  # a tensor the walk did not reach (inside another object): as torch writes it
+        if isinstance(o, torch.storage.TypedStorage):  # a tensor in another object: written as torch writes it
             key = real.setdefault(o._untyped_storage._cdata, (str(len(records) + len(real)), o._untyped_storage))[0]
             return ('storage', getattr(torch, o._pickle_storage_type()), key, 'cpu', o._size())
     class Pickler(pickle.Pickler):
@@ -153,28 +162,30 @@ def save_streamed(obj, file, pickle_protocol:int=2):
     Pickler(buf, protocol=pickle_protocol).dump(_lazy_leaves(obj))
     data = buf.getvalue()
     with torch.serialization._open_zipfile_writer(str(file) if isinstance(file, os.PathLike) else file) as w:
-        for name,v in (('data.pkl', data), ('.format_version', '1'), ('.storage_alignment', '64'), ('byteorder', sys.byteorder)):
-            w.write_record(name, v, len(v))
+        heads = ('data.pkl', data),('.format_version', '1'),('.storage_alignment', '64'),('byteorder', sys.byteorder)
+        for name,v in heads: w.write_record(name, v, len(v))
         for key,p in records.items():
             t = p.lazy.make().detach().to('cpu').contiguous()  # on a GPU: through the host, a tensor at a time
             n = t.numel() * t.element_size()
-            st = t.untyped_storage() if t.storage_offset() == 0 and t.untyped_storage().nbytes() == n else t.clone().untyped_storage()
+            whole = t.storage_offset() == 0 and t.untyped_storage().nbytes() == n
+            st = (t if whole else t.clone()).untyped_storage()
             w.write_record(f'data/{key}', st, n)
             del t, st, p.lazy.make  # freed before the next is made
         for key,st in real.values(): w.write_record(f'data/{key}', st.cpu(), st.nbytes())
 
 # %% ../nbs/01b_plumbing.ipynb #b9070ba9
 class Stored:
-    "A tensor of a checkpoint left on disk: `load()` reads it (a tensor at a time)"
+    "A tensor of a checkpoint left on disk: `load()` reads it"
     def __init__(self, src:_Source, key:str, dtype, offset:int, size, stride):
-        self.src,self.key,self.dtype,self.offset,self.shape,self.stride = src,key,dtype,offset,torch.Size(size),tuple(stride)
+        self.src,self.key,self.dtype = src,key,dtype
+        self.offset,self.shape,self.stride = offset,torch.Size(size),tuple(stride)
     def __repr__(self): return f"Stored({self.dtype}, {tuple(self.shape)})"
     def load(self) -> Tensor:
         st = self.src.storage(self.key, self.dtype)
         return torch.empty(0, dtype=self.dtype).set_(st, self.offset, self.shape, self.stride)
 
 class _Source:
-    "A checkpoint's records, the last one read kept for the tensors that share it"
+    "A checkpoint's records, the last one read kept for those sharing it"
     def __init__(self, reader, sizes:dict): self.reader,self.sizes,self.last = reader,sizes,(None, None)
     def storage(self, key:str, dtype):
         if self.last[0] != key:
@@ -184,12 +195,13 @@ class _Source:
             self.last = (key, st._typed_storage()._untyped_storage)
         return self.last[1]
 
-_plain_globals = {('collections', 'OrderedDict'): collections.OrderedDict, ('fastcore.foundation', 'L'): L,  # fastai's hypers are an `L`
-                  **{('builtins', n): getattr(builtins, n) for n in ('set', 'frozenset', 'slice', 'complex', 'tuple', 'list', 'dict',
-                                                                     'int', 'float', 'bool')}}
+_plain_builtins = ('set', 'frozenset', 'slice', 'complex', 'tuple', 'list', 'dict', 'int', 'float', 'bool')
+_plain_globals = {('collections', 'OrderedDict'): collections.OrderedDict,
+                  ('fastcore.foundation', 'L'): L,  # fastai's hypers are an `L`
+                  **{('builtins', n): getattr(builtins, n) for n in _plain_builtins}}
 
 def load_streamed(file):
-    "A checkpoint's contents with each tensor a `Stored`, read when loaded; `pickle.UnpicklingError` where it holds other objects"
+    "A checkpoint's contents, each tensor a `Stored` read when loaded"
     reader = torch._C.PyTorchFileReader(str(file))
     sizes,src = {},None
     def rebuild(storage, offset, size, stride, *args): return Stored(src, storage[0], storage[1], offset, size, stride)
