@@ -29,8 +29,8 @@ class AMPMode(str, Enum):
 
     @classmethod
     def _missing_(cls, value):
-        if isinstance(value, torch.dtype): value = _dtype2mode.get(value)
-        key = value.lower() if isinstance(value, str) else None
+        name = _dtype2mode.get(value) if isinstance(value, torch.dtype) else value
+        key = name.lower() if isinstance(name, str) else None
         if key in cls._value2member_map_: return cls._value2member_map_[key]
         raise ValueError(f"Unknown amp_mode {value!r}: allowed are 'fp16' and 'bf16' "
                          "(AMPMode.FP16, AMPMode.BF16, torch.float16, torch.bfloat16)")
