@@ -15,48 +15,50 @@ __all__ = ['MixedPrecision']
 
 # %% ../nbs/03_amp.ipynb #451da1d2
 class MixedPrecision(PrecisionCallback):
-    "Mixed precision with `torch.autocast` and, for fp16, a loss scale that outlives each fit"
+    "Autocast and, for fp16, a loss scale that outlives each fit"
     def __init__(self,
         amp_mode:str|AMPMode=AMPMode.FP16, # Compute dtype: 'fp16' or 'bf16'
         init_scale:float=default(2.**16), # fp16: the first loss scale
         growth_factor:float=default(2.), # fp16: multiply the scale by this after `growth_interval` clean steps in a row
         backoff_factor:float=default(.5), # fp16: multiply the scale by this when a step overflows
         growth_interval:int=default(2000), # fp16: clean steps in a row before the scale grows
-        hysteresis:int=default(1), # fp16: back off on the N-th overflow only, the budget refilled when the scale grows (DeepSpeed's)
+        hysteresis:int=default(1), # fp16: back off on the N-th overflow only, the budget refilled as the scale grows
         enabled:bool=True, # False: no autocast and no scaling, the callback stays in place
-        check_finite:bool=True, # Skip a step whose gradients hold inf/nan; fp16 always checks
+        check_finite:bool=True, # Skip a step whose gradients hold inf/nan (fp16 always checks)
         fused:bool|str=True, # How the step engine steps (`Fused`): True, False or 'compile'
         schedule_skips:bool=True, # False: a skipped step does not advance fastai's schedules
         opt_state:str='fp32', # The optimizer's state: 'fp32', 'bf16', '8bit' or '4bit' (`mpx.lowbit`)
-        comm:str|None=None, # Under DDP: all-reduce the gradients in 'bf16', or 'fp16' (needs the loss scale), averaged in fp32
+        comm:str|None=None, # Under DDP: all-reduce the gradients in 'bf16' or 'fp16' (needs the loss scale)
     ):
         super().__init__(amp_mode, check_finite, fused, schedule_skips, opt_state)
-        given = passed(init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor, growth_interval=growth_interval,
-                       hysteresis=hysteresis)
+        given = passed(init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
+                       growth_interval=growth_interval, hysteresis=hysteresis)
         check_mode_args('amp', self.amp_mode, **given, enabled=enabled, **({} if comm is None else dict(comm=comm)))
         self.comm,self.enabled = comm,enabled  # `comm`: the 16-bit all-reduce asked for under DDP
-        self.init_scale,self.growth_factor,self.backoff_factor = float(init_scale),float(growth_factor),float(backoff_factor)
-        self.growth_interval,self.hysteresis = int(growth_interval),int(hysteresis)
+        self.init_scale,self.growth_interval,self.hysteresis = float(init_scale),int(growth_interval),int(hysteresis)
+        self.growth_factor,self.backoff_factor = float(growth_factor),float(backoff_factor)
         if enabled and self.amp_mode is AMPMode.FP16:  # `GradScaler`'s policy: no bounds
-            self.scaler = LossScaler(self.init_scale, growth_interval=self.growth_interval, growth_factor=self.growth_factor,
-                                     backoff_factor=self.backoff_factor, min_scale=None, max_scale=None, hysteresis=self.hysteresis)
+            self.scaler = LossScaler(self.init_scale, growth_interval=self.growth_interval, hysteresis=self.hysteresis,
+                                     growth_factor=self.growth_factor, backoff_factor=self.backoff_factor,
+                                     min_scale=None, max_scale=None)
         self._check_schedule_skips()
 
     @property
     def autocast_dtype(self) -> torch.dtype|None: return self.amp_mode.dtype if self.enabled else None
     def _check_model(self, model:nn.Module):
-        "Raise a `ValueError` when a floating parameter of `model` is not fp32"
+        "Raise a `ValueError` where a floating parameter of `model` is not fp32"
         bad = first_not_fp32(model)
-        if bad and self.enabled: raise ValueError(f"AMP needs fp32 weights: parameter {bad[0]!r} is {bad[1]}. Call learn.to_fp32() first, "
-                                                  f"or keep a half model with fp32 master weights: learn.to_{self.amp_mode}(master=True)")
+        if not bad or not self.enabled: return
+        raise ValueError(f"AMP needs fp32 weights: parameter {bad[0]!r} is {bad[1]}. Call learn.to_fp32() first, "
+                         f"or keep a half model with fp32 master weights: learn.to_{self.amp_mode}(master=True)")
     def _repr_extra(self): return (f"comm='{self.comm}', " if self.comm else '') + super()._repr_extra()
 
     # ---- under DDP: the 16-bit all-reduce of `mpx.parallel`, undone by the fit's ledger
     def _compress_grads(self):
-        "With `comm`, under DDP: all-reduce the gradients in 16 bits until the fit's ledger closes"
+        "With `comm`, under DDP: all-reduce in 16 bits until the ledger closes"
         if self.comm and self.ledger is not None: compress_grads(self.model, AMPMode(self.comm).dtype, self.ledger)
     def before_train(self):
-        "fastai wraps the model in DDP after `before_fit`: the 16-bit all-reduce goes on here"
+        "The 16-bit all-reduce, once fastai wrapped the model in DDP"
         super().before_train()
         self._compress_grads()
     def _begin_fit(self):
@@ -65,13 +67,14 @@ class MixedPrecision(PrecisionCallback):
 
     # ---- checkpoints: the keys `GradScaler.state_dict` writes, as mpx's AMP always wrote them
     def _scaler_state(self) -> dict:
-        "The scale, its growth run and the hysteresis left, as `GradScaler` names them"
+        "The scale, growth run and hysteresis left, as `GradScaler` names them"
         if self.scaler is None: return {}
         s = self.scaler.pull()
-        return dict(scale=s.scale, growth_factor=s.growth_factor, backoff_factor=s.backoff_factor, growth_interval=s.growth_interval,
-                    _growth_tracker=s.growth_tracker, hysteresis_left=s.hysteresis_left)
+        return dict(scale=s.scale, growth_factor=s.growth_factor, backoff_factor=s.backoff_factor,
+                    growth_interval=s.growth_interval, _growth_tracker=s.growth_tracker,
+                    hysteresis_left=s.hysteresis_left)
     def _load_scaler_state(self, sd:dict):
-        "The scale, its growth run and the hysteresis left of `sd`; the settings stay this callback's"
+        "The scale, its growth run and the hysteresis left of `sd`"
         if self.scaler is None: return
         s = self.scaler.state_dict()
         self.scaler.load_state_dict({**s, 'scale': sd['scale'], 'growth_tracker': sd['_growth_tracker'],
