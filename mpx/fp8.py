@@ -21,36 +21,42 @@ __all__ = ['fp8_recipes', 'Fp8Layer', 'unwrapped', 'fp8_plan', 'layers_frame', '
 _install = "fp8 training needs torchao: pip install 'mpx[fp8]' (or pip install 'torchao>=0.18')"
 
 def _torchao_float8():
-    "torchao's float8 training module, imported on first use; an `ImportError` saying what to install where it does not import"
+    "torchao's float8 training module, imported on first use"
     try: import torchao.float8 as f8
     except ImportError as e:
         if importlib.util.find_spec('torchao') is None: raise ImportError(_install) from e
-        raise ImportError(f"torchao is installed but does not import with torch {torch.__version__} ({e}). mpx's fp8 is tested with "
-                          "torchao 0.18 on torch 2.13: install the torchao release made for this torch, or a newer torch") from e
+        raise ImportError(f"torchao is installed but does not import with torch {torch.__version__} ({e}). "
+                          "mpx's fp8 is tested with torchao 0.18 on torch 2.13: "
+                          "install the torchao release made for this torch, or a newer torch") from e
     return f8
 
 def fp8_recipes() -> list:
-    "The scaling recipes of the installed torchao (0.18: 'tensorwise', 'rowwise', 'rowwise_with_gw_hp')"
+    "The scaling recipes of the installed torchao"
     return [r.value for r in _torchao_float8().Float8LinearRecipeName]
 
 def _check_recipe(recipe) -> str:
-    "The name of `recipe`, torchao's `Float8LinearRecipeName` or a string (any case); else an error naming it and torchao's recipes"
+    "The name of `recipe`, an enum or a string, else an error"
     names,Recipe = fp8_recipes(),_torchao_float8().Float8LinearRecipeName
-    if isinstance(recipe, Recipe): return recipe.value  # a string is what `export` pickles: loading needs no torchao enum
+    if isinstance(recipe, Recipe): return recipe.value  # `export` pickles a string: loading needs no torchao enum
     if not isinstance(recipe, str):
-        raise TypeError(f"recipe={recipe!r} is a {type(recipe).__name__}: pass one of {names} or a torchao Float8LinearRecipeName")
+        raise TypeError(f"recipe={recipe!r} is a {type(recipe).__name__}: "
+                        f"pass one of {names} or a torchao Float8LinearRecipeName")
     if recipe.lower() not in names:
         raise ValueError(f"Unknown fp8 recipe {recipe!r}: torchao offers {names} (or its Float8LinearRecipeName)")
     return recipe.lower()
 
 # %% ../nbs/05a_fp8.ipynb #f8000009
 class Fp8Layer(NamedTuple):
-    "One `nn.Linear` of a model: its name, shape, whether it runs in fp8, and why"
-    layer:str; in_features:int; out_features:int; fp8:bool; reason:str
+    "One `nn.Linear` of a model: its shape, whether it runs in fp8, and why"
+    layer:str # Its name in the model
+    in_features:int
+    out_features:int
+    fp8:bool # Whether it runs in fp8
+    reason:str # Why, or why not
 
 def _unfit(fqn:str, m:nn.Module) -> str|None:
     "Why the `nn.Linear` `m` (named `fqn`) cannot take fp8 matmuls, or None"
-    if type(m) is not nn.Linear: return f"a {type(m).__name__}, not a plain nn.Linear: its forward may not be one matmul"
+    if type(m) is not nn.Linear: return f"a {type(m).__name__}, not a plain nn.Linear: its forward may not be a matmul"
     if fqn == '': return "the model itself: wrap it in a container (nn.Sequential)"
     bad = [f'{k}={v}' for k,v in (('in_features', m.in_features), ('out_features', m.out_features)) if v % 16]
     if bad: return f"{' and '.join(bad)}: fp8 matmuls need both dimensions multiples of 16"
@@ -60,21 +66,22 @@ def _choice(fqn:str, m:nn.Module, module_filter, ends:dict) -> Fp8Layer:
     row = partial(Fp8Layer, fqn, m.in_features, m.out_features)
     if (why := _unfit(fqn, m)): return row(False, why)
     if module_filter is not None:
-        return row(True, 'chosen by module_filter') if module_filter(fqn, m) else row(False, 'left out by module_filter')
+        chosen = bool(module_filter(fqn, m))
+        return row(chosen, 'chosen by module_filter' if chosen else 'left out by module_filter')
     if fqn in ends: return row(False, f'the {ends[fqn]} Linear of the model: kept in bf16')
     return row(True, 'fp8')
 
 # %% ../nbs/05a_fp8.ipynb #f8000010
 def unwrapped(model:nn.Module) -> nn.Module:
-    "`model` without its `DataParallel`/`DistributedDataParallel` and `torch.compile` wrappers"
+    "`model` without its data-parallel and `torch.compile` wrappers"
     while (inner := getattr(get_model(model), '_orig_mod', get_model(model))) is not model: model = inner
     return model
 
 def fp8_plan(
     model:nn.Module, # A model, maybe compiled or wrapped for data parallelism
-    module_filter:callable|None=None, # `module_filter(fqn, module) -> bool`; None: every `nn.Linear` that can, but the first and last
+    module_filter:callable|None=None, # `module_filter(fqn, module) -> bool`. None: all that can but the first and last
 ) -> list:
-    "An `Fp8Layer` for each `nn.Linear` of `model`: whether it would run in fp8, and why or why not"
+    "An `Fp8Layer` for each `nn.Linear` of `model`"
     lins = [(n, m) for n,m in unwrapped(model).named_modules() if isinstance(m, nn.Linear)]
     ends = {lins[-1][0]: 'last', lins[0][0]: 'first'} if lins else {}
     return [_choice(n, m, module_filter, ends) for n,m in lins]
@@ -87,30 +94,31 @@ def layers_frame(plan:list) -> pd.DataFrame:
 _emulated_warned = set()
 
 def real_fp8(device) -> bool:
-    "Whether `device` has the fp8 matmul kernels torchao uses (`torch._scaled_mm`): CUDA of compute capability 8.9+"
+    "Whether `device` has the fp8 matmul kernels torchao uses"
     dev = torch.device(device)
     return dev.type == 'cuda' and torch.cuda.is_available() and torch.cuda.get_device_capability(dev) >= (8, 9)
 
 def warn_if_emulated(device) -> bool:
-    "Warn once per process and device type that fp8 is emulated on `device`, which has no fp8 kernels; True if it warned"
+    "Warn once that fp8 is emulated on `device`: True if it warned"
     dt = torch.device(device).type
     if real_fp8(device) or dt in _emulated_warned: return False
     _emulated_warned.add(dt)
-    warn_user(f"fp8 is emulated on this {dt}: each fp8 matmul is computed in fp32 from fp8-rounded operands, slower than bf16. "
-              "The numerics are fp8's, the speed is not: for speed train on CUDA of compute capability 8.9+ (Ada, H100, H200)")
+    warn_user(f"fp8 is emulated on this {dt}: each fp8 matmul is computed in fp32 from fp8-rounded operands, "
+              "slower than bf16. The numerics are fp8's, the speed is not: for speed train on CUDA of compute "
+              "capability 8.9+ (Ada, H100, H200)")
     return True
 
 # %% ../nbs/05a_fp8.ipynb #f8000018
 _gain_classes = ((1e10, 'loses'), (1e11, 'about even'), (math.inf, 'gains'))
 
 def fp8_gain(m:int, k:int, n:int) -> str:
-    "fp8's speed-up over bf16, roughly, for a compiled linear layer of forward shape `m`x`k`x`n` on an H100: 'loses', 'about even', 'gains'"
+    "fp8's speed-up over bf16, roughly, for a layer of shape `m`x`k`x`n`"
     return first(c for t,c in _gain_classes if m*k*n < t)
 
 def linear_rows(model:nn.Module, *xb) -> dict:
-    "`{name: M}` for each `nn.Linear` of `model`, M being its input's rows (all dimensions but the last) in one no-grad forward of `xb`"
+    "`{name: M}`, M the input rows of each `nn.Linear` of `model` for `xb`"
     inner,rows = unwrapped(model),{}
-    def hook(n): return lambda m,i,o: rows.__setitem__(n, i[0].numel() // i[0].shape[-1])  # returns None: the output stays
+    def hook(n): return lambda m,i,o: rows.__setitem__(n, i[0].numel() // i[0].shape[-1])  # None: the output stays
     with Ledger() as led, torch.no_grad():
         for n,m in inner.named_modules():
             if isinstance(m, nn.Linear): led.defer(m.register_forward_hook(hook(n)).remove)
@@ -122,7 +130,7 @@ def fp8_table(
     rows:int|dict|None=None, # M of each layer: one number for all, `{name: M}` (`linear_rows`), or None (no estimate)
     module_filter:callable|None=None, # As `FP8Precision`'s
 ) -> pd.DataFrame:
-    "Each `nn.Linear` of `model`: whether `FP8Precision` would run it in fp8 and why, and with `rows`, its M×K×N and `fp8_gain` class"
+    "Each `nn.Linear` of `model`: would it run in fp8, why, and its gain"
     df = layers_frame(fp8_plan(model, module_filter))
     if rows is None: return df
     df['rows'] = [rows.get(o, 0) if isinstance(rows, dict) else rows for o in df.layer]
@@ -135,14 +143,14 @@ _hook_dicts = ('_forward_hooks', '_forward_pre_hooks', '_backward_hooks', '_back
                '_forward_hooks_with_kwargs', '_forward_pre_hooks_with_kwargs', '_forward_hooks_always_called')
 
 def _share_hooks(src:nn.Module, dst:nn.Module):
-    "Make `dst` run `src`'s hooks (the same dicts: a hook added or removed on one is on both) in `src`'s mode (train or eval)"
+    "Make `dst` run `src`'s hooks, in `src`'s mode (train or eval)"
     for a in _hook_dicts:
         if hasattr(src, a): setattr(dst, a, getattr(src, a))
     dst.train(src.training)
 
 @functools.cache
 def _float8_linear() -> type:
-    "torchao's `Float8Linear`, casting its input to the autocast dtype on any device (torchao: on CUDA), its output safe in place"
+    "torchao's `Float8Linear`, as it runs on CUDA on every device"
     _torchao_float8()
     from torchao.float8.float8_linear import Float8Linear as _Float8Linear
     class Float8Linear(_Float8Linear):
@@ -150,33 +158,36 @@ def _float8_linear() -> type:
             dt = input.device.type
             if dt != 'cuda' and torch.is_autocast_enabled(dt): input = input.to(torch.get_autocast_dtype(dt))
             out = super().forward(input)
-            # without a bias torchao returns a view made in its autograd Function, which in-place ops (ReLU(inplace=True)) may not modify
+            # without a bias torchao returns a view made in its autograd Function, which in-place ops may not modify
             return out if self.bias is not None else out.clone()
     return Float8Linear
 
 class Float8Swap(FitState):
-    "One fit's fp8 layers: `apply` swaps `model`'s `nn.Linear` layers `fqns` for `Float8Linear`s on their `Parameter`s, `undo` back"
+    "One fit's fp8 layers: `apply` swaps them in, `undo` back"
     def __init__(self, model:nn.Module, fqns:list, config, now:bool=False):
         self.model,self.config,self.applied = model,config,False
         self.orig = {f: model.get_submodule(f) for f in fqns}
         if now: self.apply()
 
     def apply(self):
-        "Swap the fp8 layers in; a no-op when they are in"
+        "Swap the fp8 layers in, a no-op when they are in"
         if self.applied: return
         self.applied = True  # first: a swap that fails half-way is still undone
-        _torchao_float8().convert_to_float8_training(self.model, module_filter_fn=lambda m,fqn: self.orig.get(fqn) is m, config=self.config)
+        chosen = lambda m,fqn: self.orig.get(fqn) is m
+        _torchao_float8().convert_to_float8_training(self.model, module_filter_fn=chosen, config=self.config)
         for f,m in self.orig.items():
             new = self.model.get_submodule(f)
             new.__class__ = _float8_linear()  # a subclass adding no state: the object stays what torchao built
             _share_hooks(m, new)
 
     def undo(self):
-        "Put the original `nn.Linear` layers back, in the mode (train or eval) their fp8 stand-ins were left in"
+        "Put the original `nn.Linear` layers back, in their stand-ins' mode"
         if not self.applied: return
         for f,m in self.orig.items():
             now = self.model.get_submodule(f)
-            if now is not m: m.train(now.training); self.model.set_submodule(f, m)
+            if now is m: continue
+            m.train(now.training)
+            self.model.set_submodule(f, m)
         self.applied = False
 
 # %% ../nbs/05a_fp8.ipynb #f8000025
@@ -184,12 +195,12 @@ def _check_flag(name:str, v):
     if not isinstance(v, bool): raise TypeError(f"{name}={v!r} is a {type(v).__name__}: {name} must be True or False")
 
 class FP8Precision(PrecisionCallback):
-    "bf16 autocast and, in the `nn.Linear` layers that can take them, fp8 matmuls (torchao's `Float8Linear`), swapped in for each fit"
+    "bf16 autocast and fp8 matmuls in the layers that can take them"
     keeps_layout = False  # its fp8 layers are swapped back after each fit, and its state with them
     def __init__(self,
-        recipe:str='tensorwise', # torchao's scaling recipe: 'tensorwise', 'rowwise', 'rowwise_with_gw_hp' (`fp8_recipes()`) or its enum
-        module_filter:callable|None=None, # `module_filter(fqn, module) -> bool` picks the fp8 layers; None: all that can, but the ends
-        emulate:bool|None=None, # Compute the fp8 matmuls in fp32 from fp8-rounded operands; None: where the device has no fp8 kernels
+        recipe:str='tensorwise', # torchao's scaling recipe, named (`fp8_recipes()`) or its enum
+        module_filter:callable|None=None, # `module_filter(fqn, module) -> bool` picks the fp8 layers (`fp8_plan`)
+        emulate:bool|None=None, # Compute fp8 matmuls in fp32 from fp8-rounded operands (None: where no fp8 kernels)
         fp8_eval:bool=False, # Run `validate` and `get_preds` outside a fit in fp8 too (by default in bf16)
         check_finite:bool=True, # Skip a step whose gradients hold inf/nan (one host sync a step)
         fused:bool|str=True, # How the step engine steps (`Fused`): True, False or 'compile'
@@ -200,7 +211,8 @@ class FP8Precision(PrecisionCallback):
         self._check_schedule_skips()
         self.recipe = _check_recipe(recipe)
         if module_filter is not None and not callable(module_filter):
-            raise TypeError(f"module_filter={module_filter!r} is not callable: pass a function (fqn, module) -> bool, or None")
+            raise TypeError(f"module_filter={module_filter!r} is not callable: "
+                            "pass a function (fqn, module) -> bool, or None")
         if emulate is not None: _check_flag('emulate', emulate)
         _check_flag('fp8_eval', fp8_eval)
         self.module_filter,self.emulate,self.fp8_eval = module_filter,emulate,fp8_eval
@@ -210,7 +222,7 @@ class FP8Precision(PrecisionCallback):
 
     @property
     def layers(self) -> pd.DataFrame:
-        "Each `nn.Linear` of the model: whether it runs in fp8, and why or why not (as of the last fit, or `to_fp8`)"
+        "Each `nn.Linear` of the model: whether it runs in fp8, and why"
         return layers_frame(self.plan)
     @property
     def fp8_layers(self) -> list:
@@ -222,18 +234,20 @@ class FP8Precision(PrecisionCallback):
         return f"recipe='{self.recipe}', fp8_layers={len(names)}/{len(self.plan)} {shown}, emulated={self.emulated}, "
 
     def _check_model(self, model:nn.Module):
-        "The base checks (an fp32 model), then the plan: no layer for fp8 is a `ValueError` where fp8 runs (training, `fp8_eval`)"
+        "The base checks (an fp32 model), then the plan"
         super()._check_model(model)
         self._plan(model, strict=self.fp8_eval)
 
     def _plan(self, model:nn.Module, strict:bool=True):
-        "Choose the fp8 layers of `model` into `self.plan`; with `strict`, a `ValueError` naming each Linear and why when none can"
+        "Choose the fp8 layers of `model` into `self.plan`"
         got = first(m for m in unwrapped(model).modules() if type(m).__module__.startswith('torchao'))
-        if got is not None: raise ValueError(f"The model already holds torchao's {type(got).__name__}: FP8Precision converts the "
-                                             "plain model during each fit; pass the model as it was before convert_to_float8_training")
+        if got is not None:
+            raise ValueError(f"The model already holds torchao's {type(got).__name__}: FP8Precision converts the plain "
+                             "model during each fit; pass the model as it was before convert_to_float8_training")
         if getattr(self, '_lost_filter', None):
-            warn_user(f"module_filter={self._lost_filter} could not be pickled by export, so this FP8Precision picks its fp8 layers "
-                      "by default. Make the filter a module-level function, or pass it again (learn.to_fp8(module_filter=...))")
+            warn_user(f"module_filter={self._lost_filter} could not be pickled by export, so this FP8Precision "
+                      "picks its fp8 layers by default. Make the filter a module-level function, or pass it again "
+                      "(learn.to_fp8(module_filter=...))")
             self._lost_filter = None
         plan = fp8_plan(model, self.module_filter)
         if strict and not any(o.fp8 for o in plan):
@@ -244,25 +258,26 @@ class FP8Precision(PrecisionCallback):
         self.plan = plan
 
     def _resolve_emulate(self, device) -> bool:
-        "Whether fp8 is emulated on `device`: `emulate`, or where it has no fp8 kernels (then warn once)"
+        "Whether fp8 is emulated on `device`"
         if self.emulate is False and not real_fp8(device) and torch.device(device).type != 'cpu':
-            raise ValueError(f"emulate=False needs fp8 kernels, which {str(device)!r} lacks (CUDA needs compute capability 8.9 or later): "
-                             "pass emulate=None or True")
+            raise ValueError(f"emulate=False needs fp8 kernels, which {str(device)!r} lacks "
+                             "(CUDA needs compute capability 8.9 or later): pass emulate=None or True")
         if self.emulate is not None: return self.emulate
         return not real_fp8(device) and (warn_if_emulated(device) or True)
 
     def _ready(self, learn:Learner):
-        "Check `learn`'s model and device now, before this callback replaces another: what `Learner.to_fp8` calls"
+        "Check `learn`'s model and device before this callback replaces another"
         self._plan(learn.model)
         self.emulated = self._resolve_emulate(training_device(learn.dls, learn.model))
         return self
 
     def _config(self):
         "torchao's `Float8LinearConfig` of the recipe, emulated or not"
-        return dataclasses.replace(_torchao_float8().Float8LinearConfig.from_recipe_name(self.recipe), emulate=self.emulated)
+        config = _torchao_float8().Float8LinearConfig.from_recipe_name(self.recipe)
+        return dataclasses.replace(config, emulate=self.emulated)
 
     def _new_fit_state(self) -> Float8Swap:
-        "This fit's `Float8Swap`: applied now once training began (a fit suspended and resumed) or with `fp8_eval`, else at `before_train`"
+        "This fit's `Float8Swap`, applied now or at `before_train`"
         self.emulated = self._resolve_emulate(training_device(self.dls, self.model))
         return Float8Swap(unwrapped(self.model), self.fp8_layers, self._config(), now=self._trained or self.fp8_eval)
 
@@ -270,19 +285,23 @@ class FP8Precision(PrecisionCallback):
         if not any(o.fp8 for o in self.plan): self._plan(get_model(self.model))  # raises, naming each layer and why
         self._trained = True
         if self.fit_state is not None: self.fit_state.apply()
-    def _finish(self): super()._finish(); self._trained = False
+    def _finish(self):
+        super()._finish()
+        self._trained = False
 
     def __getstate__(self):
-        "What `export` pickles: a `module_filter` that cannot be pickled is left out, and the loaded callback's first fit says so"
+        "What `export` pickles: not a `module_filter` that cannot be pickled"
         d = super().__getstate__()
         try: pickle.dumps(self.module_filter)
-        except Exception: d['module_filter'],d['_lost_filter'] = None,repr(self.module_filter)  # `export` hides warnings: next fit warns
+        except Exception:  # `export` hides warnings: the next fit warns
+            d['module_filter'],d['_lost_filter'] = None,repr(self.module_filter)
         return d
 
 # %% ../nbs/05a_fp8.ipynb #f8000027
 @patch
 @delegates(FP8Precision)
 def to_fp8(self:Learner, recipe:str='tensorwise', **kwargs):
-    "fp8 training: bf16 autocast, and fp8 matmuls (torchao's `Float8Linear`) in the `nn.Linear` layers that can take them, during each fit"
-    check_known('to_fp8', kwargs, list(inspect.signature(FP8Precision).parameters)[1:], 'recipe and ')  # as to_fp16 and to_bf16 say it
+    "fp8 training: bf16 autocast and fp8 matmuls where they can run"
+    known = list(inspect.signature(FP8Precision).parameters)[1:]
+    check_known('to_fp8', kwargs, known, 'recipe and ')  # as to_fp16 and to_bf16 say it
     return self._set_precision(FP8Precision(recipe, **kwargs)._ready(self))
