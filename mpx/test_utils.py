@@ -32,12 +32,15 @@ class _ExportableDS(TensorDataset):
     def new_empty(self): return type(self)(*[t[:0] for t in self.tensors])
 
 def tiny_dls(n_trn:int=10, n_val:int=2, bs:int=16,
-             device=None, # Where the batches go; the default leaves them where fastai puts them
+             device=None, # Where the batches go (None: where fastai puts them)
             ) -> DataLoaders:
-    "fastai's `synth_dbunch` data (y = 2x+3+noise, the same draws) on datasets that `Learner.export` can empty"
-    def ds(n): x = torch.randn(bs*n, 1); return _ExportableDS(x, 2*x + 3 + .1*torch.randn(bs*n, 1))
+    "fastai's `synth_dbunch` data, on datasets that `Learner.export` can empty"
+    def ds(n):
+        x = torch.randn(bs*n, 1)
+        return _ExportableDS(x, 2*x + 3 + .1*torch.randn(bs*n, 1))
     trn,val = ds(n_trn),ds(n_val)
-    return DataLoaders(TfmdDL(trn, bs=bs, shuffle=True, num_workers=0), TfmdDL(val, bs=bs, num_workers=0), device=device)
+    return DataLoaders(TfmdDL(trn, bs=bs, shuffle=True, num_workers=0), TfmdDL(val, bs=bs, num_workers=0),
+                       device=device)
 
 # %% ../nbs/99_test_utils.ipynb #05b250f6
 def tiny_model(bn:bool=False) -> nn.Module:
@@ -45,21 +48,23 @@ def tiny_model(bn:bool=False) -> nn.Module:
     return nn.Sequential(nn.Linear(1, 8), *([nn.BatchNorm1d(8)] if bn else []), nn.ReLU(), nn.Linear(8, 1))
 
 def tiny_split(m:nn.Module) -> L:
-    "Two parameter groups for `tiny_model`: the body and the last layer, so `freeze` and discriminative learning rates have work"
+    "Two parameter groups for `tiny_model`: the body and the last layer"
     return L(m[:-1], m[-1:]).map(params)
 
 def _quiet(learn:Learner) -> Learner:
     "`learn` with no progress bar and no per-epoch printing"
-    learn.remove_cb(ProgressCallback); learn.logger = noop
+    learn.remove_cb(ProgressCallback)
+    learn.logger = noop
     return learn
 
 @delegates(Learner.__init__)
-def tiny_learner(cbs=None, bn:bool=False, seed:int=0, n_trn:int=10, n_val:int=2, lr:float=1e-3, opt_func=partial(SGD, mom=.9),
-                 model:nn.Module|Callable|None=None, # A model, or a function building one after seeding, in place of `tiny_model(bn)`
+def tiny_learner(cbs=None, bn:bool=False, seed:int=0, n_trn:int=10, n_val:int=2, lr:float=1e-3,
+                 opt_func=partial(SGD, mom=.9),
+                 model:nn.Module|Callable|None=None, # A model, or a function building one after seeding
                  loss_func:Callable|None=None, # `MSELossFlat()` by default
                  device=None, # Where the model and the data go: the training device
                  **kwargs) -> Learner:
-    "`synth_learner` on `tiny_model(bn)` and `tiny_dls`, any `opt_func`, seeded with `seed`, with no progress bar and no per-epoch printing"
+    "A quiet seeded `synth_learner` on `tiny_model(bn)` and `tiny_dls`"
     set_seed(seed, reproducible=True)
     # drawn before the data, as in `synth_learner(model=tiny_model())`
     if not isinstance(model, nn.Module): model = (model or partial(tiny_model, bn))()
@@ -69,46 +74,50 @@ def tiny_learner(cbs=None, bn:bool=False, seed:int=0, n_trn:int=10, n_val:int=2,
     return _quiet(learn)
 
 def fit_quiet(learn:Learner, n_epoch:int=1, method:str='fit', **kwargs) -> Learner:
-    "Call `learn.<method>(n_epoch, **kwargs)` (`fit`, `fit_one_cycle`, `fine_tune`, ...) with no progress bar or logging; return `learn`"
+    "`learn.<method>(n_epoch, **kwargs)` with no progress bar or logging"
     with learn.no_bar(), learn.no_logging(): getattr(learn, method)(n_epoch, **kwargs)
     return learn
 
 # %% ../nbs/99_test_utils.ipynb #f048fdae
 class TupleModel(Module):
-    "`tiny_model` whose forward returns its output twice, as a tuple or (`as_list`) a list; module level so it pickles"
+    "`tiny_model` whose forward returns its output twice, a tuple or a list"
     def __init__(self, as_list:bool=False): self.body,self.as_list = tiny_model(),as_list
-    def forward(self, x): out = self.body(x); return [out, 2*out] if self.as_list else (out, 2*out)
+    def forward(self, x):
+        out = self.body(x)
+        return [out, 2*out] if self.as_list else (out, 2*out)
 
 def first_mse(pred, y):
-    "MSE of the first of a tuple of predictions; module level so it pickles"
+    "MSE of the first of a tuple of predictions"
     return MSELossFlat()(pred[0], y)
 
 # %% ../nbs/99_test_utils.ipynb #3982eb90
 def tabular_split(m:nn.Module) -> L:
-    "Two parameter groups for a `TabularModel`: embeddings with the continuous BatchNorm, then the layers"
+    "Two parameter groups for a `TabularModel`: embeddings, then the layers"
     return L(params(m.embeds) + params(m.bn_cont), params(m.layers))
 
 def tabular_app_learner(seed:int=0, n:int=192, bs:int=64,
-                        layers:list=(16, 8), # The hidden layers' sizes (multiples of 16 let `to_fp8()` convert the middle ones)
+                        layers:list=(16, 8), # The hidden layers' sizes (multiples of 16: `to_fp8()` converts them)
                         **kwargs) -> Learner:
-    "A quiet seeded `tabular_learner` on `n` rows of scikit-learn's diabetes data (target/100), `sex` and an age band as categories"
+    "A quiet seeded `tabular_learner` on `n` rows of the diabetes data"
     from sklearn.datasets import load_diabetes
     from fastai.tabular.all import TabularDataLoaders, tabular_learner, Categorify, FillMissing, Normalize
     set_seed(seed, reproducible=True)
     df = load_diabetes(as_frame=True, scaled=False).frame.iloc[:n].copy()
     df['sex'],df['age_band'] = df['sex'].astype(int).astype(str),(df['age']//20).astype(int).astype(str)
-    df['target'] /= 100  # a loss near 1: fp16 with a static loss scale of 512 would overflow on every step of a loss near 10^4
+    df['target'] /= 100  # a loss near 1: a static fp16 scale of 512 would overflow every step of a loss near 10^4
     conts = ['age', 'bmi', 'bp', 's1', 's2', 's3', 's4', 's5', 's6']
-    dls = TabularDataLoaders.from_df(df, procs=[Categorify, FillMissing, Normalize], cat_names=['sex', 'age_band'], cont_names=conts,
-                                     y_names='target', valid_idx=list(range(n-bs, n)), bs=bs, num_workers=0)
+    dls = TabularDataLoaders.from_df(df, procs=[Categorify, FillMissing, Normalize], cat_names=['sex', 'age_band'],
+                                     cont_names=conts, y_names='target', valid_idx=list(range(n-bs, n)), bs=bs,
+                                     num_workers=0)
     return _quiet(tabular_learner(dls, layers=list(layers), y_range=(0, 3.5), **{'splitter': tabular_split, **kwargs}))
 
 # %% ../nbs/99_test_utils.ipynb #4a90606d
 def collab_app_learner(seed:int=0, n:int=256, bs:int=64, use_nn:bool=False, **kwargs) -> Learner:
-    "A quiet seeded `collab_learner` on `n` random ratings (1 to 5) of 15 items by 20 users; `EmbeddingNN` if `use_nn`"
+    "A quiet seeded `collab_learner` on `n` random ratings"
     from fastai.collab import CollabDataLoaders, collab_learner
     set_seed(seed, reproducible=True)
-    df = pd.DataFrame(dict(user=torch.randint(0, 20, (n,)), item=torch.randint(0, 15, (n,)), rating=torch.randint(1, 6, (n,)).float()))
+    users,items,ratings = torch.randint(0, 20, (n,)),torch.randint(0, 15, (n,)),torch.randint(1, 6, (n,)).float()
+    df = pd.DataFrame(dict(user=users, item=items, rating=ratings))
     dls = CollabDataLoaders.from_df(df, bs=bs, valid_pct=.25, seed=seed, num_workers=0)
     return _quiet(collab_learner(dls, n_factors=4, use_nn=use_nn, layers=[8], y_range=(0, 5.5), **kwargs))
 
@@ -117,47 +126,47 @@ def text_app_learner(seed:int=0, n:int=64, bs:int=16,
                      emb_sz:int=8, # The embeddings' and the LSTM's size
                      lin_ftrs:list=(8,), # The head's hidden sizes
                      **kwargs) -> Learner:
-    "A quiet seeded `AWD_LSTM` classifier (`pretrained=False`, one layer of 8) on `n` random sentences of 12 words"
+    "A quiet seeded `AWD_LSTM` classifier on `n` random sentences"
     from fastai.text.all import (DataBlock, TextBlock, CategoryBlock, ColReader, ColSplitter, BaseTokenizer, AWD_LSTM,
                                  text_classifier_learner)
     set_seed(seed, reproducible=True)
     words = np.array('good bad fine awful great poor nice dull movie film plot actor'.split())
     texts = [' '.join(words[torch.randint(0, len(words), (int(k),)).numpy()]) for k in torch.randint(4, 10, (n,))]
     df = pd.DataFrame(dict(text=texts, label=['good' in t for t in texts], is_valid=[i >= n-bs for i in range(n)]))
-    tb = TextBlock.from_df('text', tok=BaseTokenizer(), n_workers=0, min_freq=1, seq_len=8)  # no spaCy, no worker processes
+    tb = TextBlock.from_df('text', tok=BaseTokenizer(), n_workers=0, min_freq=1, seq_len=8)  # no spaCy, no workers
     dls = DataBlock(blocks=[tb, CategoryBlock], get_x=ColReader('text'), get_y=ColReader('label'),
                     splitter=ColSplitter('is_valid')).dataloaders(df, bs=bs, seq_len=8, num_workers=0)
     cfg = dict(emb_sz=emb_sz, n_hid=emb_sz, n_layers=1)
-    return _quiet(text_classifier_learner(dls, AWD_LSTM, pretrained=False, config=cfg, seq_len=8, max_len=80, lin_ftrs=list(lin_ftrs),
-                                          **kwargs))
+    return _quiet(text_classifier_learner(dls, AWD_LSTM, pretrained=False, config=cfg, seq_len=8, max_len=80,
+                                          lin_ftrs=list(lin_ftrs), **kwargs))
 
 # %% ../nbs/99_test_utils.ipynb #st000002
 class Tied(Module):
-    "Two n-by-n layers sharing their weight (as fastai's language models tie encoder and decoder), between an input and a head"
+    "Two n-by-n layers sharing their weight, between an input and a head"
     def __init__(self, n:int=8):
         self.inp,self.enc,self.dec,self.head = nn.Linear(1, n),nn.Linear(n, n),nn.Linear(n, n),nn.Linear(n, 1)
         self.dec.weight = self.enc.weight
     def forward(self, x): return self.head(F.relu(self.dec(F.relu(self.enc(F.relu(self.inp(x)))))))
 
 def tied_split(m:Tied, across:bool=False) -> L:
-    "A splitter listing each module's parameters: the tied weight twice, in one group (or, `across`, in two)"
+    "A splitter listing the tied weight twice, in one group or `across` two"
     if across: return L(params(m.inp) + params(m.enc), params(m.dec) + params(m.head))
     return L(params(m.inp) + params(m.enc) + params(m.dec) + params(m.head))
 
 @delegates(tiny_learner)
 def tied_learner(across:bool=False, **kwargs) -> Learner:
-    "`tiny_learner` on `Tied`, the tied weight twice in the optimizer: in one group, or (`across`) in two"
+    "`tiny_learner` on `Tied`, the tied weight twice in the optimizer"
     return tiny_learner(model=Tied, splitter=partial(tied_split, across=across), **kwargs)
 
 # %% ../nbs/99_test_utils.ipynb #st000004
 class SparseEmb(Module):
-    "An `nn.Embedding(sparse=True)` of 10 rows (token ids from the first input) and a linear head"
+    "An `nn.Embedding(sparse=True)` of 10 rows and a linear head"
     def __init__(self): self.e,self.l = nn.Embedding(10, 4, sparse=True),nn.Linear(4, 1)
     def forward(self, x): return self.l(self.e(x.squeeze(-1).long().clamp(0, 9)))
 
 @delegates(Learner.__init__)
 def sparse_learner(seed:int=0, opt_func=partial(SGD, mom=.9), lr:float=1e-2, **kwargs) -> Learner:
-    "A quiet seeded learner on `SparseEmb`: 64 token ids, the target the id itself"
+    "A quiet seeded learner on `SparseEmb`, the target the token id"
     set_seed(seed, reproducible=True)
     x = torch.randint(0, 10, (64, 1))
     dls = DataLoaders.from_dsets(list(zip(x, x.float())), list(zip(x[:16], x[:16].float())), bs=16, num_workers=0)
@@ -165,17 +174,19 @@ def sparse_learner(seed:int=0, opt_func=partial(SGD, mom=.9), lr:float=1e-2, **k
 
 # %% ../nbs/99_test_utils.ipynb #st000006
 def fastai_gan():
-    "fastai's `fastai.vision.gan` module, loaded alone: without `fastai.vision.all`, which imports torchvision"
+    "fastai's `fastai.vision.gan` module, loaded without `fastai.vision.all`"
     import fastai, types
     path = Path(fastai.__file__).parent/'vision'/'gan.py'
-    src = path.read_text().replace('from .all import *', 'from fastai.torch_core import TensorImage\nfrom fastai.layers import *')
-    mod = types.ModuleType('fastai_gan'); mod.__file__ = str(path)
+    own = 'from fastai.torch_core import TensorImage\nfrom fastai.layers import *'
+    src = path.read_text().replace('from .all import *', own)
+    mod = types.ModuleType('fastai_gan')
+    mod.__file__ = str(path)
     exec(compile(src.replace('from ..basics import *', 'from fastai.basics import *'), str(path), 'exec'), mod.__dict__)
     return mod
 
 @delegates(Learner.__init__)
 def gan_learner(wgan:bool=True, seed:int=0, lr:float=1e-3, **kwargs) -> Learner:
-    "A quiet seeded fastai `GANLearner` (a WGAN, clipping the critic's weights, or with `wgan=False` a GAN without clipping) on vectors"
+    "A quiet seeded fastai `GANLearner` on vectors: a WGAN, or a plain GAN"
     gan = fastai_gan()
     set_seed(seed, reproducible=True)
     noise,real = torch.randn(64, 16),torch.randn(64, 16) * .5 + 1
@@ -197,7 +208,7 @@ MASTER_MODES = {
 }
 
 MODES = {
-    'amp_fp16': lambda learn, **kw: learn.to_fp16(init_scale=2.**8, **kw),  # a scale at which `tiny_learner`'s clean steps do not overflow
+    'amp_fp16': lambda learn, **kw: learn.to_fp16(init_scale=2.**8, **kw),  # `tiny_learner` does not overflow
     'amp_bf16': lambda learn, **kw: learn.to_bf16(**kw),
     **{f'master_{k}': f for k,f in MASTER_MODES.items()},
 }
@@ -210,11 +221,15 @@ def _torch_opt(opt, **kwargs): return partial(OptimWrapper, opt=partial(opt, **k
 
 def _cpu_fused_adamw() -> bool:
     "Whether this torch has a fused `AdamW` for CPU tensors"
-    try: p = nn.Parameter(torch.zeros(1)); p.grad = torch.zeros(1); torch.optim.AdamW([p], fused=True).step(); return True
+    p = nn.Parameter(torch.zeros(1))
+    p.grad = torch.zeros(1)
+    try: torch.optim.AdamW([p], fused=True).step()
     except (RuntimeError, TypeError): return False
+    return True
 
 OPTIMIZERS = {
-    'sgd': partial(SGD, mom=.9), 'adam': Adam, 'radam': RAdam, 'qhadam': QHAdam, 'lamb': Lamb, 'larc': Larc, 'ranger': ranger,
+    'sgd': partial(SGD, mom=.9), 'adam': Adam, 'radam': RAdam, 'qhadam': QHAdam, 'lamb': Lamb, 'larc': Larc,
+    'ranger': ranger,
     'torch_adamw': _torch_opt(torch.optim.AdamW, foreach=False),
     'torch_adamw_foreach': _torch_opt(torch.optim.AdamW, foreach=True),
     **({'torch_adamw_fused': _torch_opt(torch.optim.AdamW, fused=True)} if _cpu_fused_adamw() else {}),
@@ -222,35 +237,38 @@ OPTIMIZERS = {
 
 # %% ../nbs/99_test_utils.ipynb #tu380005
 def _to_fp8(learn:Learner, **kwargs) -> Learner:
-    import mpx.fp8  # patches `Learner.to_fp8`; torchao is imported only where fp8 is asked for
+    import mpx.fp8  # patches `Learner.to_fp8`: torchao is imported only where fp8 is asked for
     return learn.to_fp8(**kwargs)
 
 ALL_MODES_FP8 = {**ALL_MODES, 'fp8': _to_fp8}
 
 # %% ../nbs/99_test_utils.ipynb #9751685a
-_precision_types = (PrecisionCallback, fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPrecision, fastai_fp16.ModelToHalf)
+_precision_types = (PrecisionCallback, fastai_fp16.MixedPrecision, fastai_fp16.NonNativeMixedPrecision,
+                    fastai_fp16.ModelToHalf)
 
 def precision_cbs(learn:Learner) -> list:
     "The precision callbacks on `learn`, mpx's and fastai's"
     return [c for c in learn.cbs if isinstance(c, _precision_types)]
 
 def precision_cb(learn:Learner) -> Callback:
-    "The one precision callback on `learn` (an `AssertionError` if there are none or several)"
+    "The one precision callback on `learn`, asserted one"
     cbs = precision_cbs(learn)
     assert len(cbs) == 1, f'{len(cbs)} precision callbacks: {cbs}'
     return cbs[0]
 
 # %% ../nbs/99_test_utils.ipynb #f4b90487
 class CountSyncs(TorchDispatchMode):
-    "Context manager counting host syncs (`aten._local_scalar_dense` calls) made inside it, in `n`"
+    "Context manager counting the host syncs made inside it, in `n`"
     n = 0
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._local_scalar_dense.default: self.n += 1
         return func(*args, **(kwargs or {}))
 
 class CountOps(TorchDispatchMode):
-    "Count the aten ops dispatched while active (a multi-tensor op is one): `n` in all, `ops` by name; on a GPU each is a launch"
-    def __init__(self): super().__init__(); self.n,self.ops = 0,{}
+    "Context manager counting the aten ops dispatched inside it, by name"
+    def __init__(self):
+        super().__init__()
+        self.n,self.ops = 0,{}
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.n += 1
         self.ops[str(func)] = self.ops.get(str(func), 0) + 1
@@ -265,13 +283,14 @@ def count_syncs(learn:Learner, n_epoch:int=1, **kwargs) -> int:
 @contextmanager
 def one_thread():
     "While inside, torch uses one intra-op thread"
-    n = torch.get_num_threads(); torch.set_num_threads(1)
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
     try: yield
     finally: torch.set_num_threads(n)
 
 @functools.cache
 def bf16_lstm_runs(device:str='cpu') -> bool:
-    "Whether `device` has a bf16 LSTM kernel under autocast (a CPU's oneDNN has one only with AVX512-BF16 or AMX)"
+    "Whether `device` has a bf16 LSTM kernel under autocast"
     try:
         with torch.autocast(device, dtype=torch.bfloat16): nn.LSTM(4, 4).to(device)(torch.randn(3, 2, 4, device=device))
         return True
@@ -279,26 +298,30 @@ def bf16_lstm_runs(device:str='cpu') -> bool:
 
 def needs_mode(mode:str, # A mode id (`amp_bf16`, `pure_kahan`, 'fp16', ...): bf16 if it says bf16 or pure
                device:str='cuda'):
-    "Skip the calling pytest case where `device` cannot compute in `mode`'s dtype: bf16 on a CUDA GPU without it"
+    "Skip the calling test where `device` cannot compute in `mode`'s dtype"
     import pytest
     bf16 = 'bf16' in mode or mode.startswith('pure')
-    if bf16 and torch.device(device).type == 'cuda' and not torch.cuda.is_bf16_supported(): pytest.skip('GPU without bf16 support')
+    if bf16 and torch.device(device).type == 'cuda' and not torch.cuda.is_bf16_supported():
+        pytest.skip('GPU without bf16 support')
 
 # %% ../nbs/99_test_utils.ipynb #tu480001
 def bf16_edges() -> Tensor:
-    "fp32 values where rounding to bf16 is delicate: ties of both parities, subnormals, zeros, the largest, inf, NaNs"
+    "fp32 values where rounding to bf16 is delicate"
     t = lambda *v: torch.tensor(v, dtype=torch.float64).float()
-    ties = t(1 + 2**-8, 1 + 3*2**-8, 1 + 2**-8 + 2**-23, 1 + 2**-8 - 2**-23, 2 - 2**-8, 2 - 2**-9, 2**-126 * (1 + 2**-8))
+    ties = t(1 + 2**-8, 1 + 3*2**-8, 1 + 2**-8 + 2**-23, 1 + 2**-8 - 2**-23, 2 - 2**-8, 2 - 2**-9,
+             2**-126 * (1 + 2**-8))
     sub = t(2**-149, 2**-134, 3*2**-134, 5*2**-134, 2**-133, 2**-126 - 2**-149, 2**-126 - 2**-134, 2**-127 + 2**-134)
-    top = (2 - 2**-7) * 2.**127  # bf16's largest; past the tie above it a conversion gives inf
-    big = t(top, (2 - 2**-8) * 2.**127, (2 - 2**-8) * 2.**127 * (1 - 2**-23), 3.4028234663852886e38, 2.**111 * (2 - 2**-8))
+    top = (2 - 2**-7) * 2.**127  # bf16's largest: past the tie above it a conversion gives inf
+    big = t(top, (2 - 2**-8) * 2.**127, (2 - 2**-8) * 2.**127 * (1 - 2**-23), 3.4028234663852886e38,
+            2.**111 * (2 - 2**-8))
     x = torch.cat([ties, sub, big, t(0., float('inf'), 2.**-126, 2.**111)])
-    nans = torch.tensor([0x7FC00000, 0x7FFFFFFF, 0x7F800001, 0x7FBF8000, -1], dtype=torch.int32).view(torch.float32)  # payloads that carry
+    payloads = [0x7FC00000, 0x7FFFFFFF, 0x7F800001, 0x7FBF8000, -1]  # NaNs whose payloads carry
+    nans = torch.tensor(payloads, dtype=torch.int32).view(torch.float32)
     return torch.cat([x, -x, nans])
 
 # %% ../nbs/99_test_utils.ipynb #bb5336ab
 class InjectGrad(Callback):
-    "Write `value` into the first element of the gradients of `names` (model parameter names) at the steps in `at`"
+    "Write `value` into the gradients of `names` at the steps in `at`"
     order = PrecisionCallback.order-1  # before the precision callback unscales and checks
     def __init__(self,
         at, # Indices of the optimizer steps (or, with `micro`, training batches) to poison, counted over every fit
@@ -336,24 +359,24 @@ class PoisonInput(Callback):
 
 # %% ../nbs/99_test_utils.ipynb #749ac10b
 def _clone(v):
-    "A copy of tensor `v`; of low-bit state held mid-fit (`LowBitState`), its fp32 values"
+    "A copy of tensor `v`, or of low-bit state's fp32 values"
     return v.detach().clone() if isinstance(v, Tensor) else v.float() if isinstance(v, LowBitState) else v
 
 def _kept(learn:Learner):
-    "The precision callback keeping its layout between fits (a pure bf16 model, low-bit state), or None"
+    "The precision callback keeping its layout between fits, or None"
     return next((c for c in precision_cbs(learn) if getattr(c, 'kept', False)), None)
 
 def _value(cb, t:Tensor) -> Tensor:
-    "A copy of model tensor `t`; between fits with a layout kept, of its fp32 value (what a checkpoint holds)"
+    "A copy of model tensor `t`'s value, as a checkpoint holds it"
     return _clone(t) if cb is None else cb.fp32_value(t).clone()
 
 def weights(learn:Learner) -> list:
-    "Copies of the model's parameters (between fits with a layout kept, of their fp32 values)"
+    "Copies of the model's parameters, as a checkpoint holds them"
     cb = _kept(learn)
     return [_value(cb, p) for p in learn.model.parameters()]
 
 def state_of(learn:Learner) -> dict:
-    "Copies of the model's weights, buffers and trainable flags, of the tensors `learn.parameters()` steps and of the optimizer's state"
+    "Copies of all a step may change: the model, the stepped and their state"
     ps,opt = list(learn.parameters()),learn.opt
     # the state is the optimizer's parameters'
     keys = list({id(p): p for pg in opt.param_lists for p in pg}.values()) if opt is not None else []
@@ -363,12 +386,13 @@ def state_of(learn:Learner) -> dict:
                requires_grad=[p.requires_grad for p in learn.model.parameters()],
                stepped=[_value(cb, p) for p in ps], state=per_param(opt.state) if opt is not None else [])
     if isinstance(opt, OptimWrapper): res['torch_state'] = per_param(opt.opt.state)
-    if isinstance(opt, Lookahead): res['count'],res['slow'] = opt.count,[_clone(s) for pg in (opt.slow_weights or []) for s in pg]
+    if isinstance(opt, Lookahead):
+        res['count'],res['slow'] = opt.count,[_clone(s) for pg in (opt.slow_weights or []) for s in pg]
     return res
 
 # %% ../nbs/99_test_utils.ipynb #17abdbd2
 def state_diffs(a, b, where:str='') -> list:
-    "Where two `state_of` snapshots differ (tensors by `torch.equal`, shape and dtype included; values by type too), as readable lines"
+    "Where two `state_of` snapshots differ, as readable lines"
     if isinstance(a, dict) and isinstance(b, dict):
         if a.keys() != b.keys(): return [f'{where} keys {sorted(a)} vs {sorted(b)}']
         return [d for k in a for d in state_diffs(a[k], b[k], f'{where}.{k}')]
@@ -387,12 +411,12 @@ def same_state(a:dict, b:dict) -> bool:
     return not state_diffs(a, b)
 
 def all_stepped_changed(a:dict, b:dict) -> bool:
-    "Whether every parameter the optimizer steps differs between two `state_of` snapshots"
+    "Whether two `state_of` snapshots differ in every stepped parameter"
     return not any(map(torch.equal, a['stepped'], b['stepped']))
 
 # %% ../nbs/99_test_utils.ipynb #0f650d95
 class Snapshot(Callback):
-    "Keep `state_of(learn)` from before training and after every optimizer step, skipped steps included, in `snaps`"
+    "Keep `state_of(learn)` before training and after every step, in `snaps`"
     order = PrecisionCallback.order+1  # after the precision callback has put the stepped masters into the model
     def __init__(self): self.snaps = []
     def before_fit(self):
@@ -402,10 +426,11 @@ class Snapshot(Callback):
 def check_skips_change_nothing(cb:PrecisionCallback, snap:Snapshot,
                                skipped:list|None=None, # The steps that must have been skipped, if known
                               ):
-    "Assert skipped steps (exactly `skipped`, if given) left `state_of` bit-identical and every other step changed every stepped parameter"
+    "Assert skipped steps changed nothing, and every other step every weight"
     skips = cb.step_log.skips
     if skipped is not None:
-        assert [i for i,s in enumerate(skips) if s] == skipped, f'skipped {[i for i,s in enumerate(skips) if s]}, not {skipped}'
+        were = [i for i,s in enumerate(skips) if s]
+        assert were == skipped, f'skipped {were}, not {skipped}'
         if skipped: assert cb.last_overflow.step == skipped[-1]
     assert len(snap.snaps) == cb.total_steps+1
     for i,s in enumerate(skips):
@@ -415,14 +440,15 @@ def check_skips_change_nothing(cb:PrecisionCallback, snap:Snapshot,
 
 # %% ../nbs/99_test_utils.ipynb #tu380008
 def assert_same_state(a:dict, b:dict, what:str='the state'):
-    "Assert two `state_of` snapshots are bit-identical, naming the first differences"
+    "Assert two `state_of` snapshots are bit-identical, naming differences"
     diffs = state_diffs(a, b)
     assert not diffs, f'{what} differs: {diffs[:4]}'
 
 def learner_problems(learn:Learner) -> list:
-    "What must never show between fits: weights not fp32 or not finite, an optimizer off the model's parameters, stale optimizer state"
+    "What must never show between fits, in words"
     res,ps,cb = [],list(learn.model.parameters()),_kept(learn)
-    ts = [_value(cb, t) for t in ps + [b for b in learn.model.buffers() if b.is_floating_point()]]  # a layout kept: its fp32 values
+    floats = [b for b in learn.model.buffers() if b.is_floating_point()]
+    ts = [_value(cb, t) for t in ps + floats]  # a layout kept: its fp32 values
     if any(t.dtype != torch.float32 for t in ts): res.append(f'model dtypes {sorted({str(t.dtype) for t in ts})}')
     if not all(t.isfinite().all() for t in ts): res.append('non-finite weights')
     if 'parameters' in learn.__dict__: res.append("'parameters' in learn.__dict__")
@@ -430,60 +456,67 @@ def learner_problems(learn:Learner) -> list:
     if opt is None: return res
     ids = {id(p) for p in ps}
     ops = {id(p) for pg in opt.param_lists for p in pg}  # a tied weight may sit in it twice
-    if ops != ids: res.append(f'optimizer holds {len(ops)} tensors, {len(ids & ops)} of them model parameters, of {len(ids)}')
+    if ops != ids:
+        res.append(f'optimizer holds {len(ops)} tensors, {len(ids & ops)} of them model parameters, of {len(ids)}')
     try: opt.all_params()
     except KeyError: res.append('opt.all_params() raises KeyError')
-    stale = lambda st: sum(isinstance(k, Tensor) and id(k) not in ids for k in st)  # fastai keys collab's `do_wd` by a method
+    stale = lambda st: sum(isinstance(k, Tensor) and id(k) not in ids for k in st)  # collab's `do_wd` keyed by a method
     if stale(opt.state): res.append(f'stale keys in opt.state: {stale(opt.state)}')
-    if isinstance(opt, OptimWrapper) and stale(opt.opt.state): res.append(f'stale keys in the torch state: {stale(opt.opt.state)}')
+    if isinstance(opt, OptimWrapper) and stale(opt.opt.state):
+        res.append(f'stale keys in the torch state: {stale(opt.opt.state)}')
     if isinstance(opt, Lookahead) and opt.slow_weights is not None:
         if [[s.shape for s in pg] for pg in opt.slow_weights] != [[p.shape for p in pg] for pg in opt.param_lists]:
             res.append('Lookahead slow weights not shaped like the parameters')
     return res
 
 def suspended(learn:Learner):
-    "A context manager: inside a fit, the model in fp32 as the fit would leave it (masters, `w + c`); elsewhere nothing changes"
+    "Context manager: inside a fit, the model as the fit would leave it"
     cbs = precision_cbs(learn)
     return cbs[0].suspended() if cbs and hasattr(cbs[0], 'suspended') else nullcontext()
 
 def rel_err(got:list, ref:list, start:list) -> float:
-    "How far tensors `got` are from `ref`, relative to how far `ref` moved from `start`: 0 the same, 1 no training at all"
+    "How far `got` is from `ref`, relative to how far `ref` moved from `start`"
     num = sum(float((a.float() - b.float()).norm()**2) for a,b in zip(got, ref))
     den = sum(float((b.float() - s.float()).norm()**2) for b,s in zip(ref, start))
     return (num / den)**.5
 
 # %% ../nbs/99_test_utils.ipynb #bf15198e
 def grad_norm(learn:Learner) -> float:
-    "The total 2-norm of the gradients of the stepped parameters (`learn.parameters()`: the masters in a master fit); one host sync"
-    return torch.linalg.vector_norm(torch.stack([p.grad.float().norm() for p in learn.parameters() if p.grad is not None])).item()
+    "The total 2-norm of the stepped parameters' gradients (one host sync)"
+    norms = [p.grad.float().norm() for p in learn.parameters() if p.grad is not None]
+    return torch.linalg.vector_norm(torch.stack(norms)).item()
 
 class GradNormProbe(Callback):
-    "Record `grad_norm` in `before_step` at `order` (a float, to slot between two callbacks), in `norms`"
+    "Record `grad_norm` in `before_step` at `order`, in `norms`"
     def __init__(self, order:float): self.order,self.norms = order,[]
     def before_step(self): self.norms.append(grad_norm(self.learn))
 
 class DtypeHook:
-    "Forward hook on `module` recording its output dtypes in `dtypes`; a context manager that removes it"
-    def __init__(self, module:nn.Module): self.dtypes,self.h = [],module.register_forward_hook(lambda m,i,o: self.dtypes.append(o.dtype))
+    "Forward hook recording `module`'s output dtypes in `dtypes`, till exit"
+    def __init__(self, module:nn.Module):
+        self.dtypes = []
+        self.h = module.register_forward_hook(lambda m,i,o: self.dtypes.append(o.dtype))
     def __enter__(self): return self
     def __exit__(self, *args): self.h.remove()
 
 class PredProbe(Callback):
-    "Record the dtypes of `learn.pred` (a tensor or a tuple/list of them) right after the precision callback's `after_pred`, in `dtypes`"
+    "Record the dtypes of `learn.pred` the loss sees, in `dtypes`"
     order = PrecisionCallback.order+1
     def __init__(self): self.dtypes = []
-    def after_pred(self): self.dtypes.append([p.dtype for p in (self.pred if isinstance(self.pred, (list, tuple)) else [self.pred])])
+    def after_pred(self):
+        preds = self.pred if isinstance(self.pred, (list, tuple)) else [self.pred]
+        self.dtypes.append([p.dtype for p in preds])
 
 class LossProbe(Callback):
-    "Record `learn.loss` (what fastai logs) after every training batch, in `losses`"
+    "Record `learn.loss`, what fastai logs, each training batch"
     def __init__(self): self.losses = []
     def after_batch(self):
         if self.training: self.losses.append(self.loss.item())
 
 # %% ../nbs/99_test_utils.ipynb #714da7ba
-def replay(skips:list, init_scale:float=2.**16, growth_factor:float=2., backoff_factor:float=.5, growth_interval:int=2000,
-           device='cpu') -> list:
-    "The scale a standalone `torch.amp.GradScaler` multiplies each step's loss by, when the steps flagged in `skips` overflow"
+def replay(skips:list, init_scale:float=2.**16, growth_factor:float=2., backoff_factor:float=.5,
+           growth_interval:int=2000, device='cpu') -> list:
+    "The scale of each step of a `GradScaler` whose `skips` overflow"
     p = torch.zeros(1, device=device, requires_grad=True)
     opt = torch.optim.SGD([p], lr=0.)
     scaler = torch.amp.GradScaler(torch.device(device).type, init_scale=init_scale, growth_factor=growth_factor,
@@ -493,37 +526,43 @@ def replay(skips:list, init_scale:float=2.**16, growth_factor:float=2., backoff_
         scales.append(scaler.get_scale())
         scaler.scale((p+1.).sum()).backward()
         if skip: p.grad.fill_(math.inf)
-        scaler.step(opt); scaler.update(); opt.zero_grad()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
     return scales
 
 # %% ../nbs/99_test_utils.ipynb #tu380011
 def stepped_opt(opt_func, # fastai's `opt_func(groups, **kwargs)`
-                engine:Callable|None=None, # Installs a step engine on the optimizer (e.g. `mpx.fused`'s); None: fastai's loop
+                engine:Callable|None=None, # Installs a step engine on the optimizer (None: fastai's loop)
                 n:int=6, # Steps
-                dup:bool=False, # A parameter twice in the optimizer: the first layer's bias in its group too, its weight in the other
+                dup:bool=False, # The first layer's parameters twice in the optimizer (in both groups)
                 la:bool=False, # Wrap the optimizer in a `Lookahead(k=2)`
                 frozen:bool=False, # A weight that never trains (`requires_grad=False`)
                 **kwargs) -> tuple:
-    "A `Linear`-`BatchNorm`-`Linear`-`Linear` model and its optimizer after `n` steps: fastai's loop, or `engine(opt)` (undone after)"
+    "A small model and its optimizer after `n` steps, stepped by `engine`"
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(4, 5), nn.BatchNorm1d(5), nn.Linear(5, 3), nn.Linear(3, 2))
     groups = [list(m[:2].parameters()), list(m[2:].parameters())]
-    if dup: groups[0].append(m[0].bias); groups[1].append(m[0].weight)
+    if dup:
+        groups[0].append(m[0].bias)
+        groups[1].append(m[0].weight)
     opt = opt_func(groups, **kwargs)
     if la: opt = Lookahead(opt, k=2)
-    for p in (m[0].bias, m[1].weight, m[1].bias): (opt.opt if isinstance(opt, Lookahead) else opt).state[p]['do_wd'] = False
+    inner = opt.opt if isinstance(opt, Lookahead) else opt
+    for p in (m[0].bias, m[1].weight, m[1].bias): inner.state[p]['do_wd'] = False
     if frozen: m[2].weight.requires_grad_(False)
     e = engine(opt) if engine is not None else None
     g = torch.Generator().manual_seed(1)
     for i in range(n):
         m(torch.randn(8, 4, generator=g)).pow(2).mean().backward()
         if i % 3 == 1: m[3].bias.grad = None  # stepped fewer times than its layer
-        opt.step(); opt.zero_grad()
+        opt.step()
+        opt.zero_grad()
     if hasattr(e, 'undo'): e.undo()
     return m,opt
 
 def opt_diffs(a:tuple, b:tuple) -> list:
-    "Where two (model, optimizer) pairs differ: the weights bit for bit, `opt.state_dict()` by type, dtype and value"
+    "Where two (model, optimizer) pairs differ, as readable lines"
     def sd(m, o): return dict(weights=[p.detach() for p in m.parameters()], opt=o.state_dict())
     return state_diffs(sd(*a), sd(*b))
 
@@ -533,10 +572,11 @@ def ramp_learner(cbs=None,
                  steps:int=20, # Training batches: one step each
                  lr:float=1e-3, # Each step's exact change of every weight
                 ) -> Learner:
-    "A quiet learner whose `n` weights of 1.0 (a bias-free `Linear(1, n)`) each get gradient 1 a step: plain SGD (no momentum, no wd)"
+    "A quiet learner whose `n` weights of 1.0 get gradient 1 a step, by SGD"
     xs = torch.ones(steps, 1)
     dls = DataLoaders(TfmdDL(list(zip(xs, xs)), bs=1), TfmdDL(list(zip(xs[:1], xs[:1])), bs=1))
-    model = nn.Linear(1, n, bias=False); nn.init.ones_(model.weight)
+    model = nn.Linear(1, n, bias=False)
+    nn.init.ones_(model.weight)
     return _quiet(Learner(dls, model, loss_func=_sum_loss, opt_func=partial(SGD, mom=0.), lr=lr, wd=0., cbs=cbs))
 
 def _sum_loss(pred, y): return pred.float().sum()  # gradient 1 for every output, so for every weight
@@ -545,22 +585,25 @@ def check_stochastic_rounding(learn:Learner, # A `ramp_learner` after its fit
                               z:float=5., # Standard errors the mean may be off
                               rtol:float=.25, # Relative error the variance may have
                              ) -> dict:
-    "Assert the weights of a fitted `ramp_learner` came down as unbiased stochastic rounding brings them; the statistics"
+    "Assert a fitted `ramp_learner` rounded without bias: the statistics"
     u,steps,lr = 2.**-8,learn.train_iter,learn.opt.hypers[0]['lr']
     k = (1 - learn.model.weight.detach().double().flatten()) / u  # the ulps each weight came down
-    assert torch.equal(k, k.round()) and k.min() >= 0 and k.max() <= steps, 'the weights are not bf16 values of the ramp'
+    on_ramp = torch.equal(k, k.round()) and k.min() >= 0 and k.max() <= steps
+    assert on_ramp, 'the weights are not bf16 values of the ramp'
     p = lr / u
     mean,var,n = steps*p,steps*p*(1-p),k.numel()
-    res = dict(mean=k.mean().item(), expected=mean, z=(k.mean().item() - mean) / (var/n)**.5, var_ratio=k.var().item() / var)
-    assert abs(res['z']) < z, (f"biased: the weights came down {res['mean']:.4f} ulps on average, unbiased rounding {mean:.4f} "
+    got = k.mean().item()
+    res = dict(mean=got, expected=mean, z=(got - mean) / (var/n)**.5, var_ratio=k.var().item() / var)
+    assert abs(res['z']) < z, (f"biased: the weights came down {got:.4f} ulps on average, unbiased rounding {mean:.4f} "
                                f"({res['z']:.1f} standard errors)")
-    assert abs(res['var_ratio'] - 1) < rtol, f"spread {res['var_ratio']:.3f} times unbiased rounding's: the bits are not independent"
+    spread = res['var_ratio']
+    assert abs(spread - 1) < rtol, f"spread {spread:.3f} times unbiased rounding's: the bits are not independent"
     return res
 
 # %% ../nbs/99_test_utils.ipynb #tu500002
 class StepLrs(Callback):
-    "On a `ramp_learner`: each optimizer step's `lr` in `opt.hypers` (`asked`) and the mean fall of the fp32 weights (`used`)"
-    order = 999  # after every other `before_step` (the lr the step runs with), outside a `StepProfile`'s window
+    "Each step's `lr` (`asked`) and the weights' mean fall (`used`)"
+    order = 999  # after every other `before_step` (the lr the step runs with), outside a `StepProfile`'s
     def __init__(self): self.asked,self.used,self.w = [],[],None
     def _w(self) -> Tensor:
         with suspended(self.learn): return self.learn.model.weight.detach().double().clone()
@@ -570,7 +613,7 @@ class StepLrs(Callback):
     def after_step(self): self.used.append(float((self.w - self._w()).mean()))
     def after_cancel_step(self): self.asked.pop()  # a skipped step used no lr
 
-STEP_LR_TOL = dict(pure_kahan=(2e-2, 1e-3), pure_stochastic=(.2, 1e-2))  # (a step, the fit); other modes: fp32 arithmetic
+STEP_LR_TOL = dict(pure_kahan=(2e-2, 1e-3), pure_stochastic=(.2, 1e-2))  # (a step, the fit), others fp32's
 
 def step_lr_tol(mode:str|None) -> tuple: return STEP_LR_TOL.get(mode, (1e-3, 1e-3))
 
@@ -579,21 +622,23 @@ def check_step_lrs(probe:StepLrs, # After a `ramp_learner` fit
                    total:float=1e-3, # Relative error the sum of the steps' lrs may have
                    asked:list|None=None, # The lrs fastai's schedule set in a reference run, if any
                   ):
-    "Assert each step moved the weights by the lr fastai's hypers held (and they are `asked`, if given)"
+    "Assert each step moved the weights by the lr fastai's hypers held"
     a,u = torch.tensor(probe.asked, dtype=torch.float64),torch.tensor(probe.used, dtype=torch.float64)
     assert len(a) and len(a) == len(u), f'{len(a)} lrs set, {len(u)} steps seen'
     if asked is not None:
         want = torch.tensor(asked, dtype=torch.float64)
-        assert len(a) == len(want) and torch.allclose(a, want, rtol=1e-6), f"fastai's schedule set {asked}, the fit {a.tolist()}"
+        same = len(a) == len(want) and torch.allclose(a, want, rtol=1e-6)
+        assert same, f"fastai's schedule set {asked}, the fit {a.tolist()}"
     err = (u - a).abs() / a
     i = int(err.argmax())
-    assert err[i] <= tol, f'step {i} used lr {u[i]:.5g} where fastai set {a[i]:.5g} ({err[i]:.2%} off, more than {tol:.2%})'
+    off = f'{err[i]:.2%} off, more than {tol:.2%}'
+    assert err[i] <= tol, f'step {i} used lr {u[i]:.5g} where fastai set {a[i]:.5g} ({off})'
     off = float(u.sum() / a.sum() - 1)
     assert abs(off) <= total, f"the steps used {1 + off:.4f} times the lrs fastai set, more than {total:.2%} off"
 
 # %% ../nbs/99_test_utils.ipynb #tu380021
 def raised(f:Callable, exc=Exception, contains:str='') -> BaseException:
-    "The exception (an `exc`, whose message holds `contains`) that calling `f` raises; an `AssertionError` where it raises none"
+    "The exception calling `f` raises, asserted an `exc` saying `contains`"
     try: f()
     except exc as e:
         assert contains in str(e), f'{type(e).__name__} does not say {contains!r}: {e}'
@@ -603,15 +648,19 @@ def raised(f:Callable, exc=Exception, contains:str='') -> BaseException:
 # %% ../nbs/99_test_utils.ipynb #tu380023
 @contextmanager
 def _no_fd2():
-    "File descriptor 2 to the null device while inside: kineto writes a line there at each profiler start and stop"
+    "File descriptor 2 to the null device while inside"
     sys.stderr.flush()
     saved = os.dup(2)
     with open(os.devnull, 'w') as null: os.dup2(null.fileno(), 2)
     try: yield
-    finally: os.dup2(saved, 2); os.close(saved)
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 class _ProfileFrom(Callback):
-    def __init__(self, prof, event, order): self.prof,self.order = prof,order; setattr(self, event, prof._start)
+    def __init__(self, prof, event, order):
+        self.prof,self.order = prof,order
+        setattr(self, event, prof._start)
 
 class _ProfileTo(Callback):
     def __init__(self, prof, order): self.prof,self.order = prof,order
@@ -619,11 +668,11 @@ class _ProfileTo(Callback):
     def after_batch(self): self.prof._stop()  # the step was cancelled
 
 class StepProfile:
-    "Profile each optimizer step (`wide`: from `after_backward` to the end of `after_step`): aten op counts, compiled regions"
+    "Profile each optimizer step: aten op counts, compiled regions"
     def __init__(self, wide:bool=False):
         self.wide,self.steps,self.p = wide,[],None
         if wide: self.cbs = [_ProfileFrom(self, 'after_backward', -1000), _ProfileTo(self, 1000)]
-        else: self.cbs = [_ProfileFrom(self, 'before_step', 1000), _ProfileTo(self, -1000)]  # after every other `before_step`, and so on
+        else: self.cbs = [_ProfileFrom(self, 'before_step', 1000), _ProfileTo(self, -1000)]  # the step alone
     def _start(self):
         self.p = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
         with _no_fd2(): self.p.__enter__()
@@ -642,19 +691,20 @@ class StepProfile:
 _step_math = re.compile(r'aten::(_foreach_\w+|add_?|sub_?|mul_?|div_?|sqrt_?|addcmul_?|addcdiv_?|lerp_?)$')
 
 def check_compiled_steps(prof:StepProfile):
-    "Assert every step `prof` saw entered compiled regions and (the step alone, after the first) ran none of the eager step's arithmetic"
+    "Assert every step `prof` saw ran compiled, not the eager arithmetic"
     assert prof.steps, 'no step was profiled'
     eager = [i for i,s in enumerate(prof.steps) if not s['compiled']]
     assert not eager, f'steps {eager} of {len(prof.steps)} ran no compiled region: the eager step ran'
     if prof.wide: return
     math_ = [(i, sorted(k for k in s['ops'] if _step_math.match(k))) for i,s in enumerate(prof.steps) if i]
-    assert not any(m for _,m in math_), f'steps ran the eager arithmetic beside the kernels: {[x for x in math_ if x[1]][:2]}'
+    ran = [x for x in math_ if x[1]]
+    assert not ran, f'steps ran the eager arithmetic beside the kernels: {ran[:2]}'
 
 # %% ../nbs/99_test_utils.ipynb #tu500005
 class KernelRuns:
-    "Context manager counting the compiled graphs inductor runs while inside, in `n`"
+    "Context manager counting the compiled graphs inductor runs, in `n`"
     def __enter__(self):
-        from torch._inductor.output_code import CompiledFxGraph  # what a compiled function calls, each call (torch's own class)
+        from torch._inductor.output_code import CompiledFxGraph  # what a compiled function calls, each call
         self.n,self.cls,self.real = 0,CompiledFxGraph,CompiledFxGraph.__call__
         def call(graph, inputs):
             self.n += 1
