@@ -99,9 +99,10 @@ def check_single_autocast(cbs) -> None:
     "Raise a `ValueError` if a callback in `cbs` runs Accelerate's own AMP"
     for c in cbs:
         mp = str(getattr(c.__dict__.get('accelerator'), 'mixed_precision', 'no'))
-        if mp != 'no': raise ValueError(f"{type(c).__name__} runs Accelerate with mixed_precision={mp!r}, "
-                                        "and an mpx callback applies mixed precision too: "
-                                        "drop mixed_precision from distrib_ctx()/to_distributed() (its default is 'no') and let mpx do it")
+        if mp == 'no': continue
+        raise ValueError(f"{type(c).__name__} runs Accelerate with mixed_precision={mp!r}, "
+                         "and an mpx callback applies mixed precision too: drop mixed_precision from "
+                         "distrib_ctx()/to_distributed() (its default is 'no') and let mpx do it")
 
 # %% ../nbs/02_callback.ipynb #cb000017
 class NormStats:

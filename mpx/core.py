@@ -239,6 +239,6 @@ def check_mode_args(mode:str, amp_mode, is_dynamic:bool=False, **given) -> None:
         if need == 'scaled comm' and v == 'fp16' and (bf16 or off):
             unscaled = 'bf16' if bf16 else 'enabled=False'
             raise ValueError(f"{k}='fp16' needs the fp16 loss scale, which {unscaled} does not have: unscaled "
-                             "gradients lose their small values in an fp16 all-reduce, and an overflow there has no scale to back off. "
-                             f"Use {k}='bf16' (fp32's range), or learn.to_fp16()")
+                             "gradients lose their small values in an fp16 all-reduce, and an overflow there has no "
+                             f"scale to back off. Use {k}='bf16' (fp32's range), or learn.to_fp16()")
     check_args(**given)
