@@ -22,9 +22,9 @@ __all__ = ['ScaleTelemetry', 'check_single_autocast', 'NormStats', 'first_not_fp
 
 # %% ../nbs/02_callback.ipynb #cb000007
 class ScaleTelemetry:
-    "Loss-scale telemetry read from `self.step_log`: `skipped_steps`, `total_steps`, `overflow_rate`, `scales`, `plot_loss_scale`"
+    "Loss-scale telemetry, read from `self.step_log`"
     last_overflow,warn_after = None,10
-    _lazy_from = None  # the first step whose skip flag stayed on the device (`fused='compile'`) and is not diagnosed yet
+    _lazy_from = None  # the first step whose skip flag stayed on the device (compiled), not diagnosed yet
     _at_floor = True  # whether the scale can fall no further (a mode's own where it scales)
     @property
     def skipped_steps(self) -> int: return self.step_log.skipped
@@ -46,25 +46,27 @@ def _trailing(flags) -> int:
     return next((i for i,f in enumerate(reversed(flags)) if not f), len(flags))
 
 _hints = {
-    AMPMode.FP16: "check the data and the loss, lower the learning rate, or train in bf16 (learn.to_bf16()), which needs no loss scaling",
-    AMPMode.BF16: "bf16 has fp32's range, so the model itself produces them: check the data and the loss, or lower the learning rate"}
+    AMPMode.FP16: "check the data and the loss, lower the learning rate, "
+                  "or train in bf16 (learn.to_bf16()), which needs no loss scaling",
+    AMPMode.BF16: "bf16 has fp32's range, so the model itself produces them: "
+                  "check the data and the loss, or lower the learning rate"}
 
 @patch
 def _record(self:ScaleTelemetry, scale, skipped=False):
-    "Log one optimizer step; a skip flag left on the device (`fused='compile'`) is diagnosed later, by `_settle_overflows`"
+    "Log one optimizer step, its skip diagnosed now or later"
     if isinstance(skipped, Tensor) and self._lazy_from is None: self._lazy_from = self.step_log.total
     self.step_log.record(scale, skipped)
 
 @patch
 def _on_overflow(self:ScaleTelemetry, named_grads, scale:float, at_floor:bool=True):
-    "On a skipped step: record where the gradients first went non-finite; warn once when `warn_after` steps in a row are skipped"
+    "On a skipped step: record where the gradients went non-finite"
     param,kind = first_nonfinite(named_grads) or (None, 'inf')
     self.last_overflow = Overflow(self.step_log.total - 1, param, kind, scale)
     self._warn_if_stuck(self.step_log.skips, scale, at_floor, f"; the first {kind} gradient was in {param!r}")
 
 @patch
 def _warn_if_stuck(self:ScaleTelemetry, skips:list, scale:float, at_floor:bool, where:str):
-    "Warn once when the last `warn_after` or more of `skips` were skipped in a row at the scale's floor; `where` names the culprit"
+    "Warn once when the last `warn_after` steps were skipped at the floor"
     run = _trailing(skips)
     if run < self.warn_after or not at_floor or getattr(self, '_warned', False): return
     self._warned = True
@@ -74,17 +76,17 @@ def _warn_if_stuck(self:ScaleTelemetry, skips:list, scale:float, at_floor:bool, 
 # %% ../nbs/02_callback.ipynb #cb000008b
 @patch
 def _newest_overflow(self:ScaleTelemetry) -> Overflow|None:
-    "`last_overflow`, or the last step skipped on the device since the last diagnosis: what `_settle_overflows` records; changes nothing"
+    "`last_overflow`, or the last step skipped on the device since"
     start,known = self._lazy_from,self.last_overflow
     if start is None: return known
     skips = self.step_log.skips  # one host sync where flags are still on the device
     last = next((i for i in range(len(skips)-1, start-1, -1) if skips[i]), None)
     if last is None or (known is not None and known.step >= last): return known
-    return Overflow(last, None, 'inf or nan', self.step_log.scales[last])  # the gradients are gone: which parameter is not known
+    return Overflow(last, None, 'inf or nan', self.step_log.scales[last])  # the gradients are gone: no parameter named
 
 @patch
 def _settle_overflows(self:ScaleTelemetry):
-    "After steps skipped on the device (`fused='compile'`): the last one into `last_overflow`, the warning as `_on_overflow` gives it"
+    "After steps skipped on the device: diagnose the last one"
     if self._lazy_from is None: return
     new,self._lazy_from = self._newest_overflow(),None
     if new is self.last_overflow: return
@@ -94,16 +96,17 @@ def _settle_overflows(self:ScaleTelemetry):
 
 # %% ../nbs/02_callback.ipynb #cb000014
 def check_single_autocast(cbs) -> None:
-    "Raise a `ValueError` if a callback in `cbs` (fastai's `DistributedTrainer`) runs Accelerate with its own mixed precision"
+    "Raise a `ValueError` if a callback in `cbs` runs Accelerate's own AMP"
     for c in cbs:
         mp = str(getattr(c.__dict__.get('accelerator'), 'mixed_precision', 'no'))
-        if mp != 'no': raise ValueError(f"{type(c).__name__} runs Accelerate with mixed_precision={mp!r}, "
-                                        "and an mpx callback applies mixed precision too: "
-                                        "drop mixed_precision from distrib_ctx()/to_distributed() (its default is 'no') and let mpx do it")
+        if mp == 'no': continue
+        raise ValueError(f"{type(c).__name__} runs Accelerate with mixed_precision={mp!r}, "
+                         "and an mpx callback applies mixed precision too: drop mixed_precision from "
+                         "distrib_ctx()/to_distributed() (its default is 'no') and let mpx do it")
 
 # %% ../nbs/02_callback.ipynb #cb000017
 class NormStats:
-    "The running statistics of `model`'s norm layers, saved in one fused copy and put back in another"
+    "The running statistics of `model`'s norm layers, saved and put back"
     def __init__(self, model:nn.Module):
         norms = [m for m in model.modules() if isinstance(m, _NormBase) and m.track_running_stats]
         self.bufs = [b for m in norms for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
@@ -115,69 +118,72 @@ class NormStats:
         "Put the saved statistics back (no host sync)"
         if self.bufs: torch._foreach_copy_(self.bufs, self.saved)
     def restore_where(self, found:Tensor):
-        "Put the saved statistics back where `found` (a one-element tensor) is non-zero: on the device, no host sync"
+        "Put the saved statistics back where `found` is non-zero (no sync)"
         if not self.bufs: return
         keep = found.reshape(()) != 0
         for b,s in zip(self.bufs, self.saved): b.copy_(torch.where(keep, s, b))
 
 # %% ../nbs/02_callback.ipynb #81db7728
 def first_not_fp32(model:nn.Module) -> tuple|None:
-    "The `(name, dtype)` of `model`'s first floating parameter that is not fp32, or None"
+    "The `(name, dtype)` of `model`'s first parameter not fp32, or None"
     return first((n, p.dtype) for n,p in model.named_parameters() if p.is_floating_point() and p.dtype != torch.float32)
 
 def _cast_floats(x, dtype):
-    "The floating tensors of `x` (a batch's inputs) in `dtype`; integer inputs such as token ids untouched"
+    "The floating tensors of `x` (a batch's inputs) in `dtype`"
     return apply(lambda t: t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t, x)
 
-_in_flight = ('_checked', '_found', '_norms_due', '_epoch_start', '_batch_skipped')  # what a nested fit or validation puts aside
-_not_pickled = ('ledger', 'fit_state', 'fused_steps', '_autocast', '_loss_autocast', '_entered', '_norms', '_outer')  # a fit's
+_in_flight = ('_checked', '_found', '_norms_due', '_epoch_start', '_batch_skipped')  # put aside by a nested fit
+_not_pickled = ('ledger', 'fit_state', 'fused_steps', '_autocast', '_loss_autocast', '_entered', '_norms', '_outer')
 
 def _check_opt_state(opt_state:str, fused:Fused) -> str:
-    "`opt_state`, or a `ValueError` at the call where `fused` cannot hold it: only the step engine's own steps keep low-bit state"
+    "`opt_state`, or a `ValueError` where `fused` cannot hold it"
     if opt_state == 'fp32' or fused is not Fused.LOOP: return opt_state
-    raise ValueError(f"opt_state={opt_state!r} needs the step engine's own steps, and fused=False steps fastai's loop, which keeps "
-                     "each parameter's state tensors in fp32: pass fused=True or fused='compile' with it, or opt_state='fp32'")
-_no_kernel = ("not implemented for 'Half'", "not implemented for 'BFloat16'", 'could not create a primitive', 'Unsupported dtype')
+    raise ValueError(f"opt_state={opt_state!r} needs the step engine's own steps, and fused=False steps fastai's loop, "
+                     "which keeps each parameter's state tensors in fp32: pass fused=True or fused='compile' with it, "
+                     "or opt_state='fp32'")
+_no_kernel = ("not implemented for 'Half'", "not implemented for 'BFloat16'", 'could not create a primitive',
+              'Unsupported dtype')
 _instead = {AMPMode.FP16: 'train in bf16 (learn.to_bf16()) or fp32 (learn.to_fp32()) instead',
             AMPMode.BF16: 'train in fp16 (learn.to_fp16()) or fp32 (learn.to_fp32()) instead'}
 
 # %% ../nbs/02_callback.ipynb #91fae438
 class LoadsInto:
-    "`model.load_state_dict` into a layout a fit holds (a bf16 weight, its compensation): each value held as a fit from it holds it"
-    def __init__(self, cb=None): self.cb,self.pending = (weakref.ref(cb) if cb is not None else noop),[]  # no strong pointer back
-    def __reduce__(self): return LoadsInto,()  # a copy of the model (an export mid-fit, an EMA copy) gets hooks that do nothing
+    "`model.load_state_dict` into a layout a fit holds"
+    def __init__(self, cb=None): self.cb,self.pending = (noop if cb is None else weakref.ref(cb)),[]  # no pointer back
+    def __reduce__(self): return LoadsInto,()  # a copy of the model (an export mid-fit) gets hooks doing nothing
     def hook(self, model:nn.Module, ledger):
         "Hook `model`'s `load_state_dict`, until `ledger` closes"
-        for h in (model.register_load_state_dict_pre_hook(self.pre), model.register_load_state_dict_post_hook(self.post)):
-            ledger.defer(h.remove)
+        ledger.defer(model.register_load_state_dict_pre_hook(self.pre).remove)
+        ledger.defer(model.register_load_state_dict_post_hook(self.post).remove)
     def pre(self, module, sd, prefix, *args):
-        "Note the values the load gives to tensors the fit holds otherwise (torch's copy then rounds them)"
+        "Note the values the load gives to tensors the fit holds otherwise"
         cb = self.cb()
         if cb is None: return
         ts = module.state_dict(prefix=prefix, keep_vars=True)
         self.pending = [(t, sd[k]) for k,t in ts.items() if isinstance(sd.get(k), Tensor) and sd[k].shape == t.shape
                         and cb._fp32_of(t) is not None]
     def post(self, module, incompatible):
-        "Hold each value noted as the fit holds it (its compensation too), where torch's copy rounded it"
+        "Hold each value noted as the fit holds it, where torch rounded it"
         cb,pending,self.pending = self.cb(),self.pending,[]
         with torch.no_grad():
             for t,x in (pending if cb is not None else []): cb._assign(t, x)
 
 # %% ../nbs/02_callback.ipynb #e9ed62b0
 class PrecisionCallback(Callback, ScaleTelemetry):
-    "What every precision mode shares: checks, fp32 predictions, one fused finite check a step, telemetry, state, nothing left behind"
-    order,scaling,input_dtype = 10,False,None
+    "What every precision mode shares"
+    order,input_dtype,scaler = 10,None,None  # `scaler`: the `LossScaler` of a mode that scales the loss
     _mpx_precision = True  # see `is_mpx_precision`
     def __init__(self,
         amp_mode:str|AMPMode=AMPMode.FP16, # The 16-bit dtype: 'fp16' or 'bf16'
-        check_finite:bool=True, # Skip a step whose gradients hold inf/nan (one host sync a step); a scaled loss is always checked
+        check_finite:bool=True, # Skip a step whose gradients hold inf/nan (one host sync a step), as fp16 always does
         fused:bool|str=True, # How the step engine steps (`Fused`): True, False or 'compile'
-        schedule_skips:bool=True, # False: a skipped step does not advance fastai's schedules (`pct_train`), as it makes no update
+        schedule_skips:bool=True, # False: a skipped step, which makes no update, does not advance fastai's schedules
         opt_state:str='fp32', # The optimizer's state in 'fp32', 'bf16', '8bit' or '4bit' (`mpx.lowbit`)
     ):
         check_args(check_finite=check_finite, schedule_skips=schedule_skips, opt_state=opt_state)
         self.opt_state = _check_opt_state(opt_state, Fused.of(fused))
-        self.amp_mode,self.check_finite,self.fused,self.step_log = AMPMode(amp_mode),check_finite,Fused.of(fused),StepLog()
+        self.amp_mode,self.check_finite,self.fused = AMPMode(amp_mode),check_finite,Fused.of(fused)
+        self.step_log = StepLog()
         self.schedule_skips,self._sched_skipped,self._batch_skipped = schedule_skips,0,False
         self.device_type,self.fit_state,self.fused_steps,self.ledger = None,None,None,None
         self._autocast,self._loss_autocast,self._entered = None,None,None  # the autocast contexts, and the one entered
@@ -187,94 +193,110 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         self._began_kept = False  # the fit under way took the layout the last one kept
 
     @property
+    def scaling(self) -> bool:
+        "Whether the loss is scaled: the mode holds a `LossScaler`"
+        return self.scaler is not None
+    @property
     def checking(self) -> bool:
-        "Whether each optimizer step's gradients are checked for inf/nan: always when the loss is scaled, else `check_finite`"
+        "Whether each step's gradients are checked for inf/nan"
         return self.scaling or self.check_finite
     def _check_schedule_skips(self):
-        "`schedule_skips=False` has an effect only where steps are checked, so may be skipped"
-        if not self.schedule_skips and not self.checking: raise ValueError(
-            f"schedule_skips=False has no effect with check_finite=False and amp_mode='{self.amp_mode}': no step is ever skipped. "
-            "Drop schedule_skips, or pass check_finite=True")
+        "Refuse `schedule_skips=False` where no step is ever skipped"
+        if self.schedule_skips or self.checking: return
+        raise ValueError(f"schedule_skips=False has no effect with check_finite=False and amp_mode='{self.amp_mode}': "
+                         "no step is ever skipped. Drop schedule_skips, or pass check_finite=True")
     @property
     def autocast_dtype(self) -> torch.dtype|None:
-        "The dtype the forward pass autocasts to; None where the mode does not autocast"
+        "The dtype the forward pass autocasts to, or None"
         return None
     @property
     def loss_scale(self) -> float:
-        "The current loss scale: 1.0 where the loss is not scaled"
-        return 1.0
+        "The current loss scale, 1.0 where unscaled (a sync in a compiled fit)"
+        return 1.0 if self.scaler is None else self.scaler.pull().scale
     @property
     def _at_floor(self) -> bool:
-        "Whether the scale can fall no further, so that repeated skips are the model's fault, not the scale's"
+        "Whether the scale can fall no further"
         return True
 
     def __repr__(self):
-        return (f"{type(self).__name__}(amp_mode='{self.amp_mode}', loss_scale={self.loss_scale:g}, {self._repr_extra()}"
-                f"{self._repr_state()}skipped_steps={self.skipped_steps}/{self.total_steps})")
-    def _repr_extra(self) -> str: return ''
+        head = f"{type(self).__name__}(amp_mode='{self.amp_mode}', loss_scale={self.loss_scale:g}, "
+        return f"{head}{self._repr_extra()}{self._repr_state()}skipped_steps={self.skipped_steps}/{self.total_steps})"
+    def _repr_extra(self) -> str:
+        s = self.scaler
+        if s is None or not s.dynamic or s.hysteresis == 1: return ''
+        return f'hysteresis={s.pull().hysteresis_left}/{s.hysteresis}, '
     memory_mode = 'amp'  # the `MODE_BYTES` entry of `mpx.lowbit` saying what a parameter holds besides its state
-    keeps_layout = None  # between fits: None keeps a fit's layout where the state is low-bit; a mode says True or False
+    keeps_layout = None  # between fits: None keeps a fit's layout where the state is low-bit, else a mode's True/False
     @property
     def resident(self) -> bool:
-        "Whether a fit's layout stays between fits (a bf16 model with its compensations, low-bit state) until `to_fp32()`"
+        "Whether a fit's layout stays between fits, until `to_fp32()`"
         keeps = self.opt_state != 'fp32' if self.keeps_layout is None else self.keeps_layout
         return keeps and not (torch.distributed.is_available() and torch.distributed.is_initialized())
     def param_bytes(self, n_state:int=2) -> float:
-        "Bytes a large parameter holds between steps in this mode with `n_state` state tensors (Adam: 2)"
+        "Bytes a parameter holds between steps, with `n_state` state tensors"
         return param_bytes(self.memory_mode, self.opt_state, n_state)
     def _repr_state(self) -> str:
-        return '' if self.opt_state == 'fp32' else f"opt_state='{self.opt_state}' ({self.param_bytes():.3g} B/param with Adam), "
+        if self.opt_state == 'fp32': return ''
+        return f"opt_state='{self.opt_state}' ({self.param_bytes():.3g} B/param with Adam), "
 
     # ---- hooks a mode overrides
     def _check_model(self, model:nn.Module):
-        "Raise a `ValueError` before anything changes when the mode cannot train `model`: by default, one that is not all fp32"
+        "Raise a `ValueError` where the mode cannot train `model`"
         bad = first_not_fp32(model)
         if bad: raise ValueError(f"{type(self).__name__} needs an fp32 model: parameter {bad[0]!r} is {bad[1]}; "
                                  "call learn.to_fp32() or model.float() first")
     def _check_untied(self):
-        "A mode that keeps a copy of each weight refuses two parameters sharing memory (it would untie them), before anything changes"
+        "Refuse parameters sharing memory, which a half copy would untie"
         ps = opt_params(self.learn.opt) if self.learn.opt is not None else list(self.model.parameters())
         tied = overlapping(ps)
         if not tied: return
         names = [n for n,p in get_model(self.model).named_parameters() if id(p) in tied]
-        raise ValueError(f"parameters {names} share memory (one a view of another, the transpose say): {type(self).__name__} keeps "
-                         "a half copy of each weight, which would untie them. Tie weights as modules do (one Parameter used twice), "
+        raise ValueError(f"parameters {names} share memory (one a view of another, the transpose say): "
+                         f"{type(self).__name__} keeps a half copy of each weight, which would untie them. "
+                         "Tie weights as modules do (one Parameter used twice), "
                          "or train with AMP (learn.to_bf16() or learn.to_fp16()), which steps them where they lie")
     def _check_cbs(self, cbs):
-        "Raise a `ValueError` before anything changes when another callback of the learner does what the mode cannot follow"
+        "Raise a `ValueError` where another callback does what the mode cannot"
     def _new_fit_state(self):
-        "Prepare one fit (or `get_preds`): an object whose `undo()` puts back what the mode changed, or None"
+        "Prepare one fit (or `get_preds`): a `FitState`, or None"
     def _new_fused_steps(self):
-        "The step engine of one fit on the learner's optimizer (none without one), holding each parameter as the fit state says"
+        "The step engine of one fit on the learner's optimizer, or None"
         if self.learn.opt is None: return None
         kind_of = None if self.fit_state is None else self.fit_state.kind_of
-        return FusedSteps(self.learn.opt, kind_of, fused=self.fused, ledger=self.ledger, opt_state=self.opt_state)  # undo: the ledger
-    def _scale_loss(self, loss): return loss
+        return FusedSteps(self.learn.opt, kind_of, fused=self.fused, ledger=self.ledger, opt_state=self.opt_state)
+    def _scale_loss(self, loss): return loss if self.scaler is None else self.scaler.scale_loss(loss)
     def _step_grads(self) -> list:
-        "The gradients the optimizer is about to apply, each tensor once: one a flat bucket of the step engine"
+        "The gradients the optimizer is about to apply, each tensor once"
         if self.fused_steps is not None: return self.fused_steps.checked()
-        return list({id(p.grad): p.grad for pg in self.learn.opt.param_lists for p in pg if p.grad is not None}.values())
+        grads = (p.grad for pg in self.learn.opt.param_lists for p in pg if p.grad is not None)
+        return list({id(g): g for g in grads}.values())
     def _named_grads(self) -> list:
-        "`(model parameter name, gradient)` in model order, for the overflow diagnosis"
+        "`(parameter name, gradient)` in model order, for the diagnosis"
         if self.fused_steps is not None: return self.fused_steps.named_grads(get_model(self.model))
         return [(n, p.grad) for n,p in get_model(self.model).named_parameters()]
     def _unscale_and_find_overflow(self, lazy:bool=False) -> tuple:
-        "This step's loss scale, and whether its gradients hold an inf or nan: one fused pass, one host sync (`lazy`: none)"
-        found = unscale_and_find_inf_(self._step_grads())
-        return 1.0,(found if lazy else bool(found.item()))
+        "This step's scale, and whether its gradients hold inf/nan (one sync)"
+        s,grads = self.scaler,self._step_grads()
+        if s is not None and lazy: s.to_device(training_device(self.dls, self.model))  # the scale's state stays there
+        found = unscale_and_find_inf_(grads) if s is None else s.unscale_(grads)
+        scale = 1.0 if s is None else s.dev['scale'] if lazy else s.scale
+        return scale,(found if lazy else bool(found.item()))
     def _update_scale(self, found:bool):
         "Update the loss scale after a checked step"
+        if self.scaler is not None: self.scaler.update(found)
     def reset_scaler(self):
         "Start the loss scale afresh at its initial value"
-    def _scaler_state(self) -> dict: return {}
-    def _load_scaler_state(self, sd:dict): pass
+        if self.scaler is not None: self.scaler.reset()
+    def _scaler_state(self) -> dict: return {} if self.scaler is None else self.scaler.state_dict()
+    def _load_scaler_state(self, sd:dict):
+        if self.scaler is not None: self.scaler.load_state_dict(sd)
 
     # ---- one fit: begun in `before_fit`, ended in `after_fit` or by whatever ends the fit
     def before_fit(self):
-        "Finish a fit left half done, check everything, then begin this mode's fit; inside a fit, a nested one"
+        "Check everything, then begin this mode's fit (or a nested one)"
         if self._outer is not None: return self._nest()
-        kept = self._takes_kept()  # the layout the last fit left, as it is: nothing to check in the model, nothing to build
-        self._began_kept = kept  # a fit that fails leaves the learner as it found it: the layout kept stays, one it built goes
+        kept = self._takes_kept()  # the layout the last fit left, as it is: nothing to check, nothing to build
+        self._began_kept = kept  # a fit that fails leaves the learner as it found it: a layout kept stays
         if not kept: self._finish()
         self.device_type = autocast_device_type(training_device(self.dls, self.model))
         check_amp_support(self.device_type, self.amp_mode)
@@ -283,9 +305,10 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         self._check_cbs(self.learn.cbs)
         if not kept: self._check_model(get_model(self.model))
         if not kept and self.input_dtype is not None: self._check_untied()
-        why = None if kept else why_not_lowbit(self.learn.opt, self.fused, self.opt_state)  # kept: the step is the engine's own
+        why = None if kept else why_not_lowbit(self.learn.opt, self.fused, self.opt_state)  # kept: the engine's step
         if why: raise ValueError(why)
-        if not any(type(c).__name__ == 'SkipToEpoch' for c in self.learn.cbs): self._sched_skipped = 0  # a resumed fit keeps its count
+        resumed = any(type(c).__name__ == 'SkipToEpoch' for c in self.learn.cbs)
+        if not resumed: self._sched_skipped = 0  # a resumed fit keeps its count
         dt = self.autocast_dtype
         self._autocast = None if dt is None else torch.autocast(self.device_type, dtype=dt)
         if not kept: self._begin_fit()
@@ -298,13 +321,13 @@ class PrecisionCallback(Callback, ScaleTelemetry):
     def before_epoch(self): self._epoch_start = self.step_log.total
     def after_epoch(self):
         self._settle_overflows()  # compiled: the epoch's skips diagnosed, once
-        if self.fused_steps is not None: self.fused_steps.steps_to_host()  # compiled: the device's counts, once an epoch
+        if self.fused_steps is not None: self.fused_steps.steps_to_host()  # compiled: the device's counts, each epoch
     def before_train(self):
-        "fastai sets `pct_train` from the epoch at each epoch's start: the steps skipped so far come off at its first batch"
+        "Take the steps skipped so far off `pct_train` at the first batch"
         self._offset_due = bool(self._sched_skipped)
 
     def _begin_fit(self):
-        "What a fit changes in the model and the optimizer: the mode's fit state, then the step engine, in one ledger"
+        "Install the mode's fit state, then the step engine, in one ledger"
         self.ledger = Ledger()
         self.fit_state = self._new_fit_state()
         if self.fit_state is not None: self.ledger.defer(self.fit_state.undo)
@@ -312,16 +335,16 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         if self.fit_state is not None: self.fit_state.engine = self.fused_steps
         if self.fused_steps is not None and self.resident: LoadsInto(self).hook(get_model(self.model), self.ledger)
     def _end_fit(self):
-        "Undo `_begin_fit` exactly, in one close of the fit's ledger; a no-op when there is nothing to undo"
+        "Undo `_begin_fit` exactly: one close of the fit's ledger"
         led,self.ledger,self.fit_state,self.fused_steps = self.ledger,None,None,None
         if led is not None: led.close()
     def _takes_kept(self) -> bool:
-        "Whether the layout kept since the last fit fits the learner as it is now, so that the next fit takes it as it is"
+        "Whether the layout kept since the last fit fits the learner now"
         fs = self.fused_steps
         if fs is None or not self.resident: return False
         return not fs.stale(self.learn.opt) and (self.fit_state is None or self.fit_state.same(self.learn))
     def _rest(self):
-        "`after_fit`: what `_finish` does, but a layout the mode keeps between fits (`resident`) stays for the next fit"
+        "`after_fit`: `_finish`, but a layout the mode keeps stays"
         if self.fused_steps is None or not self.resident: return self._finish()
         try:
             self._end_forward()
@@ -333,38 +356,45 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         self.fused_steps.rest()
         self._autocast,self._loss_autocast,self._norms,self._outer = None,None,None,None
     def _restart_if_stale(self) -> bool:
-        "Lay the fit out again, its gradients carried across, when the learner's optimizer changed under it (`create_opt()` mid-fit)"
+        "Lay the fit out again where the learner's optimizer changed under it"
         fs = self.fused_steps
         if fs is None or not fs.stale(self.learn.opt): return False
         with self.suspended(): pass
         return True
     def _leave_fit(self):
-        "End a nested fit or validation, else an exception's fit: as it found the learner (a layout kept stays, one it built goes)"
+        "End a nested fit, else an exception's fit, as it found the learner"
         if self._outer: self._unnest()
         elif self._began_kept: self._rest()
         else: self._finish()
     def _finish(self):
-        "Leave autocast, settle a checked step's scale update, end the mode's fit: what `after_fit` does, safe to repeat"
-        try: self._end_forward(); self._close_step()
+        "End the mode's fit as `after_fit` does, safe to repeat"
+        try:
+            self._end_forward()
+            self._close_step()
         finally: self._end_fit()  # whatever failed before, the fit is undone
         self._settle_overflows()
         self._autocast,self._loss_autocast,self._norms,self._outer = None,None,None,None
+        if self.scaler is not None: self.scaler.pull(keep=False)  # between fits the scale is a host value
     def _nest(self):
-        "Begin a fit or validation nested in the one under way: put aside what the outer one has in flight"
+        "Begin a nested fit or validation: put aside the outer one's step"
         self._outer.append((self._entered, {k: getattr(self, k, None) for k in _in_flight}))
-        self._end_forward(); self._checked = self._found = False
+        self._end_forward()
+        self._checked = self._found = False
     def _unnest(self):
-        "End a nested fit or validation: settle its own step, then give the outer one back what it had in flight"
-        self._end_forward(); self._close_step()
+        "End a nested fit or validation: settle it, give the outer one back"
+        self._end_forward()
+        self._close_step()
         entered,state = self._outer.pop()
         for k,v in state.items(): setattr(self, k, v)
         self._enter(entered)
 
     @contextlib.contextmanager
     def suspended(self):
-        "Context manager: inside it, a fit under way is undone (fp32 weights in the model, its parameters in the optimizer), then resumed"
-        if self.fit_state is None and self.fused_steps is None: yield; return
-        grads = self.fused_steps.grads_in_flight() if self.fused_steps is not None else {}  # an accumulation window stays open
+        "Context manager: a fit under way is undone inside it, then resumed"
+        if self.fit_state is None and self.fused_steps is None:
+            yield
+            return
+        grads = {} if self.fused_steps is None else self.fused_steps.grads_in_flight()  # an accumulation window stays
         self._end_fit()
         try: yield
         finally:
@@ -375,40 +405,48 @@ class PrecisionCallback(Callback, ScaleTelemetry):
     def before_batch(self):
         # `n_iter` is the epoch's now (fastai's `ParamScheduler` reads it after us)
         if self.training and getattr(self, '_offset_due', False):
-            self.learn.pct_train -= self._sched_skipped / (self.n_iter * self.n_epoch); self._offset_due = False
-        if self.training and self._norms_due and self._norms is not None: self._norms.save(); self._norms_due = False
+            self.learn.pct_train -= self._sched_skipped / (self.n_iter * self.n_epoch)
+            self._offset_due = False
+        if self.training and self._norms_due and self._norms is not None:
+            self._norms.save()
+            self._norms_due = False
         if self.input_dtype is not None: self.learn.xb = _cast_floats(self.xb, self.input_dtype)
         self._enter(self._autocast)
     def after_pred(self):
         self.learn.pred = to_float32(self.pred)
-        self._enter(self._loss_autocast)  # a half model's layers inside the loss (a GAN's critic) meet fp32 tensors there
+        self._enter(self._loss_autocast)  # a half model's layers in the loss (a GAN's critic) meet fp32 tensors there
     def after_loss(self):
-        "Leave autocast; the loss in fp32 (fastai's loss averaging adds it to fp32 totals), whatever dtype the loss function made"
+        "Leave autocast: the loss in fp32, whatever dtype the loss made"
         self._end_forward()
         if len(self.yb): self.learn.loss_grad,self.learn.loss = to_float32(self.loss_grad),to_float32(self.loss)
     def before_backward(self):
         if self.scaling: self.learn.loss_grad = self._scale_loss(self.loss_grad)
     def after_batch(self):
-        self._end_forward(); self._close_step()
-        if self.training and self._batch_skipped and not self.schedule_skips:  # fastai's `TrainEvalCallback` (order -10) counted the step
+        self._end_forward()
+        self._close_step()
+        if self.training and self._batch_skipped and not self.schedule_skips:  # fastai's `TrainEvalCallback` counted it
             self._sched_skipped += 1
             self.learn.pct_train -= 1. / (self.n_iter * self.n_epoch)
         self._batch_skipped = False
     def _enter(self, ctx):
-        "Enter autocast context `ctx` unless one is entered already (or `ctx` is None)"
-        if ctx is not None and self._entered is None: ctx.__enter__(); self._entered = ctx
+        "Enter autocast context `ctx`, unless one is entered already"
+        if ctx is None or self._entered is not None: return
+        ctx.__enter__()
+        self._entered = ctx
     def _end_forward(self):
-        "Leave the autocast the forward pass (or the loss) entered; a no-op otherwise"
-        if self._entered is not None: self._entered.__exit__(None, None, None); self._entered = None
+        "Leave the autocast the forward pass (or the loss) entered, if any"
+        if self._entered is None: return
+        self._entered.__exit__(None, None, None)
+        self._entered = None
     def _autocast_for_loss(self):
-        "Autocast in the half dtype for the loss where the model is half and the loss function holds some of its layers, else None"
+        "Autocast for the loss where it holds some of a half model's layers"
         lf,dt = getattr(self.learn, 'loss_func', None),self.input_dtype
         if dt is None or not isinstance(lf, nn.Module) or not any(p.dtype == dt for p in lf.parameters()): return None
         return torch.autocast(self.device_type, dtype=dt)
 
     # ---- one optimizer step
     def before_step(self):
-        "Unscale and check the gradients in one fused pass and skip a step that holds inf/nan: one host sync, or none on the device"
+        "Unscale and check the gradients, and skip a step holding inf/nan"
         self._norms_due = True
         self._restart_if_stale()
         if not self.checking: return self._record(1.0)
@@ -420,28 +458,28 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         self._batch_skipped = self._found
         if self._found: self._skip(scale)
     def _on_device(self) -> bool:
-        "Whether this step is skipped on the device: `fused='compile'` and the engine's kernels step every bucket"
+        "Whether this step is skipped on the device, compiled"
         return self.fused is Fused.COMPILE and self.fused_steps is not None and self.fused_steps.will_compile()
     def _skip_on_device(self, found:Tensor):
-        "The compiled step keeps every output where `found`; the norm statistics too: no host sync (but `schedule_skips=False`'s one)"
+        "Skip a compiled step where `found`, with no host sync"
         self.fused_steps.found = found
         if self._norms is not None: self._norms.restore_where(found)
         if not self.schedule_skips: self._batch_skipped = bool(found.item())
     def _skip(self, scale):
-        "Put the norm statistics back, record which gradient went non-finite, and cancel the optimizer step"
+        "Put the norm statistics back, diagnose, and cancel the step"
         if self._norms is not None: self._norms.restore()
         self._on_overflow(self._named_grads(), float(scale), at_floor=self._at_floor)
         raise CancelStepException()
     def after_step(self): self._close_step()
     def _close_step(self):
-        "Update the scale once for a checked step, wherever it ended: `after_step`, `after_batch`, or a fit cut short"
-        checked,found,self._checked,self._found = self._checked,self._found,False,False  # never retried, even if it fails
+        "Update the scale once for a checked step, wherever it ended"
+        checked,found,self._checked,self._found = self._checked,self._found,False,False  # never retried if it fails
         if self.fused_steps is not None: self.fused_steps.found = None
         if checked: self._update_scale(found)
 
     # ---- checkpoints of a layout kept between fits, a tensor at a time (`Learner.save` and `load` in `mpx.patches`)
     def fp32_model_state(self) -> dict:
-        "The model's state dict as fastai saves it: each tensor the fit holds otherwise a `LazyTensor` of its fp32 value"
+        "The model's state dict as fastai saves it, lazily"
         res = {}
         for k,t in get_model(self.model).state_dict(keep_vars=True).items():
             f = self._fp32_of(t) if isinstance(t, Tensor) else None
@@ -449,44 +487,28 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         return res
     @property
     def kept(self) -> bool:
-        "Whether the learner is between fits with this mode's layout kept (`resident`): a pure bf16 model, low-bit state"
+        "Whether the learner is between fits, this mode's layout kept"
         return self.fused_steps is not None and self._outer is None
     def fp32_value(self, t:Tensor) -> Tensor:
-        "Tensor `t` of the model as a checkpoint holds it: its fp32 value where the fit (or the layout kept) holds it otherwise"
+        "Tensor `t` of the model as a checkpoint holds it"
         f = self._fp32_of(t)
         return t.detach() if f is None else f()
     def _fp32_of(self, t:Tensor) -> Callable|None:
         f = self.fused_steps.fp32_of(t) if self.fused_steps is not None else None
         return f if f is not None or self.fit_state is None else self.fit_state.fp32_of(t)
     def _assign(self, t:Tensor, x:Tensor) -> bool:
-        "Model tensor `t`, held otherwise by the fit, takes fp32 value `x`; False where `t` is itself"
+        "Model tensor `t`, held otherwise by the fit, takes fp32 value `x`"
         if self.fused_steps is not None and self.fused_steps.assign(t, x): return True
         return self.fit_state is not None and self.fit_state.assign(t, x)
-    @contextlib.contextmanager
-    def fp32_model(self):
-        "While inside, each model tensor the layout holds otherwise holds its fp32 value (an `export` pickles them), gradients aside"
-        ts = [t for t in get_model(self.model).state_dict(keep_vars=True).values()
-              if isinstance(t, Tensor) and self._fp32_of(t) is not None]
-        vals = [self.fp32_value(t) for t in ts]  # all read before any is swapped: a swap would read as a write to the engine
-        held = [(t, t.data, t.grad) for t in ts]
-        try:
-            for t,v in zip(ts, vals):
-                t.grad = None  # a half gradient cannot stay on an fp32 tensor; `export` pickles none
-                t.data = v
-            del vals
-            yield
-        finally:
-            for t,d,g in held:
-                t.data = d
-                t.grad = g
     def __getstate__(self):
-        "What `export` pickles: the settings and telemetry, not a fit's (or a layout kept's) engine, ledger and fit state"
+        "What `export` pickles: the settings and telemetry"
         return {**self.__dict__, **{k: None for k in _not_pickled}}
     def load_fp32_model_state(self, sd:dict, strict:bool=True) -> bool:
-        "A streamed checkpoint's model state (`Stored`) into the layout kept, a tensor at a time; False, changing nothing, if it cannot"
+        "A streamed checkpoint's model state into the layout kept, or False"
         ts = get_model(self.model).state_dict(keep_vars=True)
         if strict and set(ts) != set(sd): return False  # fastai's own load says which keys differ
-        if any(not isinstance(v, (Stored, Tensor)) or (k in ts and v.shape != ts[k].shape) for k,v in sd.items()): return False
+        fits = lambda k,v: isinstance(v, (Stored, Tensor)) and (k not in ts or v.shape == ts[k].shape)
+        if not all(fits(k, v) for k,v in sd.items()): return False
         with torch.no_grad():
             for k,v in sd.items():
                 if k not in ts: continue
@@ -496,12 +518,12 @@ class PrecisionCallback(Callback, ScaleTelemetry):
 
     # ---- state
     def state_dict(self) -> dict:
-        "The scaler's state, the step log, its last overflow and the steps the schedule has not counted, as plain Python values"
+        "The scaler's state and the step log, as plain Python values"
         last = self._newest_overflow()
         return dict(scaler=self._scaler_state(), log=self.step_log.state_dict(), sched_skipped=self._sched_skipped,
                     last_overflow=None if last is None else last._asdict())
     def load_state_dict(self, sd:dict):
-        "Restore what `state_dict` returned; a checkpoint without a scaler state starts the scale afresh"
+        "Restore what `state_dict` returned"
         self.step_log.load_state_dict(sd['log'])
         last = sd.get('last_overflow')  # the log's own: `lr_find` loads the log of before its trial steps
         self.last_overflow,self._lazy_from = (None if last is None else Overflow(**last)),None
@@ -509,9 +531,10 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         if sd['scaler']: self._load_scaler_state(sd['scaler'])
         else: self.reset_scaler()
     def _explain(self, e:BaseException):
-        "Add to `e`'s message which mode has no kernel for an op of this model, and what to use instead"
+        "Say in `e` which mode has no kernel for an op, and what to use"
         msg = e.args[0] if e.args and isinstance(e.args[0], str) else None
         if not isinstance(e, (RuntimeError, NotImplementedError)) or msg is None or 'mpx:' in msg: return
         if not any(s in msg for s in _no_kernel): return
-        e.args = (f"{msg}\n\nmpx: under {type(self).__name__}(amp_mode='{self.amp_mode}') an op of this model has no {self.amp_mode} "
-                  f"kernel on {self.device_type}: {_instead[self.amp_mode]}.",) + e.args[1:]
+        mode = f"{type(self).__name__}(amp_mode='{self.amp_mode}')"
+        e.args = (f"{msg}\n\nmpx: under {mode} an op of this model has no {self.amp_mode} kernel on "
+                  f"{self.device_type}: {_instead[self.amp_mode]}.",) + e.args[1:]

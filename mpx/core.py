@@ -20,7 +20,7 @@ __all__ = ['MODE_ARGS', 'AMPMode', 'model_device', 'training_device', 'autocast_
 _dtype2mode = {torch.float16: 'fp16', torch.bfloat16: 'bf16'}
 
 class AMPMode(str, Enum):
-    "Compute dtype of a mixed-precision mode; strings (any case) and torch dtypes are accepted wherever an `AMPMode` is"
+    "The compute dtype of a mixed-precision mode"
     FP16 = 'fp16'
     BF16 = 'bf16'
     def __str__(self): return self.value
@@ -29,7 +29,8 @@ class AMPMode(str, Enum):
 
     @classmethod
     def _missing_(cls, value):
-        key = _dtype2mode.get(value) if isinstance(value, torch.dtype) else value.lower() if isinstance(value, str) else None
+        name = _dtype2mode.get(value) if isinstance(value, torch.dtype) else value
+        key = name.lower() if isinstance(name, str) else None
         if key in cls._value2member_map_: return cls._value2member_map_[key]
         raise ValueError(f"Unknown amp_mode {value!r}: allowed are 'fp16' and 'bf16' "
                          "(AMPMode.FP16, AMPMode.BF16, torch.float16, torch.bfloat16)")
@@ -41,21 +42,22 @@ def model_device(model, default='cpu') -> torch.device:
 
 # %% ../nbs/00_core.ipynb #ca51cd59
 def training_device(dls=None, model=None) -> torch.device:
-    "Where training computes: the data's device (`dls.device`), else `model`'s, else the CPU"
+    "Where training computes: the data's device, else the model's"
     dev = getattr(dls, 'device', None)
     return torch.device(dev) if dev is not None else model_device(model) if model is not None else torch.device('cpu')
 
 # %% ../nbs/00_core.ipynb #dbeede10
 def autocast_device_type(device) -> str:
-    "The `torch.autocast` device type of `device` ('cuda', 'cpu', 'mps', ...); a `ValueError` where autocast is unavailable"
+    "The `torch.autocast` device type of `device`"
     dt = torch.device(device).type
-    if not torch.amp.is_autocast_available(dt): raise ValueError(f"Device {str(device)!r} has no autocast support: "
-                                                                  "mixed precision runs on 'cuda', 'cpu' or 'mps'")
+    if not torch.amp.is_autocast_available(dt):
+        raise ValueError(f"Device {str(device)!r} has no autocast support: "
+                         "mixed precision runs on 'cuda', 'cpu' or 'mps'")
     return dt
 
 # %% ../nbs/00_core.ipynb #e9e9f3b6
 def check_amp_support(device_type:str, mode) -> None:
-    "Raise a `ValueError` when `device_type` cannot compute in `mode`'s dtype"
+    "Raise a `ValueError` where `device_type` cannot compute in `mode`"
     if device_type == 'cuda' and AMPMode(mode) is AMPMode.BF16 and not torch.cuda.is_bf16_supported():
         raise ValueError(f"amp_mode='bf16' needs a GPU with bfloat16 support (compute capability 8.0 or later), "
                          f"which {torch.cuda.get_device_name()} lacks: use amp_mode='fp16'")
@@ -64,16 +66,16 @@ def check_amp_support(device_type:str, mode) -> None:
 _half_dtypes = (torch.float16, torch.bfloat16)
 
 def to_float32(x):
-    "Cast the fp16 and bf16 tensors in `x` (a tensor, or lists, tuples and dicts of them) to fp32, leaving the rest"
+    "The fp16 and bf16 tensors in `x` cast to fp32, the rest left"
     return apply(lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype in _half_dtypes else t, x)
 
 # %% ../nbs/00_core.ipynb #eb05c41c
 def stored_values(t:torch.Tensor) -> torch.Tensor:
-    "The values `t` stores: `t` itself, or a sparse tensor's (an `nn.Embedding(sparse=True)` gradient), in place"
+    "The values `t` stores: `t` itself, or a sparse tensor's"
     return t if t.layout is torch.strided else t._values()
 
 def _grouped(tensors) -> dict:
-    "`tensors` (a tensor, or an iterable of tensors and `None`s) grouped by device and dtype, as the fused kernel needs"
+    "`tensors` grouped by device and dtype, as the fused kernel needs"
     groups = defaultdict(list)
     for t in ([tensors] if isinstance(tensors, torch.Tensor) else tensors):
         if t is not None: groups[(t.device, t.dtype)].append(stored_values(t))
@@ -81,19 +83,20 @@ def _grouped(tensors) -> dict:
 
 # %% ../nbs/00_core.ipynb #6338f53c
 def _fp32_scalar(v, dev) -> torch.Tensor:
-    "`v` (a number or a one-element tensor) as the one-element fp32 tensor on `dev` the fused kernel takes; no host sync"
-    return v.to(dev, torch.float32).reshape(1) if isinstance(v, torch.Tensor) else torch.full((1,), float(v), device=dev)
+    "`v` as the one-element fp32 tensor on `dev` the fused kernel takes"
+    if isinstance(v, torch.Tensor): return v.to(dev, torch.float32).reshape(1)
+    return torch.full((1,), float(v), device=dev)
 
 def _amp_kernel_takes(dev, dtype) -> bool:
-    "Whether torch's fused unscale-and-check kernel has a version for `dtype` on `dev` (CUDA's has none for bf16)"
+    "Whether torch's fused unscale-and-check kernel takes `dtype` on `dev`"
     return dev.type == 'cpu' or dtype is not torch.bfloat16
 
 def _found_in(ts:list, dev, dtype, inv_scale) -> torch.Tensor:
-    "Unscale `ts` (one device and dtype) in place; a one-element fp32 tensor, non-zero iff one holds an inf or nan"
+    "Unscale `ts` (one device and dtype) in place, and flag inf/nan"
     inv = _fp32_scalar(1. if inv_scale is None else inv_scale, dev)
     if _amp_kernel_takes(dev, dtype):
-        f = torch.zeros((), device=dev)  # 0-dim, as GradScaler's: sharded (DTensor) gradients take it with no implicit replication
-        torch._amp_foreach_non_finite_check_and_unscale_(ts, f, inv.reshape(()))  # (their flag is then the max over every rank)
+        f = torch.zeros((), device=dev)  # 0-dim, as GradScaler's: DTensor gradients take it, no implicit replication
+        torch._amp_foreach_non_finite_check_and_unscale_(ts, f, inv.reshape(()))  # (then the max of every rank's flag)
         return f.reshape(1)
     # CUDA's fused kernel has no bf16 version (pure bf16's gradients): a fused multiply, then the inf-norms' finiteness
     if inv_scale is not None: torch._foreach_mul_(ts, inv.reshape(()))
@@ -101,7 +104,7 @@ def _found_in(ts:list, dev, dtype, inv_scale) -> torch.Tensor:
 
 @torch.no_grad()
 def unscale_and_find_inf_(tensors, inv_scale=None) -> torch.Tensor:
-    "Multiply `tensors` in place by `inv_scale` (if given) and return a one-element tensor, non-zero iff any is inf or nan. No host sync"
+    "Unscale `tensors` in place, and flag inf/nan (no host sync)"
     found = None
     for (dev,dt),ts in _grouped(tensors).items():
         f = _found_in(ts, dev, dt, inv_scale)
@@ -110,7 +113,7 @@ def unscale_and_find_inf_(tensors, inv_scale=None) -> torch.Tensor:
 
 # %% ../nbs/00_core.ipynb #51273019
 def has_inf_or_nan(tensors) -> bool:
-    "True if any of `tensors` holds an inf or a nan: one fused pass per device and dtype, one host sync"
+    "Whether any of `tensors` holds an inf or a nan (one host sync)"
     return bool(unscale_and_find_inf_(tensors).item())
 
 # %% ../nbs/00_core.ipynb #b7f12928
@@ -122,9 +125,12 @@ _arg_rules = dict(
     loss_scale      = (numbers.Real, _scale,                 _in_fp32),
     min_scale       = (numbers.Real, _scale,                 _in_fp32),
     max_scale       = (numbers.Real, _scale,                 _in_fp32),
-    growth_factor   = (numbers.Real, lambda v: 1 < v <= _f32.max, f'a finite number > 1 that fp32 holds (at most {_f32.max:.4g})'),
-    backoff_factor  = (numbers.Real, lambda v: _f32.tiny <= v < 1, f'a number in (0, 1) that fp32 holds (at least {_f32.tiny:.4g})'),
-    growth_interval = (numbers.Integral, lambda v: 0 < v < 2**31, 'an integer from 1 to 2**31-1 (the growth tracker is int32)'),
+    growth_factor   = (numbers.Real, lambda v: 1 < v <= _f32.max,
+                       f'a finite number > 1 that fp32 holds (at most {_f32.max:.4g})'),
+    backoff_factor  = (numbers.Real, lambda v: _f32.tiny <= v < 1,
+                       f'a number in (0, 1) that fp32 holds (at least {_f32.tiny:.4g})'),
+    growth_interval = (numbers.Integral, lambda v: 0 < v < 2**31,
+                       'an integer from 1 to 2**31-1 (the growth tracker is int32)'),
     enabled         = (bool, lambda v: True,                'True or False'),
     dynamic         = (bool, lambda v: True,                'True or False'),
     flat_master     = (bool, lambda v: True,                'True or False'),
@@ -142,21 +148,22 @@ _arg_rules = dict(
 
 # %% ../nbs/00_core.ipynb #d19bb1e4
 def check_args(**kwargs) -> None:
-    "Raise a `TypeError` or `ValueError` naming the first invalid loss-scaling argument in `kwargs` and what is allowed"
+    "Raise an error naming the first invalid argument and what is allowed"
     for k,v in kwargs.items():
         typ,ok,allowed = _arg_rules[k]
         typs = typ if isinstance(typ, tuple) else (typ,)
         if not isinstance(v, typ) or (isinstance(v, bool) and bool not in typs):
             raise TypeError(f"{k}={v!r} is a {type(v).__name__}: {k} must be {allowed}")
-        if not ok(v): raise ValueError(f"{k}={v!r} is {'not allowed' if isinstance(v, str) else 'out of range'}: {k} must be {allowed}")
-    if kwargs.get('min_scale', 0) > kwargs.get('max_scale', math.inf):
-        raise ValueError(f"min_scale={kwargs['min_scale']!r} > max_scale={kwargs['max_scale']!r}: min_scale must be <= max_scale")
+        why = 'not allowed' if isinstance(v, str) else 'out of range'
+        if not ok(v): raise ValueError(f"{k}={v!r} is {why}: {k} must be {allowed}")
+    lo,hi = kwargs.get('min_scale', 0),kwargs.get('max_scale', math.inf)
+    if lo > hi: raise ValueError(f"min_scale={lo!r} > max_scale={hi!r}: min_scale must be <= max_scale")
 
 # %% ../nbs/00_core.ipynb #e805bdd5
 def check_known(call:str, # the call's name, as the user wrote it: 'to_fp8'
                 kwargs:dict, known, # the keywords passed, and those `call` takes
                 before:str=''): # what the message lists before `known` ('recipe and ')
-    "Raise a `TypeError` naming the first keyword in `kwargs` that `call` does not take, a close match, and those it takes"
+    "Raise a `TypeError` naming the first keyword `call` does not take"
     known = sorted(known)
     for k in kwargs:
         if k in known: continue
@@ -166,12 +173,12 @@ def check_known(call:str, # the call's name, as the user wrote it: 'to_fp8'
 
 # %% ../nbs/00_core.ipynb #fu000002
 class Fused(str, Enum):
-    "How the step engine steps: fastai's loop (`fused=False`), flat buffers (`True`), one kernel a run (`'compile'`)"
+    "How the step engine steps: fastai's loop, flat buffers, or compiled"
     LOOP,FLAT,COMPILE = 'loop','flat','compile'
     def __str__(self): return self.value
     @classmethod
     def of(cls, fused) -> Fused:
-        "`fused` (True, False or 'compile', or a `Fused`) as a `Fused`; a `TypeError`/`ValueError` naming it otherwise"
+        "`fused` (True, False, 'compile' or a `Fused`) as a `Fused`"
         if isinstance(fused, cls): return fused
         check_args(fused=fused)
         return cls.COMPILE if fused == 'compile' else cls.FLAT if fused else cls.LOOP
@@ -181,11 +188,11 @@ class _DefaultFloat(float): "A float left at its default"
 class _DefaultInt(int): "An int left at its default"
 
 def default(v):
-    "`v` marked as a default value, so that `passed` can tell it from a value the user passed"
+    "`v` marked as a default, so that `passed` leaves it out"
     return _DefaultInt(v) if isinstance(v, int) else _DefaultFloat(v)
 
 def passed(**kwargs) -> dict:
-    "The arguments in `kwargs` the user passed: those not left at a `default`"
+    "The arguments the user passed: those not left at a `default`"
     return {k:v for k,v in kwargs.items() if not isinstance(v, (_DefaultFloat, _DefaultInt))}
 
 # %% ../nbs/00_core.ipynb #3d5e0c6c
@@ -208,27 +215,30 @@ MODE_ARGS = dict(  # argument: {callback that takes it: what it needs there to h
     fused           = _both,
     schedule_skips  = _both,
     opt_state       = _both,
-    comm            = dict(amp='scaled comm'),  # comm='fp16' needs the fp16 loss scale; 'bf16' has fp32's range (`mpx.parallel`)
+    comm            = dict(amp='scaled comm'),  # 'fp16' needs the fp16 loss scale, 'bf16' has fp32's range
 )
 
 def mode_args(mode:str) -> list:
-    "The arguments callback `mode` ('amp', 'master' or 'pure') takes, in the table's order"
+    "The arguments callback `mode` takes, in the table's order"
     return [k for k,takes in MODE_ARGS.items() if mode in takes]
 
 def check_mode_args(mode:str, amp_mode, is_dynamic:bool=False, **given) -> None:
-    "Raise a `ValueError` for the first argument the user passed (`given`) with no effect in `mode`, then check each against its rule"
+    "Raise a `ValueError` for an argument passed with no effect in `mode`"
+    bf16,off = AMPMode(amp_mode) is AMPMode.BF16,given.get('enabled') is False
     for k,v in given.items():
         need = MODE_ARGS[k][mode]
-        if need in ('fp16', 'dynamic') and AMPMode(amp_mode) is AMPMode.BF16:
-            raise ValueError(f"{k}={v!r} has no effect with amp_mode='bf16': bf16 has fp32's range and needs no loss scaling. "
-                             f"Drop {k}, or use amp_mode='fp16'")
-        if need == 'fp16' and mode == 'amp' and given.get('enabled') is False:
-            raise ValueError(f"{k}={v!r} has no effect with enabled=False: nothing is scaled. Drop {k}, or enable the callback")
+        if need in ('fp16', 'dynamic') and bf16:
+            raise ValueError(f"{k}={v!r} has no effect with amp_mode='bf16': bf16 has fp32's range and needs no loss "
+                             f"scaling. Drop {k}, or use amp_mode='fp16'")
+        if need == 'fp16' and mode == 'amp' and off:
+            raise ValueError(f"{k}={v!r} has no effect with enabled=False: nothing is scaled. "
+                             f"Drop {k}, or enable the callback")
         if need == 'dynamic' and not is_dynamic:
-            raise ValueError(f"{k}={v!r} has no effect with a static loss scale: pass dynamic=True to use it, or drop {k}")
-        if need == 'scaled comm' and v == 'fp16' and (AMPMode(amp_mode) is AMPMode.BF16 or given.get('enabled') is False):
-            unscaled = 'bf16' if AMPMode(amp_mode) is AMPMode.BF16 else 'enabled=False'
-            raise ValueError(f"{k}='fp16' needs the fp16 loss scale, which {unscaled} does not have: unscaled gradients lose their "
-                             "small values in an fp16 all-reduce, and an overflow there has no scale to back off. "
-                             f"Use {k}='bf16' (fp32's range), or learn.to_fp16()")
+            raise ValueError(f"{k}={v!r} has no effect with a static loss scale: "
+                             f"pass dynamic=True to use it, or drop {k}")
+        if need == 'scaled comm' and v == 'fp16' and (bf16 or off):
+            unscaled = 'bf16' if bf16 else 'enabled=False'
+            raise ValueError(f"{k}='fp16' needs the fp16 loss scale, which {unscaled} does not have: unscaled "
+                             "gradients lose their small values in an fp16 all-reduce, and an overflow there has no "
+                             f"scale to back off. Use {k}='bf16' (fp32's range), or learn.to_fp16()")
     check_args(**given)

@@ -18,7 +18,7 @@ __all__ = ['Hardware', 'cpu_hardware', 'cuda_hardware', 'mps_hardware', 'detect_
 
 # %% ../nbs/00a_hardware.ipynb #92143906
 class Hardware(NamedTuple):
-    "A device as mpx sees it: its name, whether bf16 and fp16 compute fast there, and why"
+    "A device as mpx sees it: whether bf16 and fp16 are fast there, and why"
     device:str # 'cpu', 'cuda', 'mps'
     name:str # the CPU model or the GPU's name
     bf16_fast:bool # bf16 matmuls and convolutions beat fp32 here
@@ -29,32 +29,35 @@ class Hardware(NamedTuple):
     def __str__(self):
         speed = lambda fast: 'fast' if fast else 'slow'
         flags = ' '.join(self.flags) or 'none'
-        return f"{self.device} ({self.name}): bf16 {speed(self.bf16_fast)}, fp16 {speed(self.fp16_fast)} | flags: {flags}"
+        speeds = f"bf16 {speed(self.bf16_fast)}, fp16 {speed(self.fp16_fast)}"
+        return f"{self.device} ({self.name}): {speeds} | flags: {flags}"
 
 # %% ../nbs/00a_hardware.ipynb #dfa6ab3c
-_cpu_flags = ('avx2', 'avx512f', 'avx512_bf16', 'amx_tile', 'amx_bf16', 'avx512_fp16', 'amx_fp16', 'bf16', 'sve_bf16', 'fp16_arith')
+_cpu_flags = ('avx2', 'avx512f', 'avx512_bf16', 'amx_tile', 'amx_bf16', 'avx512_fp16', 'amx_fp16',
+              'bf16', 'sve_bf16', 'fp16_arith')
 
 def _cpu_bf16(fl:set) -> tuple[bool, str]:
     "Whether a CPU with ISA flags `fl` runs bf16 fast, and why"
     if fl & {'amx_bf16', 'amx_tile'}: return True, "bf16: this CPU has AMX-BF16 (bf16 matrix tiles)"
     if 'avx512_bf16' in fl: return True, "bf16: this CPU has AVX512-BF16 (no AMX): native bf16 dot products"
     if fl & {'bf16', 'sve_bf16'}: return True, "bf16: this ARM CPU has BF16 instructions (BFMMLA)"
-    if 'avx512f' in fl: return False, ("bf16: this CPU has no AVX512-BF16/AMX: bf16 is converted to fp32 and runs no faster than fp32, "
-                                       "often several times slower")
+    if 'avx512f' in fl: return False, ("bf16: this CPU has no AVX512-BF16/AMX: bf16 is converted to fp32 "
+                                       "and runs no faster than fp32, often several times slower")
     return False, "bf16: this CPU has no AVX512-BF16/AMX (not even AVX512): bf16 runs ~10-100x slower than fp32 here"
 
 def _cpu_fp16(fl:set) -> tuple[bool, str]:
     "Whether a CPU with ISA flags `fl` runs fp16 fast, and why"
     if 'amx_fp16' in fl: return True, "fp16: this CPU has AMX-FP16 (fp16 matrix tiles)"
     if 'avx512_fp16' in fl: return True, "fp16: this CPU has AVX512-FP16: native fp16 arithmetic"
-    return False, "fp16: this CPU has no AVX512-FP16/AMX-FP16: fp16 matmuls have no fast kernels and run ~10x or more slower than fp32 here"
+    return False, ("fp16: this CPU has no AVX512-FP16/AMX-FP16: "
+                   "fp16 matmuls have no fast kernels and run ~10x or more slower than fp32 here")
 
 def cpu_hardware(
     flags:set, # ISA flags, as /proc/cpuinfo spells them ('avx512f', 'avx512_bf16', 'amx_bf16', ...)
     capability:str='', # torch's CPU kernel level, `torch.backends.cpu.get_cpu_capability()`
     name:str='CPU', # the CPU model
 ) -> Hardware:
-    "The `Hardware` of a CPU with these `flags`: a pure function of its arguments"
+    "The `Hardware` of a CPU with these `flags`"
     fl = set(flags)
     (bf16,why_bf16),(fp16,why_fp16) = _cpu_bf16(fl),_cpu_fp16(fl)
     notes = (why_bf16, why_fp16) + ((f"torch's CPU kernels: {capability}",) if capability else ())
@@ -67,13 +70,14 @@ def cuda_hardware(
     bf16_supported:bool, # `torch.cuda.is_bf16_supported(including_emulation=False)`
     device:str='cuda', # the torch device
 ) -> Hardware:
-    "The `Hardware` of a CUDA GPU: tensor cores (compute capability 7.0+) run fp16 fast; 8.0+ runs bf16 fast too"
+    "The `Hardware` of a CUDA GPU"
     cc = '.'.join(map(str, capability[:2]))
     tc,bf16 = tuple(capability) >= (7,0),tuple(capability) >= (8,0) and bf16_supported
     fp16_note = (f"fp16: tensor cores (compute capability {cc})" if tc
                  else f"fp16: no tensor cores (compute capability {cc} < 7.0): little or no gain over fp32")
     bf16_note = (f"bf16: bf16 tensor cores (compute capability {cc})" if bf16
-                 else f"bf16: compute capability {cc} < 8.0 has no bf16 tensor cores: bf16 is emulated and runs slower than fp32 here")
+                 else f"bf16: compute capability {cc} < 8.0 has no bf16 tensor cores: "
+                      "bf16 is emulated and runs slower than fp32 here")
     flags = (f'sm_{cc.replace(".", "")}',) + (('tensor_cores',) if tc else ()) + (('bf16',) if bf16_supported else ())
     return Hardware(device, name, bf16, tc, flags, (bf16_note, fp16_note))
 
@@ -81,7 +85,7 @@ def mps_hardware(
     bf16_supported:bool, # whether this MPS device takes bf16 tensors (macOS 14+)
     name:str='Apple GPU', # the chip
 ) -> Hardware:
-    "The `Hardware` of an Apple GPU: fp16 is its native half type; bf16 is not counted as fast"
+    "The `Hardware` of an Apple GPU"
     bf16_note = ("bf16: supported (macOS 14+), not known to beat fp16 on Apple GPUs" if bf16_supported
                  else "bf16: not supported on this MPS device (needs macOS 14)")
     flags = ('fp16',) + (('bf16',) if bf16_supported else ())
@@ -89,7 +93,7 @@ def mps_hardware(
 
 # %% ../nbs/00a_hardware.ipynb #ba115963
 def _cpuinfo(path='/proc/cpuinfo') -> tuple[set, str]:
-    "The ISA flags and model name in `path` (Linux; empty elsewhere)"
+    "The ISA flags and model name in `path` (Linux, else empty)"
     try: txt = Path(path).read_text()
     except OSError: return set(), ''
     flags,name = re.search(r'^(?:flags|Features)\s*:(.*)$', txt, re.M),re.search(r'^model name\s*:(.*)$', txt, re.M)
@@ -100,7 +104,7 @@ _torch_queries = {'avx512f': '_is_avx512_supported', 'avx512_bf16': '_is_avx512_
                   'amx_tile': '_is_amx_tile_supported', 'amx_fp16': '_is_amx_fp16_supported'}  # torch before 2.8
 
 def _torch_cpu_flags() -> set:
-    "The CPU flags torch itself detects: `torch.cpu.get_capabilities()` (torch 2.8+), else its `_is_*_supported` queries"
+    "The CPU flags torch itself detects"
     caps = getattr(torch.cpu, 'get_capabilities', None)
     if caps is not None: return {_torch_alias.get(k, k) for k,v in caps().items() if v is True}
     mods = [torch.cpu, getattr(torch._C, '_cpu', None)]
@@ -119,30 +123,32 @@ def _mps_bf16() -> bool:
 
 def _unknown_hardware(dev:torch.device) -> Hardware:
     "A device mpx knows nothing about: neither 16-bit dtype counted fast"
-    return Hardware(str(dev), dev.type, False, False, (), (f'bf16: unknown device {dev.type}', f'fp16: unknown device {dev.type}'))
+    notes = (f'bf16: unknown device {dev.type}', f'fp16: unknown device {dev.type}')
+    return Hardware(str(dev), dev.type, False, False, (), notes)
 
 def _default_device() -> torch.device:
-    "fastai's `default_device()`: where a `Learner` trains unless told otherwise"
-    from fastai.torch_core import default_device  # fastai's device rule; mpx.core has imported this module already
+    "fastai's `default_device()`, where a `Learner` trains by default"
+    from fastai.torch_core import default_device  # fastai's device rule (mpx.core has imported fastai's module)
     return default_device()
 
 def detect_hardware(
     device=None, # a torch device or its name; `None`: fastai's `default_device()`
 ) -> Hardware:
-    "The `Hardware` of `device`, from torch's queries and, on a CPU, the ISA flags in /proc/cpuinfo"
+    "The `Hardware` of `device`, from torch and /proc/cpuinfo"
     dev = torch.device(_default_device() if device is None else device)
     if dev.type == 'cuda': return _cuda_hardware(dev)
     if dev.type == 'mps': return mps_hardware(_mps_bf16(), platform.processor() or 'Apple GPU')
     if dev.type != 'cpu': return _unknown_hardware(dev)
     flags,name = _cpuinfo()
-    return cpu_hardware(flags | _torch_cpu_flags(), torch.backends.cpu.get_cpu_capability(), name or platform.processor() or 'CPU')
+    name = name or platform.processor() or 'CPU'
+    return cpu_hardware(flags | _torch_cpu_flags(), torch.backends.cpu.get_cpu_capability(), name)
 
 # %% ../nbs/00a_hardware.ipynb #50d753a4
 def slow_reason(
     device, # a torch device, its name, or a `Hardware`
     mode, # 'bf16' or 'fp16' (or an `AMPMode`)
 ) -> str|None:
-    "Why `mode` computes slower than fp32 on `device`, or `None` where it is not known to be slow"
+    "Why `mode` is slower than fp32 on `device`, or None"
     mode,hw = AMPMode(mode),device if isinstance(device, Hardware) else detect_hardware(device)
     fast,note = (hw.bf16_fast, hw.notes[0]) if mode is AMPMode.BF16 else (hw.fp16_fast, hw.notes[1])
     # fp16 without tensor cores and bf16 on MPS gain little but lose little: not slow
@@ -155,7 +161,7 @@ def warn_if_slow(
     device, # a torch device, its name, or a `Hardware`
     mode, # 'bf16' or 'fp16' (or an `AMPMode`)
 ) -> bool:
-    "Issue a `UserWarning` saying why, once per process for each device type and mode, when `mode` is slow on `device`; True if it warned"
+    "Warn once where `mode` is slow on `device`, saying why"
     hw = device if isinstance(device, Hardware) else detect_hardware(device)
     key = (torch.device(hw.device).type, AMPMode(mode).value)
     if key in _slow_warned or (why := slow_reason(hw, mode)) is None: return False
@@ -165,5 +171,5 @@ def warn_if_slow(
     return True
 
 def reset_slow_warnings():
-    "Forget which slow-mode warnings were issued, so `warn_if_slow` warns again (for tests)"
+    "Forget the warnings `warn_if_slow` gave, so it warns again"
     _slow_warned.clear()

@@ -26,34 +26,40 @@ def _only(cb:str, kwargs:dict) -> list:
     return sorted(k for k in kwargs if list(MODE_ARGS[k]) == [cb])
 
 def _check_known(mode:AMPMode, kwargs:dict):
-    "Raise a `TypeError` naming a keyword no precision callback takes, a close match, and the allowed ones"
+    "Raise a `TypeError` naming a keyword no precision callback takes"
     known = [k for k,takes in MODE_ARGS.items() if mode is AMPMode.BF16 or set(takes) != {'pure'}]
     check_known(f'to_{mode}', kwargs, known, f"master, {'pure, ' * (mode is AMPMode.BF16)}and ")
 
 def _check_pure_mode(mode:AMPMode, pure:bool, kwargs:dict):
-    "Raise a `ValueError` when fp16 is asked for pure training (`pure=True`, `update`, `seed`): pure training is bf16 only"
+    "Raise a `ValueError` where fp16 is asked for pure training"
     if mode is AMPMode.BF16: return
-    asked = (['pure=True'] if pure else []) + [f'{k}={v!r}' for k,v in kwargs.items() if list(MODE_ARGS.get(k, {})) == ['pure']]
-    if asked: raise ValueError(f"to_{mode}({', '.join(asked)}): pure training keeps bf16 weights (PureBF16), so it is bf16 only: "
-                               "use learn.to_bf16(pure=True, ...)")
+    pure_only = [f'{k}={v!r}' for k,v in kwargs.items() if list(MODE_ARGS.get(k, {})) == ['pure']]
+    asked = (['pure=True'] if pure else []) + pure_only
+    if not asked: return
+    raise ValueError(f"to_{mode}({', '.join(asked)}): pure training keeps bf16 weights (PureBF16), so it is bf16 only: "
+                     "use learn.to_bf16(pure=True, ...)")
 
 def precision_callback(mode:str|AMPMode, master:bool=False, pure:bool=False, **kwargs) -> PrecisionCallback:
-    "What `to_fp16`/`to_bf16` add: `PureBF16` with `pure`, `MasterPrecision` with `master` or its own arguments, else `MixedPrecision`"
+    "The precision callback `to_fp16`/`to_bf16` add for these arguments"
     mode = AMPMode(mode)
     check_args(master=master, pure=pure)
     _check_pure_mode(mode, pure, kwargs)
     _check_known(mode, kwargs)
     if pure: return _pure_cb(master, kwargs)
-    if _only('pure', kwargs): k = _only('pure', kwargs)[0]; raise ValueError(
-        f"{k}={kwargs[k]!r} is a pure bf16 argument: pass pure=True with it (learn.to_bf16(pure=True, {k}=...))")
-    amp,legacy = _only('amp', kwargs),_only('master', kwargs)
-    if (master or legacy) and amp: raise ValueError(f"{amp} are MixedPrecision arguments but {legacy or ['master=True']} "
-                                                    "select MasterPrecision: pass one or the other")
+    amp,legacy,pure_only = _only('amp', kwargs),_only('master', kwargs),_only('pure', kwargs)
+    if pure_only:
+        k = pure_only[0]
+        raise ValueError(f"{k}={kwargs[k]!r} is a pure bf16 argument: "
+                         f"pass pure=True with it (learn.to_bf16(pure=True, {k}=...))")
+    if (master or legacy) and amp:
+        raise ValueError(f"{amp} are MixedPrecision arguments but {legacy or ['master=True']} select MasterPrecision: "
+                         "pass one or the other")
     return _callbacks['master' if master or legacy else 'amp'](mode, **kwargs)
 
 def _pure_cb(master:bool, kwargs:dict) -> PureBF16:
-    "`PureBF16(**kwargs)`, refusing what pure bf16 cannot do: fp32 masters, and loss scaling (bf16 needs none)"
-    if master: raise ValueError("pure=True keeps no fp32 master weights and master=True keeps them: pass one or the other")
+    "`PureBF16(**kwargs)`, refusing fp32 masters and loss scaling"
+    if master:
+        raise ValueError("pure=True keeps no fp32 master weights and master=True keeps them: pass one or the other")
     bad = sorted(kwargs.keys() - set(mode_args('pure')))
     if bad: raise ValueError(f"{bad} have no effect with pure=True: pure bf16 has no loss scale and no masters; "
                              f"it takes {sorted(mode_args('pure'))}")
@@ -63,27 +69,27 @@ def _pure_cb(master:bool, kwargs:dict) -> PureBF16:
 @patch
 @delegates(MixedPrecision, but=['amp_mode'])
 def to_fp16(self:Learner, master:bool=False, **kwargs):
-    "fp16 mixed precision: autocast and a `GradScaler`, or `MasterPrecision` with `master=True` or any of its arguments"
+    "fp16 mixed precision: AMP, or fp32 masters (`MasterPrecision`)"
     return self._set_precision(precision_callback(AMPMode.FP16, master, **kwargs))._warn_if_slow()
 
 @patch
 def to_bf16(self:Learner,
     master:bool=False, # A bf16 model with fp32 master weights (`MasterPrecision`)
-    pure:bool=False, # bf16 weights and no masters, updates folded back with `update` ('kahan' or 'stochastic'; `PureBF16`)
+    pure:bool=False, # bf16 weights, no masters: updates folded back by `update` (`PureBF16`)
     **kwargs):
-    "bf16 mixed precision: autocast, no loss scaling; a bf16 model and fp32 masters (`master=True`); or bf16 weights alone (`pure=True`)"
+    "bf16 mixed precision: AMP, fp32 masters or pure bf16 weights"
     return self._set_precision(precision_callback(AMPMode.BF16, master, pure, **kwargs))._warn_if_slow()
 
 @patch
 def _warn_if_slow(self:Learner):
-    "Warn once per process when this learner's precision callback computes in a dtype known to be slow on its device (see `mpx.hardware`)"
+    "Warn once if the precision's dtype is slow here (`mpx.hardware`)"
     cb = first(self.cbs, is_mpx_precision)
     if cb is not None: warn_if_slow(training_device(self.dls, self.model), cb.amp_mode)
     return self
 
 @patch
 def to_fp32(self:Learner):
-    "Train in fp32: remove every precision callback, mpx's and fastai's, and put the model back in fp32"
+    "Remove every precision callback and put the model back in fp32"
     return self._set_precision(None)
 
 # %% ../nbs/07_learner.ipynb #c520b3a6
@@ -91,8 +97,9 @@ def _mpx_cb(learn:Learner): return first(_precision_cbs(learn))
 
 @patch
 def log_loss_scale(self:Learner):
-    "Add the loss scale and the epoch's skipped steps to the progress table (and so to `CSVLogger`, W&B, TensorBoard)"
-    if _mpx_cb(self) is None: raise ValueError("log_loss_scale needs a precision callback: call learn.to_fp16() or learn.to_bf16() first")
+    "Log the loss scale and the epoch's skipped steps as metrics"
+    if _mpx_cb(self) is None:
+        raise ValueError("log_loss_scale needs a precision callback: call learn.to_fp16() or learn.to_bf16() first")
     cols = [ValueMetric(lambda: getattr(_mpx_cb(self), 'loss_scale', 1.), 'loss_scale'),
             ValueMetric(lambda: getattr(_mpx_cb(self), 'epoch_skipped_steps', 0), 'skipped_steps')]
     self.metrics = L(m for m in self.metrics if m.name not in ('loss_scale', 'skipped_steps')) + cols

@@ -19,21 +19,22 @@ __all__ = ['check_fastai_version', 'is_mpx_precision', 'check_one_precision']
 
 # %% ../nbs/01c_patches.ipynb #7a695868
 from .warn import warn_user
-_supported = ('2.8.0', '2.9.0')  # fastai versions whose internals these patches were written and pinned against: [from, to)
+_supported = ('2.8.0', '2.9.0')  # [from, to): the fastai versions whose internals these patches are pinned against
 
 def check_fastai_version(version:str=fastai.__version__) -> bool:
-    "Warn, naming both, when `version` of fastai is outside the range mpx's patches are pinned against; True if inside"
+    "Whether fastai `version` is one the patches are pinned against, else warn"
     from packaging.version import Version
     ok = Version(_supported[0]) <= Version(version) < Version(_supported[1])
-    if not ok: warn_user(f"mpx's fastai patches are pinned against fastai >={_supported[0]},<{_supported[1]} and fastai {version} is "
-                         "installed: run mpx's tests/test_patches.py, which names each fastai behaviour mpx relies on")
+    pins = f">={_supported[0]},<{_supported[1]}"
+    if not ok: warn_user(f"mpx's fastai patches are pinned against fastai {pins} and fastai {version} is installed: "
+                         "run mpx's tests/test_patches.py, which names each fastai behaviour mpx relies on")
     return ok
 
 check_fastai_version()
 
 # %% ../nbs/01c_patches.ipynb #ae98899a
 def is_mpx_precision(c) -> bool:
-    "Whether `c` is an mpx precision callback, by a class marker (not `isinstance`: these patches must know mpx's callbacks after a reload)"
+    "Whether `c` is an mpx precision callback, by a class marker"
     return getattr(type(c), '_mpx_precision', False)
 
 def _precision_cbs(learn:Learner) -> L:
@@ -47,7 +48,7 @@ _fastai_types = (fastai_fp16.MixedPrecision,) + _fastai_pair
 def _qualname(c) -> str: return f"{type(c).__module__}.{type(c).__name__}"
 
 def check_one_precision(cbs, new=None) -> None:
-    "Raise a `ValueError` naming both when `cbs` (with `new` added) holds two precision callbacks, mpx's or fastai's"
+    "Raise a `ValueError` where `cbs` and `new` hold two precision callbacks"
     found = [c for c in L(cbs) + L(new) if is_mpx_precision(c) or isinstance(c, _fastai_types)]
     for a,b in itertools.combinations(found, 2):
         if a is not b and not (isinstance(a, _fastai_pair) and isinstance(b, _fastai_pair)):
@@ -61,7 +62,7 @@ _fastai_with_events = getattr(Learner._with_events, '_fastai', Learner._with_eve
 
 @patch
 def _with_events(self:Learner, f, event_type, ex, final=noop):
-    "fastai's `_with_events`; when an exception ends a fit or a validation, the precision callbacks are finished first"
+    "fastai's `_with_events`, finishing the precision callbacks on an exception"
     try: _fastai_with_events(self, f, event_type, ex, final)
     except BaseException as e:
         if event_type in ('fit', 'validate'):
@@ -78,7 +79,7 @@ _fastai_enter = getattr(Learner.__enter__, '_fastai', Learner.__enter__)
 
 @patch
 def __enter__(self:Learner):
-    "fastai's `Learner.__enter__` (`before_fit`, `before_epoch` of a validation); the precision callbacks finished if it fails"
+    "fastai's `Learner.__enter__`, finishing the precision callbacks if it fails"
     try: return _fastai_enter(self)
     except BaseException:
         for c in self.cbs.filter(is_mpx_precision): c._leave_fit()
@@ -90,9 +91,11 @@ _fastcore_cms_enter = getattr(ContextManagers.__enter__, '_fastcore', ContextMan
 
 @patch
 def __enter__(self:ContextManagers):
-    "fastcore's `ContextManagers.__enter__`, exiting the managers it entered when a later one fails"
+    "fastcore's `ContextManagers.__enter__`, exiting those entered if one fails"
     try: return _fastcore_cms_enter(self)
-    except BaseException: self.stack.close(); raise
+    except BaseException:
+        self.stack.close()
+        raise
 
 ContextManagers.__enter__._fastcore = _fastcore_cms_enter
 
@@ -102,43 +105,44 @@ _fastai_remove_cb = getattr(Learner.remove_cb, '_fastai', Learner.remove_cb)
 
 @patch
 def add_cb(self:Learner, cb):
-    "fastai's `add_cb`, refusing a second precision callback; mpx's also answer to `learn.mixed_precision`"
+    "fastai's `add_cb`, refusing a second precision callback"
     if isinstance(cb, type): cb = cb()
     check_one_precision(self.cbs, cb)
     _fastai_add_cb(self, cb)
-    if is_mpx_precision(cb): self.__dict__['mixed_precision'] = cb
+    if is_mpx_precision(cb): self.mixed_precision = cb
     return self
 
 @patch
 def remove_cb(self:Learner, cb):
-    "fastai's `remove_cb`; a removed mpx precision callback first finishes any fit it left half done"
+    "fastai's `remove_cb`, finishing a fit the callback left half done"
     if is_mpx_precision(cb): cb._finish()
-    if not isinstance(cb, type) and self.__dict__.get('mixed_precision') is cb: del self.__dict__['mixed_precision']
+    if not isinstance(cb, type) and getattr(self, 'mixed_precision', None) is cb: del self.mixed_precision
     return _fastai_remove_cb(self, cb)
 
 _fastai_add_cbs = getattr(Learner.add_cbs, '_fastai', Learner.add_cbs)
 
 @patch
 def add_cbs(self:Learner, cbs):
-    "fastai's `add_cbs`, all or none: when `add_cb` refuses one, those added before it are taken off again"
+    "fastai's `add_cbs`, all or none"
     n = len(self.cbs)
     try: return _fastai_add_cbs(self, cbs)
     except BaseException:
         self.remove_cbs(list(self.cbs[n:]))
         raise
 
-Learner.add_cb._fastai,Learner.remove_cb._fastai,Learner.add_cbs._fastai = _fastai_add_cb,_fastai_remove_cb,_fastai_add_cbs
+Learner.add_cb._fastai,Learner.remove_cb._fastai = _fastai_add_cb,_fastai_remove_cb
+Learner.add_cbs._fastai = _fastai_add_cbs
 
 # %% ../nbs/01c_patches.ipynb #123e880b
 def _float_(model:nn.Module):
-    "Cast `model`'s fp16 and bf16 parameters (with their gradients) and buffers to fp32 in place, keeping every tensor object"
+    "Cast `model`'s half tensors and their gradients to fp32, in place"
     for t in itertools.chain(model.parameters(), model.buffers()):
         if t.dtype in (torch.float16, torch.bfloat16): t.data = t.data.float()
         if t.grad is not None and t.grad.dtype != t.dtype: t.grad = t.grad.to(t.dtype)
 
 @patch
 def _set_precision(self:Learner, cb:Callback|None=None):
-    "Remove every precision callback, mpx's and fastai's (finishing a half-done fit), then add `cb`; with none, put the model back in fp32"
+    "Remove every precision callback, then add `cb` (None: an fp32 model)"
     self.remove_cbs([c for c in self.cbs if is_mpx_precision(c) or isinstance(c, _fastai_types)])
     if cb is None: _float_(self.model)
     return self if cb is None else self.add_cb(cb)
@@ -146,7 +150,7 @@ def _set_precision(self:Learner, cb:Callback|None=None):
 # %% ../nbs/01c_patches.ipynb #fc4208d9
 @contextmanager
 def _suspended(learn:Learner):
-    "While inside, every precision fit under way is suspended: fp32 weights in the model, the model's parameters in the optimizer"
+    "While inside, every precision fit under way is suspended"
     with ExitStack() as stack:
         for c in _precision_cbs(learn): stack.enter_context(c.suspended())
         yield
@@ -154,9 +158,11 @@ def _suspended(learn:Learner):
 # %% ../nbs/01c_patches.ipynb #4ff5d9f8
 @contextmanager
 def _state_into_opt(learn:Learner):
-    "While inside, `learn.opt.state_dict()` also holds the precision callbacks' state, under 'mpx'"
+    "While inside, `learn.opt.state_dict()` holds the callbacks' state too"
     opt,cbs = learn.opt,_precision_cbs(learn)
-    if opt is None or not cbs: yield; return
+    if opt is None or not cbs:
+        yield
+        return
     fastai_sd = opt.state_dict  # fastai's, or the step engine's own where a fit (or a layout kept) installed one
     with Ledger() as led:  # which puts back what the instance held
         led.set(opt, 'state_dict', lambda: {**fastai_sd(), 'mpx': {c.name: c.state_dict() for c in cbs}})
@@ -164,11 +170,15 @@ def _state_into_opt(learn:Learner):
 
 @contextmanager
 def _state_from_opt(learn:Learner):
-    "While inside, an optimizer state loaded into `learn.opt` also restores the precision callbacks' (or starts their scale afresh)"
+    "While inside, an optimizer state loaded restores the callbacks' too"
     opt,cbs,got = learn.opt,_precision_cbs(learn),[]
-    if opt is None or not cbs: yield; return
+    if opt is None or not cbs:
+        yield
+        return
     fastai_load = opt.load_state_dict
-    def load(sd): fastai_load({k: v for k,v in sd.items() if k != 'mpx'}); got.append(sd.get('mpx', {}))
+    def load(sd):
+        fastai_load({k: v for k,v in sd.items() if k != 'mpx'})
+        got.append(sd.get('mpx', {}))
     with Ledger() as led:
         led.set(opt, 'load_state_dict', load)
         yield
@@ -178,12 +188,13 @@ def _state_from_opt(learn:Learner):
         else: c.reset_scaler()
 
 # %% ../nbs/01c_patches.ipynb #d1f0b3fb
-_fastai_save,_fastai_load = getattr(Learner.save, '_fastai', Learner.save),getattr(Learner.load, '_fastai', Learner.load)
+_fastai_save = getattr(Learner.save, '_fastai', Learner.save)
+_fastai_load = getattr(Learner.load, '_fastai', Learner.load)
 
 @patch
 @delegates(save_model)
 def save(self:Learner, file, **kwargs):
-    "fastai's `Learner.save`, also storing the loss scale, writing fp32 masters (never half-rounded weights) during a `MasterPrecision` fit"
+    "fastai's `Learner.save`, with the loss scale, of the fp32 model"
     kept = _kept_layout(self)
     if kept: return _save_streamed(self, kept[0], file, **kwargs)
     with _suspended(self), _state_into_opt(self):  # a model sharded with FSDP2: one full state dict (`mpx.parallel`)
@@ -192,7 +203,7 @@ def save(self:Learner, file, **kwargs):
 @patch
 @delegates(load_model)
 def load(self:Learner, file, device=None, **kwargs):
-    "fastai's `Learner.load`, also restoring the loss scale, and loading into the fp32 masters during a `MasterPrecision` fit"
+    "fastai's `Learner.load`, with the loss scale, into the fp32 model"
     if self.opt is None: self.create_opt()
     kept = _kept_layout(self)
     if kept and _load_streamed(self, kept[0], file, **kwargs): return self
@@ -202,28 +213,27 @@ def load(self:Learner, file, device=None, **kwargs):
 Learner.save._fastai,Learner.load._fastai = _fastai_save,_fastai_load
 
 def _kept_layout(learn:Learner) -> list:
-    "The mpx precision callbacks holding a layout they keep between fits on the learner's optimizer: their checkpoints stream"
+    "The precision callbacks holding a layout kept on the learner's optimizer"
     if is_sharded(learn.model): return []
     return [c for c in _precision_cbs(learn) if is_mpx_precision(c) and c.fused_steps is not None and c.resident
             and not c.fused_steps.stale(learn.opt)]
 
 def _save_streamed(learn:Learner, cb, file, with_opt:bool=True, pickle_protocol:int=2):
-    "`Learner.save` of a layout kept: each fp32 tensor made as it is written"
+    "`Learner.save` of a layout kept, each fp32 tensor made as it is written"
     if rank_distrib(): return
     file = join_path_file(file, learn.path/learn.model_dir, ext='.pth')
     cb.fused_steps.refresh()  # writes since the last step first (a weight written resets its compensation)
     state = cb.fp32_model_state()
     if with_opt and learn.opt is not None:
-        cb.fused_steps.lazy = True  # low-bit state as `LazyTensor`s
-        try:
-            with _state_into_opt(learn): state = {'model': state, 'opt': learn.opt.state_dict()}
-        finally: cb.fused_steps.lazy = False
+        with Ledger() as led, _state_into_opt(learn):
+            led.set(cb.fused_steps, 'lazy', True)  # low-bit state as `LazyTensor`s
+            state = {'model': state, 'opt': learn.opt.state_dict()}
     save_streamed(state, file, pickle_protocol)
     return file
 
 def _load_streamed(learn:Learner, cb, file, with_opt:bool=True, strict:bool=True, **kwargs) -> bool:
-    "`Learner.load` into a layout kept, a tensor at a time; False, changing nothing, where the file needs fastai's own load"
-    if not cb.fused_steps.native: return False  # a torch optimizer's `load_state_dict` casts its state to its (half) parameters'
+    "`Learner.load` into a layout kept, a tensor at a time: False if it cannot"
+    if not cb.fused_steps.native: return False  # a torch optimizer's load casts its state to its (half) parameters'
     file = join_path_file(file, learn.path/learn.model_dir, ext='.pth')
     try: state = load_streamed(file)
     except (pickle.UnpicklingError, RuntimeError): return False  # objects of other kinds, or torch's legacy format
@@ -248,23 +258,22 @@ _fastai_export = getattr(Learner.export, '_fastai', Learner.export)
 
 @patch
 def export(self:Learner, fname='export.pkl', **kwargs):
-    "fastai's `export`, of the fp32 model: a fit under way suspended around it; a layout kept, written a tensor at a time"
+    "fastai's `export`, of the fp32 model"
     kept = _kept_layout(self)
     if kept: return _export_kept(self, kept[0], fname, **kwargs)
     with _suspended(self): return _fastai_export(self, fname, **kwargs)
 
 def _export_kept(learn:Learner, cb, fname='export.pkl', pickle_module=cloudpickle, pickle_protocol:int=2):
-    "fastai's `export` of a layout kept: each model tensor it holds otherwise written as its fp32 value, made and freed in turn"
+    "fastai's `export` of a layout kept: each tensor it holds written as its fp32 value, in turn"
     if rank_distrib(): return
     learn._end_cleanup()
     ts = [t for t in get_model(learn.model).state_dict(keep_vars=True).values() if isinstance(t, Tensor)]
     swap = {id(t): LazyTensor(f, torch.float32, t.shape) for t in ts if (f := cb._fp32_of(t)) is not None}
-    dls,opt = learn.dls,learn.opt
-    learn.dls,learn.opt = dls.new_empty(),None  # as fastai's: the optimizer is not exported; it is given back, not made again
-    try:
+    with Ledger() as led:
+        led.set(learn, 'dls', learn.dls.new_empty())
+        led.set(learn, 'opt', None)  # as fastai's: the optimizer is not exported (it is given back, not made again)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             save_streamed(learn, learn.path/fname, pickle_protocol, pickler=pickle_module.Pickler, swap=swap)
-    finally: learn.dls,learn.opt = dls,opt
 
 Learner.export._fastai = _fastai_export

@@ -18,28 +18,32 @@ def interactive(
     stream=None, # where progress is written; `None`: `sys.stdout` as it is now
     notebook:bool=IN_NOTEBOOK, # whether this process runs in a notebook
 ) -> bool:
-    "True where a progress bar redraws in place: `stream` is a terminal, or this is a notebook"
+    "Whether a progress bar redraws in place: a terminal or a notebook"
     stream = sys.stdout if stream is None else stream
     return notebook or bool(getattr(stream, 'isatty', lambda: False)())
 
 # %% ../nbs/08_progress.ipynb #f5bd5107
 class LineBar(MasterBar):
-    "A master bar that draws nothing and prints each line written to it: fastai's table, a row per epoch"
+    "A master bar that draws nothing and prints each line written to it"
     pcls = ProgressBar
-    def __init__(self, gen, total=None): super().__init__(gen, ProgressBar, total); self.widths = None
+    def __init__(self, gen, total=None):
+        super().__init__(gen, ProgressBar, total)
+        self.widths = None
 
     def write(self, line, table=False):
-        "Print `line`; a table's first row sets the widths of its columns"
+        "Print `line`: a table's first row sets its columns' widths"
         if table and self.widths is None: self.widths = [max(len(c), 8) for c in line]
         text = '  '.join(c.ljust(w) for c,w in zip(line, self.widths)) if table else line
         print(text.rstrip(), flush=True)
 
 # %% ../nbs/08_progress.ipynb #475e2323
 class QuietProgress(ProgressCallback):
-    "fastai's `ProgressCallback` where bars redraw in place; elsewhere no bars, and fastai's table as a line per epoch"
+    "fastai's `ProgressCallback` where bars redraw, else a line per epoch"
     def __init__(self,
-        quiet:bool|None=None, # `None`: quiet where `interactive()` is false, decided at each fit; `True`: always; `False`: never
-    ): self.quiet = quiet; self.lines = self._lines()
+        quiet:bool|None=None, # None: quiet where `interactive()` is false (asked each fit). True: always. False: never
+    ):
+        self.quiet = quiet
+        self.lines = self._lines()
 
     @property
     def name(self): return 'progress'  # fastai's `ProgressCallback`'s: where `no_bar` and `ShowGraphCallback` look
@@ -50,7 +54,9 @@ class QuietProgress(ProgressCallback):
         if not self.lines: return super().before_fit()
         if self.create_mbar: self.mbar = LineBar(list(range(self.n_epoch)))
         self.old_logger = self.learn.logger
-        if self.old_logger != noop: self.learn.logger = self._write_stats; self._write_stats(self.recorder.metric_names)
+        if self.old_logger == noop: return
+        self.learn.logger = self._write_stats  # fastai's `after_fit` puts `old_logger` back
+        self._write_stats(self.recorder.metric_names)
 
     def _launch_pbar(self):
         if not self.lines: return super()._launch_pbar()
@@ -62,8 +68,8 @@ class QuietProgress(ProgressCallback):
 # %% ../nbs/08_progress.ipynb #b9f5eb66
 @patch
 def quiet_progress(self:Learner,
-    quiet:bool|None=None, # `None`: a line per epoch where bars cannot redraw; `True`: always; `False`: fastai's bars
+    quiet:bool|None=None, # None: a line per epoch where bars cannot redraw. True: always. False: fastai's bars
 ):
-    "This learner's progress as one line per epoch of fastai's table where bars cannot redraw (`QuietProgress`); returns it"
+    "A line per epoch where bars cannot redraw (`QuietProgress`)"
     if hasattr(self, 'progress'): self.remove_cb(self.progress)
     return self.add_cb(ProgressCallback() if quiet is False else QuietProgress(quiet))

@@ -4,7 +4,7 @@
 
 # %% ../nbs/01_scaler.ipynb #sc000004
 from __future__ import annotations
-import struct
+import math, struct
 from typing import NamedTuple
 import torch
 import torch.distributed as dist
@@ -16,34 +16,42 @@ __all__ = ['StepLog', 'first_nonfinite', 'Overflow', 'LossScaler', 'update_scale
 
 # %% ../nbs/01_scaler.ipynb #e5e5b1ac
 class StepLog:
-    "Per-optimizer-step log of the loss scale and of skipped steps, each kept on the device until read (no host sync a step)"
+    "The loss scale and the skip of each optimizer step, read lazily"
     def __init__(self):
         self.total,self._skips,self._unread_skips = 0,[],[]
-        self._vals,self._unread = [],[]  # scales read to floats (or concatenated), and scale tensors still on the device
+        self._vals,self._unread = [],[]  # scales read to floats (or concatenated), and tensors still on the device
     def __repr__(self): return f'{type(self).__name__}(total={self.total}, skipped={self.skipped})'
 
     def record(self, scale, skipped=False):
-        "Log one optimizer step: `scale` and `skipped` are Python values, or one-element tensors copied without a host sync"
+        "Log one optimizer step's `scale` and `skipped` (no host sync)"
         if isinstance(scale, torch.Tensor): self._unread.append(scale.detach().reshape(1).float().clone())
-        else: self._flush(); self._vals.append(float(scale))
+        else:
+            self._flush()
+            self._vals.append(float(scale))
         if len(self._unread) >= 256: self._flush()
         if isinstance(skipped, torch.Tensor): self._unread_skips.append(skipped.detach().reshape(1) != 0)
-        else: self._settle(); self._skips.append(bool(skipped))
+        else:
+            self._settle()
+            self._skips.append(bool(skipped))
         self.total += 1
 
     def _flush(self):
-        if self._unread: self._vals.append(torch.cat(self._unread)); self._unread = []
+        if not self._unread: return
+        self._vals.append(torch.cat(self._unread))
+        self._unread = []
     def _settle(self):
-        "The skip flags still on the device read into `skips` (one host sync for all of them)"
-        if self._unread_skips: self._skips += torch.cat([t.to(self._unread_skips[0].device) for t in self._unread_skips]).tolist()
+        "Read the skip flags still on the device (one host sync for all)"
+        flags = self._unread_skips
+        if flags: self._skips += torch.cat([t.to(flags[0].device) for t in flags]).tolist()
         self._unread_skips = []
     @property
     def skips(self) -> list:
-        "Whether each logged step was skipped; reading it costs one host sync when flags are still on the device"
-        self._settle(); return self._skips
+        "Whether each logged step was skipped (see `record`)"
+        self._settle()
+        return self._skips
     @property
     def skipped(self) -> int:
-        "How many logged steps were skipped (a host sync when flags are still on the device)"
+        "How many logged steps were skipped (see `skips`)"
         return sum(self.skips)
     @property
     def pending(self) -> bool:
@@ -53,14 +61,15 @@ class StepLog:
 # %% ../nbs/01_scaler.ipynb #8ea79bca
 @patch(as_prop=True)
 def scales(self:StepLog) -> list:
-    "The scale of every logged step, as floats; reading it costs one host sync"
+    "The scale of every logged step, as floats (one host sync)"
     self._flush()
     tens = [v for v in self._vals if isinstance(v, torch.Tensor)]
     flat = torch.cat([t.to(tens[0].device) for t in tens]).tolist() if tens else []
     out,i = [],0
     for v in self._vals:
         n = len(v) if isinstance(v, torch.Tensor) else 0
-        out += flat[i:i+n] if n else [v]; i += n
+        out += flat[i:i+n] if n else [v]
+        i += n
     self._vals = out
     return list(out)
 
@@ -84,7 +93,7 @@ def load_state_dict(self:StepLog, sd:dict):
 # %% ../nbs/01_scaler.ipynb #e7ddea11
 @patch
 def plot(self:StepLog, ax=None, title:str='Loss scale per optimizer step'):
-    "Plot the scale of every step on a log2 axis, skipped steps marked with red crosses"
+    "Plot the scale of every step, skipped steps marked"
     import matplotlib.pyplot as plt
     if ax is None: _,ax = plt.subplots(figsize=(7,3))
     s,sk = self.scales,[i for i,k in enumerate(self.skips) if k]
@@ -96,13 +105,14 @@ def plot(self:StepLog, ax=None, title:str='Loss scale per optimizer step'):
 
 # %% ../nbs/01_scaler.ipynb #d2ff51a1
 def first_nonfinite(named) -> tuple|None:
-    "The `(name, 'inf' or 'nan')` of the first of the `(name, tensor)` pairs `named` holding a non-finite value, or None"
+    "The `(name, 'inf' or 'nan')` of the first non-finite tensor in `named`"
     named = [(n, t) for n,t in named if t is not None]
     if not named: return None
     sharded = [hasattr(t, 'device_mesh') for _,t in named]  # a `DTensor`: a shard of a gradient of FSDP2
     ts = [stored_values(t.to_local() if s else t) for (_,t),s in zip(named, sharded)]
-    flags = torch.stack([torch.stack([(~torch.isfinite(t)).any(), t.isnan().any()]).to(ts[0].device) for t in ts]).float()
-    if any(sharded): dist.all_reduce(flags, dist.ReduceOp.MAX)  # non-finite where any rank's shard is: every rank names the same
+    flags = torch.stack([torch.stack([(~torch.isfinite(t)).any(), t.isnan().any()]).to(ts[0].device) for t in ts])
+    flags = flags.float()
+    if any(sharded): dist.all_reduce(flags, dist.ReduceOp.MAX)  # non-finite where a rank's shard is: all name it
     bad = flags[:, 0].nonzero()
     if not len(bad): return None
     i = int(bad[0])
@@ -117,38 +127,48 @@ class Overflow(NamedTuple):
     scale: float # The loss scale that step's loss was multiplied by
 
 # %% ../nbs/01_scaler.ipynb #d9c95419
-def _f32(x:float) -> float: return struct.unpack('f', struct.pack('f', x))[0]  # float32 rounding, as GradScaler's kernels compute
+def _f32(x:float) -> float:
+    "`x` rounded to float32, as `GradScaler`'s kernels compute"
+    try: return struct.unpack('f', struct.pack('f', x))[0]
+    except OverflowError: return math.copysign(math.inf, x)
+
+def _clamp(v:float, lo:float|None, hi:float|None) -> float:
+    "`v` within [`lo`, `hi`], a bound of None open"
+    return min(max(v, -math.inf if lo is None else lo), math.inf if hi is None else hi)
 
 class LossScaler:
-    "Dynamic or static loss scaling with statistics; the dynamic trajectory is `torch.amp.GradScaler`'s, within [`min_scale`, `max_scale`]"
+    "Dynamic or static loss scaling, with statistics"
     def __init__(self,
         init_scale:float=2.**16, # The first scale (the only one when `dynamic=False`)
         dynamic:bool=True, # Adapt the scale to overflows (True) or keep it fixed (False)
         growth_interval:int=2000, # Clean updates in a row before the scale grows
         growth_factor:float=2., # Multiply the scale by this after `growth_interval` clean updates
         backoff_factor:float=.5, # Multiply the scale by this after an overflow
-        min_scale:float=1., # Dynamic scale never goes below this
-        max_scale:float=2.**24, # Dynamic scale never goes above this
-        hysteresis:int=1, # Dynamic: back off on the N-th overflow only, the budget refilled when the scale grows (DeepSpeed's)
+        min_scale:float|None=1., # Dynamic scale never goes below this (None: no floor, as `GradScaler`)
+        max_scale:float|None=2.**24, # Dynamic scale never goes above this (None: no bound but fp32's, as `GradScaler`)
+        hysteresis:int=1, # Dynamic: back off on the N-th overflow only, the budget refilled as the scale grows
     ):
-        check_args(dynamic=dynamic, growth_interval=growth_interval, growth_factor=growth_factor, backoff_factor=backoff_factor,
-                   min_scale=min_scale, max_scale=max_scale, hysteresis=hysteresis)
+        args = dict(dynamic=dynamic, growth_interval=growth_interval, growth_factor=growth_factor,
+                    backoff_factor=backoff_factor, min_scale=min_scale, max_scale=max_scale, hysteresis=hysteresis)
+        check_args(**{k: v for k,v in args.items() if v is not None})  # an open bound is None
         store_attr('dynamic,growth_interval,growth_factor,backoff_factor,min_scale,max_scale,hysteresis')
         self.init_scale,self.dev = self._checked_scale(init_scale),None
         self.reset()
 
     def _checked_scale(self, v:float) -> float:
-        "`v` if it may start this scaler: an fp32 number, and within [`min_scale`, `max_scale`] when dynamic"
+        "`v` if it may start this scaler, else a `ValueError`"
         check_args(init_scale=v)
-        if self.dynamic and not self.min_scale <= v <= self.max_scale:
-            raise ValueError(f"init_scale={v!r} is outside [min_scale, max_scale] = [{self.min_scale!r}, {self.max_scale!r}]: "
+        lo,hi = self.min_scale,self.max_scale
+        if self.dynamic and _clamp(v, lo, hi) != v:
+            raise ValueError(f"init_scale={v!r} is outside [min_scale, max_scale] = [{lo!r}, {hi!r}]: "
                              "it must lie within them when dynamic=True")
         return v
 
     def reset(self, init_scale:float|None=None):
-        "Start again at `init_scale` (default: the constructor's), with no growth run, a full hysteresis budget and zeroed counters"
+        "Start again at `init_scale` (default: the constructor's)"
         self.scale = _f32(self.init_scale if init_scale is None else self._checked_scale(init_scale))
-        self.growth_tracker,self.total_updates,self.skipped_updates,self.hysteresis_left,self.dev = 0,0,0,self.hysteresis,None
+        self.growth_tracker,self.hysteresis_left,self.dev = 0,self.hysteresis,None
+        self.total_updates,self.skipped_updates = 0,0
 
     @property
     def overflow_rate(self) -> float: return self.skipped_updates / self.total_updates if self.total_updates else 0.
@@ -156,7 +176,8 @@ class LossScaler:
         self.pull()
         hy = f', hysteresis {self.hysteresis_left}/{self.hysteresis}' if self.hysteresis > 1 else ''
         kind = f'dynamic, growth {self.growth_tracker}/{self.growth_interval}{hy}' if self.dynamic else 'static'
-        return f'{type(self).__name__}(scale={self.scale:g}, {kind}, skipped {self.skipped_updates}/{self.total_updates})'
+        skipped = f'skipped {self.skipped_updates}/{self.total_updates}'
+        return f'{type(self).__name__}(scale={self.scale:g}, {kind}, {skipped})'
 
 # %% ../nbs/01_scaler.ipynb #544e55dc
 @patch
@@ -166,23 +187,23 @@ def scale_loss(self:LossScaler, loss):
 
 @patch
 def unscale_(self:LossScaler, tensors) -> torch.Tensor:
-    "Divide `tensors` (gradients) in place by the scale in one fused pass; a one-element tensor, non-zero on overflow (no host sync)"
+    "Divide `tensors` in place by the scale, and flag inf/nan (no sync)"
     inv = self.dev['scale'].double().reciprocal().float() if self.dev is not None else _f32(1. / self.scale)
     return unscale_and_find_inf_(tensors, inv_scale=inv)
 
 @patch(as_prop=True)
 def at_floor(self:LossScaler) -> bool:
-    "Whether the scale cannot fall any further: static, or dynamic at `min_scale` (a host sync where the state is on the device)"
-    return not self.dynamic or self.pull().scale <= self.min_scale
+    "Whether the scale cannot fall any further (a host sync on the device)"
+    return not self.dynamic or (self.min_scale is not None and self.pull().scale <= self.min_scale)
 
 @patch
 def has_overflow(self:LossScaler, tensors) -> bool:
-    "True if any of `tensors` holds an inf or nan (one fused pass, one host sync); nothing is changed"
+    "Whether any of `tensors` holds an inf or nan (one host sync)"
     return has_inf_or_nan(tensors)
 
 @patch
 def unscale_and_check(self:LossScaler, tensors) -> bool:
-    "Unscale `tensors`, check them and `update`: True if the step may proceed (one fused pass, one host sync)"
+    "Unscale, check and `update`: whether the step goes on (one host sync)"
     found = bool(self.unscale_(tensors).item())
     self.update(found)
     return not found
@@ -190,28 +211,34 @@ def unscale_and_check(self:LossScaler, tensors) -> bool:
 # %% ../nbs/01_scaler.ipynb #a6fe9e2c
 @patch
 def update(self:LossScaler, found_inf) -> float|None:
-    "Count one update and, when dynamic, adapt the scale to `found_inf` (a bool, or a tensor: one host sync); the new scale"
+    "Count one update, adapt a dynamic scale to `found_inf`: the new scale"
     if self.dev is not None and isinstance(found_inf, torch.Tensor): return self._update_on_device(found_inf)
     self.pull(keep=False)  # a host update: the host values are the state from now on
     found = bool(found_inf.item()) if isinstance(found_inf, torch.Tensor) else bool(found_inf)
-    self.total_updates += 1; self.skipped_updates += found
+    self.total_updates += 1
+    self.skipped_updates += found
     if not self.dynamic: return self.scale
     if found:
         self.growth_tracker = 0
         if self.hysteresis_left > 1: self.hysteresis_left -= 1  # an overflow the budget absorbs: the scale stays
         else: self.scale = _f32(self.scale * _f32(self.backoff_factor))
     elif self.growth_tracker + 1 < self.growth_interval: self.growth_tracker += 1
-    else: self.scale,self.growth_tracker,self.hysteresis_left = _f32(self.scale * _f32(self.growth_factor)),0,self.hysteresis
-    self.scale = min(max(self.scale, self.min_scale), self.max_scale)
+    else:
+        grown = _f32(self.scale * _f32(self.growth_factor))
+        if math.isfinite(grown): self.scale = grown  # `GradScaler`'s rule: a scale never grows to infinity
+        self.growth_tracker,self.hysteresis_left = 0,self.hysteresis
+    self.scale = _clamp(self.scale, self.min_scale, self.max_scale)
     return self.scale
 
 # %% ../nbs/01_scaler.ipynb #ds000002
 @torch.no_grad()
-def update_scale_(scale:torch.Tensor, tracker:torch.Tensor, left:torch.Tensor|None, found:torch.Tensor, growth_factor:float,
-                  backoff_factor:float, growth_interval:int, hysteresis:int=1, min_scale:float|None=None, max_scale:float|None=None):
-    "`GradScaler`'s update of `scale` and clean-step run `tracker` after `found`, with hysteresis `left` and bounds: no host sync"
+def update_scale_(scale:torch.Tensor, tracker:torch.Tensor, left:torch.Tensor|None, found:torch.Tensor,
+                  growth_factor:float, backoff_factor:float, growth_interval:int, hysteresis:int=1,
+                  min_scale:float|None=None, max_scale:float|None=None):
+    "`GradScaler`'s update of `scale` and `tracker`, in place (no sync)"
     if hysteresis == 1 and min_scale is None and max_scale is None:
-        return torch._amp_update_scale_(scale, tracker, found.reshape(1).float(), growth_factor, backoff_factor, growth_interval)
+        found = found.reshape(1).float()
+        return torch._amp_update_scale_(scale, tracker, found, growth_factor, backoff_factor, growth_interval)
     f = found.reshape(scale.shape) != 0
     t1 = tracker + 1
     grow = f.logical_not() & (t1 >= growth_interval)
@@ -225,19 +252,19 @@ def update_scale_(scale:torch.Tensor, tracker:torch.Tensor, left:torch.Tensor|No
 
 @patch
 def to_device(self:LossScaler, device):
-    "Keep the state on `device` from now on: scaling, unscaling and updates make no host sync until `pull`"
+    "Keep the state on `device` from now on, until `pull`"
     if self.dev is not None and self.dev['scale'].device == torch.device(device): return self
     self.pull()
     dev = torch.device(device)
     def i32(v): return torch.full((1,), v, device=dev, dtype=torch.int32)
-    self.dev = dict(scale=torch.full((1,), self.scale, device=dev), tracker=i32(self.growth_tracker), left=i32(self.hysteresis_left),
-                    skipped=torch.zeros(1, device=dev, dtype=torch.int64))
+    self.dev = dict(scale=torch.full((1,), self.scale, device=dev), tracker=i32(self.growth_tracker),
+                    left=i32(self.hysteresis_left), skipped=torch.zeros(1, device=dev, dtype=torch.int64))
     self._skipped0 = self.skipped_updates
     return self
 
 @patch
 def pull(self:LossScaler, keep:bool=True):
-    "Read the state kept on the device back into the host values (one host sync); with `keep=False` the device copy goes"
+    "Read the state on the device back to the host (one host sync)"
     if self.dev is None: return self
     d = self.dev
     vals = torch.cat([d['scale'].double(), d['tracker'].double(), d['left'].double(), d['skipped'].double()]).tolist()
@@ -248,12 +275,14 @@ def pull(self:LossScaler, keep:bool=True):
 
 @patch
 def _update_on_device(self:LossScaler, found:torch.Tensor):
-    "`update` on the device: the counters and the scale change there; None (the new scale is not read)"
+    "`update` on the device: None, as the new scale is not read"
     d = self.dev
-    self.total_updates += 1; d['skipped'] += (found.reshape(1) != 0).long()
+    self.total_updates += 1
+    d['skipped'] += (found.reshape(1) != 0).long()
     if not self.dynamic: return None
-    update_scale_(d['scale'], d['tracker'], d['left'], found, _f32(self.growth_factor), _f32(self.backoff_factor), self.growth_interval,
-                  self.hysteresis, self.min_scale, self.max_scale)
+    gf,bf = _f32(self.growth_factor),_f32(self.backoff_factor)
+    update_scale_(d['scale'], d['tracker'], d['left'], found, gf, bf, self.growth_interval, self.hysteresis,
+                  self.min_scale, self.max_scale)
 
 # %% ../nbs/01_scaler.ipynb #ec81801d
 _ls_keys = ('scale,growth_tracker,total_updates,skipped_updates,init_scale,dynamic,'
@@ -262,13 +291,13 @@ _ls_new = ['hysteresis', 'hysteresis_left']  # since hysteresis: a checkpoint wr
 
 @patch
 def state_dict(self:LossScaler) -> dict:
-    "The scaler's state and settings as plain Python values (one host sync where the state is on the device)"
+    "The state and settings as plain values (a host sync on the device)"
     self.pull()
     return {k: getattr(self, k) for k in _ls_keys + _ls_new}
 
 @patch
 def load_state_dict(self:LossScaler, sd:dict):
-    "Restore the state and settings written by `state_dict` (one of an older mpx, without hysteresis, too)"
+    "Restore the state and settings `state_dict` wrote"
     missing = [k for k in _ls_keys if k not in sd]
     if missing: raise ValueError(f"LossScaler state_dict lacks {missing}: expected the keys {_ls_keys}")
     self.dev = None

@@ -13,15 +13,15 @@ __all__ = ['warn_user']
 _passed_over = {'mpx', 'fastai', 'fastcore', 'fastprogress', 'torch', 'contextlib', 'functools'}  # top-level modules
 
 def _internal(frame) -> bool:
-    "Whether `frame` runs code of mpx, of a library it runs in, or of `contextlib`/`functools`"
+    "Whether `frame` runs code of a module `warn_user` passes over"
     return (frame.f_globals.get('__name__') or '').partition('.')[0] in _passed_over
 
 def _bootstrap(frame) -> bool:
-    "Whether `warnings` skips `frame` uncounted: importlib's bootstrap, by the test `warnings` itself applies"
+    "Whether `frame` is importlib's, which `warnings` skips uncounted"
     return 'importlib' in frame.f_code.co_filename and '_bootstrap' in frame.f_code.co_filename
 
 def _user_stacklevel() -> int:
-    "The `stacklevel` that makes the caller's `warnings.warn` name the first frame outside mpx and its libraries"
+    "The `stacklevel` of the first frame outside mpx and its libraries"
     f,level = sys._getframe(1),1  # the frame that calls `warnings.warn` is level 1
     while True:
         f = f.f_back
@@ -35,5 +35,5 @@ def warn_user(
     msg:str, # the warning's text
     category:type=UserWarning, # a `Warning` subclass
 ):
-    "`warnings.warn` `msg`, naming the first line outside mpx, fastai, fastcore and torch: the user's"
+    "`warnings.warn` `msg`, naming the user's line, not mpx's"
     warnings.warn(msg, category, stacklevel=_user_stacklevel())

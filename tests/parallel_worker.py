@@ -118,8 +118,7 @@ def ddp_run(path, precision, cb=None, counted=False):
     learn = learner(path, precision)
     learn.add_cbs([c for c in (cb, CountedDDP() if counted else None) if c is not None])
     with ddp(learn), Sent() as sent: fit(learn)
-    comm_left = learn.mixed_precision.__dict__.get('_comm') is not None
-    return dict(log(learn), bytes_per_step=sent.all_reduce / learn.mixed_precision.total_steps, comm_left=comm_left)
+    return dict(log(learn), bytes_per_step=sent.all_reduce / learn.mixed_precision.total_steps)
 
 def ddp_fp32(path): return ddp_run(path, lambda l: l.to_bf16(), counted=True)
 def ddp_master(path): return ddp_run(path, lambda l: l.to_fp16(master=True), counted=True)

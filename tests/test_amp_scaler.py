@@ -53,13 +53,13 @@ def test_random_injections(at, growth_interval, backoff_factor):
     check_matches_torch(run_mp(sorted(at), **kw), at, **kw)
 
 def test_persists_across_fits():
-    "A second fit continues the first's scale and growth tracker with the same `GradScaler`."
+    "A second fit continues the first's scale and growth tracker with the same scaler."
     kw = dict(init_scale=2.**4, growth_interval=3)
     learn = tiny_learner(lr=1e-2, cbs=MixedPrecision(**kw))
     inj = InjectGrad([4, 13])  # counts steps over both fits
     fit_quiet(learn, 1, cbs=inj)
     mp = learn.mixed_precision
-    scaler,scale1,tracker1,scales1 = mp.scaler,mp.loss_scale,mp.scaler._get_growth_tracker(),mp.scales
+    scaler,scale1,tracker1,scales1 = mp.scaler,mp.loss_scale,mp.scaler.growth_tracker,mp.scales
     assert mp.total_steps == 10 and tracker1 == 2, 'after the skip at step 4, steps 5..9 grow once (at 7) and leave 2 clean steps'
     fit_quiet(learn, 1, cbs=inj)
     assert mp.scaler is scaler and mp.total_steps == 20 and inj.injected == [4, 13]

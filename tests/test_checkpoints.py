@@ -108,7 +108,7 @@ def test_load_before_first_fit(tmp_path):
     learn.save('ck')
     new = learner('amp_fp16', tmp_path)
     new.load('ck')
-    assert new.mixed_precision.scaler is None and new.mixed_precision.loss_scale == learn.mixed_precision.loss_scale
+    assert new.mixed_precision.loss_scale == learn.mixed_precision.loss_scale != 2.**8
     fit_quiet(new)
     assert new.mixed_precision.scales[10] == learn.mixed_precision.loss_scale
 

@@ -53,7 +53,6 @@ def test_comm_hook_once_a_ddp_model(runs):
     "fastai wraps a new DDP model each fit: one hook each (two epochs, a validate between fits), set back to fp32 when the fit ends."
     for r in runs['two']['ddp_lifecycle']:
         assert r['hooks'] == 2 and r['dtypes_after'] == ['None', 'None'] and r['bytes'] == 2*N*r['steps']
-    for r in runs['two']['ddp_bf16']: assert not r['comm_left']
 
 @pytest.mark.parametrize('case,dtype', [('fsdp_bf16', 'bfloat16'), ('fsdp_fp16', 'float16'), ('fsdp_master', 'float16'),
                                         ('fsdp_master_bf16', 'bfloat16')])
