@@ -22,11 +22,10 @@ from .plumbing import state_owners, halvable
 from .fused import default_chunk
 
 # %% auto #0
-__all__ = ['COMPILER_CPU_BYTES', 'RUNTIME_CPU_BYTES', 'MEMORY_MODES', 'precision_report', 'fp32_trial', 'ModuleStats',
-           'module_numerics', 'time_steps', 'ModeFailure', 'mode_failure', 'assess_numerics', 'MemoryTerms',
-           'memory_terms', 'session_peaks', 'PrecisionReport', 'plain_text', 'memory_line', 'device_free',
-           'memory_frame', 'Hardware', 'cpu_hardware', 'cuda_hardware', 'mps_hardware', 'detect_hardware',
-           'slow_reason', 'warn_if_slow', 'reset_slow_warnings']
+__all__ = ['precision_report', 'fp32_trial', 'ModuleStats', 'module_numerics', 'time_steps', 'ModeFailure', 'mode_failure',
+           'assess_numerics', 'MemoryTerms', 'memory_terms', 'session_peaks', 'PrecisionReport', 'plain_text',
+           'memory_line', 'device_free', 'memory_frame', 'Hardware', 'cpu_hardware', 'cuda_hardware', 'mps_hardware',
+           'detect_hardware', 'slow_reason', 'warn_if_slow', 'reset_slow_warnings']
 
 # %% ../nbs/06_advisor.ipynb #62e927f3
 _all_ = ['Hardware', 'cpu_hardware', 'cuda_hardware', 'mps_hardware', 'detect_hardware', 'slow_reason', 'warn_if_slow',
@@ -425,8 +424,8 @@ def _timing_reasons(timings:dict, rec:str) -> list:
 def _ms(t:float) -> str: return f'{t*1e3:.3g} ms' if t < 1 else f'{t:.3g} s'
 
 # %% ../nbs/06_advisor.ipynb #2106befc
-COMPILER_CPU_BYTES = 64 * 2**20  # what inductor's code and caches kept in a CPU process (bench/session_memory.py): no tensor
-RUNTIME_CPU_BYTES = 32 * 2**20  # what a CPU process training with fastai holds beside the learner's tensors, measured there
+_COMPILER_CPU_BYTES = 64 * 2**20  # what inductor's code and caches kept in a CPU process (bench/session_memory.py): no tensor
+_RUNTIME_CPU_BYTES = 32 * 2**20  # what a CPU process training with fastai holds beside the learner's tensors, measured there
 
 class MemoryTerms(NamedTuple):
     "What a model brings to each mode's memory"
@@ -520,7 +519,7 @@ def memory_terms(
     dev = model_device(model)
     return MemoryTerms(sum(p.numel() for p in ps), sum(p.numel() for p in ps if p.numel() >= MIN_LOWBIT),
                        max((p.numel() for p in ps), default=0), fixed, _n_state(opt_func), *map(int, steps),
-                       default_chunk(dev), *((COMPILER_CPU_BYTES, RUNTIME_CPU_BYTES) if dev.type == 'cpu' else (0, 0)))
+                       default_chunk(dev), *((_COMPILER_CPU_BYTES, _RUNTIME_CPU_BYTES) if dev.type == 'cpu' else (0, 0)))
 
 # %% ../nbs/06_advisor.ipynb #95919c5e
 def _kept_between_fits(mode:str, opt_state:str) -> bool:
@@ -632,7 +631,7 @@ def _repr_html_(self:PrecisionReport):
             + '<br>'.join(_html(l) for l in self._head()) + "</p>" + self.to_frame().to_html(**_table))
 
 # %% ../nbs/06_advisor.ipynb #7c64d2d6
-MEMORY_MODES = {  # a mode's call: (its short name, then `session_peaks`'s mode, opt_state and fused)
+_MEMORY_MODES = {  # a mode's call: (its short name, then `session_peaks`'s mode, opt_state and fused)
     'to_fp32()': ('fp32', 'fp32', 'fp32', False),
     'to_bf16()': ('AMP', 'amp', 'fp32', True),
     "to_bf16(opt_state='8bit')": ('AMP 8-bit state', 'amp', '8bit', True),
@@ -663,7 +662,7 @@ def _held(learn:Learner) -> int:
 
 def memory_frame(t:MemoryTerms, room:int|None=None) -> pd.DataFrame:
     "Each call's `session_peaks`, and whether it fits in `room`"
-    rows = {call: session_peaks(t, *args) for call,(_,*args) in MEMORY_MODES.items()}
+    rows = {call: session_peaks(t, *args) for call,(_,*args) in _MEMORY_MODES.items()}
     df = pd.DataFrame.from_dict(rows, orient='index')[['fit', 'between', 'peak', 'at']]
     df['B/param'] = df['peak'] / max(t.params, 1)
     df['fits'] = [None if room is None else p <= room for p in df['peak']]
@@ -674,10 +673,10 @@ def _gb(b:float) -> str: return f'{b / 2**30:.3g} GiB' if b >= 2**30 else f'{b /
 @patch
 def _memory_line(self:PrecisionReport) -> str:
     "Each eager mode's predicted peak, and which do not fit"
-    eager = self.memory[[MEMORY_MODES[c][3] is True or c == 'to_fp32()' for c in self.memory.index]]
-    peaks = ' | '.join(f"{MEMORY_MODES[c][0]} {_gb(p)}" for c,p in eager['peak'].items())
+    eager = self.memory[[_MEMORY_MODES[c][3] is True or c == 'to_fp32()' for c in self.memory.index]]
+    peaks = ' | '.join(f"{_MEMORY_MODES[c][0]} {_gb(p)}" for c,p in eager['peak'].items())
     if self.room is None: return f"memory, predicted session peak (`report.memory`): {peaks}"
-    out = [MEMORY_MODES[c][0] for c,f in eager['fits'].items() if not f]
+    out = [_MEMORY_MODES[c][0] for c,f in eager['fits'].items() if not f]
     verdict = 'every mode fits' if not out else 'no mode fits' if len(out) == len(eager) else 'too large: ' + ', '.join(out)
     return f"memory, predicted session peak (`report.memory`): {peaks}; {_gb(self.room)} here for the learner: {verdict}"
 

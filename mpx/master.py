@@ -195,14 +195,8 @@ class MasterPrecision(PrecisionCallback):
         self.scaler = None if self.amp_mode is AMPMode.BF16 else _scaler(dynamic, **args)
         self._check_schedule_skips()
 
-    @property
-    def loss_scale(self) -> float:
-        "The current loss scale (1.0 for bf16), a host value: free to read"
-        return 1.0 if self.scaler is None else self.scaler.pull().scale
     memory_mode = 'master'  # half weight and gradient (2 + 2), fp32 master and master gradient (4 + 4)
     keeps_layout = False  # after a fit its masters are the fp32 model (nothing copied), its half copy freed
-    @property
-    def scaling(self) -> bool: return self.scaler is not None
     @property
     def input_dtype(self) -> torch.dtype: return self.amp_mode.dtype
     @property
@@ -211,10 +205,6 @@ class MasterPrecision(PrecisionCallback):
         return self.fit_state
     @property
     def _at_floor(self) -> bool: return self.scaler is None or self.scaler.at_floor
-    def _repr_extra(self):
-        shown = self.scaler is not None and self.scaler.dynamic and self.scaler.hysteresis > 1
-        s = self.scaler.pull() if shown else None
-        return f'hysteresis={s.hysteresis_left}/{s.hysteresis}, ' if s else ''
 
     def _check_cbs(self, cbs):
         "Refuse fastai's `GANTrainer` with `clip`: it clamps through `p.data`, which the masters cannot see"
@@ -230,7 +220,6 @@ class MasterPrecision(PrecisionCallback):
         super()._begin_fit()
         # what `GradientClip` clips
         if self.fused_steps is not None: self.ledger.set(self.learn, 'parameters', self.fused_steps.stepped)
-    def _scale_loss(self, loss): return self.scaler.scale_loss(loss)
     def before_backward(self):
         super().before_backward()
         if self.fused_steps is not None: self.fused_steps.before_backward()
@@ -239,27 +228,13 @@ class MasterPrecision(PrecisionCallback):
         if self.fused_steps is not None: self.fused_steps.take()
     def _unscale_and_find_overflow(self, lazy:bool=False) -> tuple:
         "Unscale (fp16) and check the master gradients: one fused pass, one host sync (`lazy`: none)"
-        if self.scaler is None: return super()._unscale_and_find_overflow(lazy)
-        if lazy: self.scaler.to_device(training_device(self.dls, self.model))
-        scale,found = (self.scaler.dev['scale'] if lazy else self.scaler.scale),self.scaler.unscale_(self._step_grads())
-        if self.fused_steps is not None: self.fused_steps.publish()  # the unscaled gradients, shown in the model
-        return scale,(found if lazy else bool(found.item()))
-    def _finish(self):
-        super()._finish()
-        if self.scaler is not None: self.scaler.pull(keep=False)  # between fits the scale is a host value
+        res = super()._unscale_and_find_overflow(lazy)
+        if self.scaler is not None and self.fused_steps is not None: self.fused_steps.publish()  # the unscaled gradients, shown
+        return res
     def after_step(self):
         # the next backward starts fresh master gradients, skipped or not
         if self.fused_steps is not None: self.fused_steps.end_step()
         super().after_step()
-    def _update_scale(self, found:bool):
-        if self.scaler is not None: self.scaler.update(found)
-
-    def _scaler_state(self) -> dict: return self.scaler.state_dict() if self.scaler is not None else {}
-    def _load_scaler_state(self, sd:dict):
-        if self.scaler is not None: self.scaler.load_state_dict(sd)
-    def reset_scaler(self):
-        "Start the loss scale afresh at its initial value"
-        if self.scaler is not None: self.scaler.reset()
 
 def _scaler(dynamic:bool, loss_scale:float, growth_interval:int, min_scale:float, max_scale:float, hysteresis:int,
             **kwargs) -> LossScaler:

@@ -487,12 +487,12 @@ def test_memory_predicted_for_every_mode():
     learn = mlp_learner()
     r = learn.precision_report()
     df,P = r.memory,sum(p.numel() for p in learn.model.parameters())
-    assert list(df.index) == list(advisor.MEMORY_MODES)
+    assert list(df.index) == list(advisor._MEMORY_MODES)
     peak = df['peak']
     assert (peak["to_bf16(pure=True, update='stochastic', opt_state='8bit')"] < peak["to_bf16(pure=True, opt_state='8bit')"]
             < peak['to_bf16(pure=True)'] < peak['to_bf16(master=True)'])
     assert peak["to_bf16(opt_state='8bit')"] < peak['to_bf16()'] and (df['peak'] >= df['fit']).all()
-    rt = advisor.RUNTIME_CPU_BYTES  # the process's own, on a CPU
+    rt = advisor._RUNTIME_CPU_BYTES  # the process's own, on a CPU
     assert df.loc['to_fp32()', 'fit'] == 16 * P + rt and df.loc['to_bf16(master=True)', 'between'] == 16 * P + rt  # fastai's layout
     assert df.loc['to_bf16(pure=True)', 'between'] == df.loc['to_bf16(pure=True)', 'fit'] == 6 * P + 8 * P + rt  # kept between fits
     assert 'memory, predicted session peak' in str(r) and 'here for the learner' in str(r) and df['fits'].all()
@@ -520,5 +520,5 @@ def test_memory_terms_follow_the_learner():
     df = learn.precision_report().memory
     n = 256 * 256
     P = sum(p.numel() for p in learn.model.parameters())
-    rt = advisor.RUNTIME_CPU_BYTES
+    rt = advisor._RUNTIME_CPU_BYTES
     assert t0 == 16 * P + rt and df.loc['to_fp32()', 'fit'] == 12 * (P - n) + 4 * n + rt  # Adam's two states to one; a frozen weight
