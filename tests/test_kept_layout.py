@@ -29,6 +29,13 @@ def learner(mode:str, opt_state:str, fused=True, kept:bool=True, path:Path|None=
 def fit_both(*ls, seed:int=1):
     for l in ls: set_seed(seed); fit_quiet(l)
 
+def fitted_pair(mode:str, opt_state:str, fused) -> tuple:
+    "A learner keeping its layout and its reference, one fit each, saving to one temporary path"
+    path = Path(tempfile.mkdtemp())
+    a,b = learner(mode, opt_state, fused, path=path),learner(mode, opt_state, fused, kept=False, path=path)
+    fit_both(a, b)
+    return a,b,path
+
 def assert_same(a, b, what:str):
     diffs = state_diffs(state_of(a), state_of(b))
     assert not diffs, f'{what}: {diffs[:3]}'
@@ -56,9 +63,7 @@ def test_next_fit_takes_the_layout_kept(mode, opt_state, fused):
 @pytest.mark.parametrize('mode,opt_state,fused', ARMS)
 def test_save_and_load_stream_the_layout_kept(mode, opt_state, fused):
     "`save` between fits writes the checkpoint a rebuilt layout writes, without ending the layout; `load` into it resumes bit for bit"
-    path = Path(tempfile.mkdtemp())
-    a,b = learner(mode, opt_state, fused, path=path),learner(mode, opt_state, fused, kept=False, path=path)
-    fit_both(a, b)
+    a,b,path = fitted_pair(mode, opt_state, fused)
     eng = precision_cb(a).fused_steps
     a.save('a'); b.save('b')
     assert precision_cb(a).fused_steps is eng and precision_cb(a).kept, 'the save ended the layout kept'
@@ -201,9 +206,7 @@ def test_state_read_between_fits_is_fp32(mode, opt_state, fused):
 @pytest.mark.parametrize('mode,opt_state,fused', ARMS)
 def test_opt_load_state_dict_keeps_no_fp32_copy(mode, opt_state, fused):
     "`opt.load_state_dict` of fastai's fp32 state into a kept layout (fastai's `TextLearner.load` calls it) puts each tensor into its store"
-    path = Path(tempfile.mkdtemp())
-    a,b = learner(mode, opt_state, fused, path=path),learner(mode, opt_state, fused, kept=False, path=path)
-    fit_both(a, b)
+    a,b,path = fitted_pair(mode, opt_state, fused)
     a.save('a')
     fit_both(a, b, seed=3)  # away from the checkpoint, then back
     for l in (a, b): l.opt.load_state_dict(torch.load(path/'models/a.pth', weights_only=False)['opt'])
