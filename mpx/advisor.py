@@ -179,7 +179,8 @@ class _Probe:
     def backward(self, rec:dict, g:torch.Tensor):
         g = g.detach().float()
         nz = g != 0
-        rec.update(grad=max(_abs_max(g), 0. if math.isnan(rec['grad']) else rec['grad']), n_grad=rec['n_grad']+int(nz.sum()),
+        grad = max(_abs_max(g), 0. if math.isnan(rec['grad']) else rec['grad'])
+        rec.update(grad=grad, n_grad=rec['n_grad']+int(nz.sum()),
                    n_under=rec['n_under']+int((nz & ((g*self.scale).half() == 0)).sum()))
 
     def stats(self, name:str, kind:str, ids:list) -> ModuleStats:
@@ -193,7 +194,8 @@ class _Probe:
         for h in self.handles: h.remove()
 
 # %% ../nbs/06_advisor.ipynb #0016b4e4
-def _no_autocast(dt:str): return torch.autocast(dt, enabled=False) if torch.amp.is_autocast_available(dt) else nullcontext()
+def _no_autocast(dt:str):
+    return torch.autocast(dt, enabled=False) if torch.amp.is_autocast_available(dt) else nullcontext()
 
 def module_numerics(
     model:nn.Module, # an fp32 model, run here (inside `fp32_trial`)
@@ -307,8 +309,9 @@ class _Running:
     "The names of the modules whose forward is under way, innermost last"
     def __init__(self, model:nn.Module):
         self.stack = []
-        self.handles = [h for n,m in model.named_modules() for h in (m.register_forward_pre_hook(partial(self.begin, n or '(model)')),
-                                                                     m.register_forward_hook(partial(self.end, n or '(model)')))]
+        named = [(n or '(model)', m) for n,m in model.named_modules()]
+        self.handles = [h for n,m in named for h in (m.register_forward_pre_hook(partial(self.begin, n)),
+                                                     m.register_forward_hook(partial(self.end, n)))]
     def begin(self, name, *args): self.stack.append(name)
     def end(self, name, *args):
         # a forward that failed and was caught inside its parent's: gone too
@@ -334,7 +337,8 @@ def mode_failure(
 # %% ../nbs/06_advisor.ipynb #6794b91a
 def _num(v:float) -> str: return 'inf' if math.isinf(v) else re.sub(r'e\+?0*(\d)', r'e\1', f'{v:.2g}')
 
-def _names(names:list, n:int=3) -> str: return ', '.join(f'`{o}`' for o in names[:n]) + (', ...' if len(names) > n else '')
+def _names(names:list, n:int=3) -> str:
+    return ', '.join(f'`{o}`' for o in names[:n]) + (', ...' if len(names) > n else '')
 
 def _innermost(names:list) -> list:
     "The `names` with no other of `names` inside them"
@@ -386,7 +390,8 @@ def assess_numerics(
             reasons.append(_overflow_reason(mode, what, d, lim_s))
             for n,v in d.items(): at_risk.setdefault(n, f"{what} reach {_num(v)} > {lim_s}")
     under = _innermost([m.name for m in mods if m.underflow > max_underflow])
-    for n in under: at_risk.setdefault(n, f"{next(m.underflow for m in mods if m.name == n):.1%} of gradients underflow in fp16")
+    share = {m.name: m.underflow for m in mods}
+    for n in under: at_risk.setdefault(n, f"{share[n]:.1%} of gradients underflow in fp16")
     if underflow > max_underflow:
         safe['fp16'] = False
         reasons.append(f"fp16: {underflow:.1%} of the nonzero gradient elements underflow to zero at the loss scale 2**16 "
@@ -424,8 +429,8 @@ def _timing_reasons(timings:dict, rec:str) -> list:
 def _ms(t:float) -> str: return f'{t*1e3:.3g} ms' if t < 1 else f'{t:.3g} s'
 
 # %% ../nbs/06_advisor.ipynb #2106befc
-_COMPILER_CPU_BYTES = 64 * 2**20  # what inductor's code and caches kept in a CPU process (bench/session_memory.py): no tensor
-_RUNTIME_CPU_BYTES = 32 * 2**20  # what a CPU process training with fastai holds beside the learner's tensors, measured there
+_COMPILER_CPU_BYTES = 64 * 2**20  # inductor's code and caches in a CPU process (bench/session_memory.py): no tensor
+_RUNTIME_CPU_BYTES = 32 * 2**20  # what a CPU process training with fastai holds beside the learner's tensors
 
 class MemoryTerms(NamedTuple):
     "What a model brings to each mode's memory"
@@ -495,7 +500,7 @@ def _step_bytes(model:nn.Module, xb:tuple, yb:tuple, loss_func, how:str='fp32') 
     ctx = torch.autocast(dev.type, dtype=half) if how == 'autocast' else _no_autocast(dev.type)
     def step():
         with ctx: loss = loss_func(to_float32(model(*xb)), *yb)
-        torch.clear_autocast_cache()  # as a fit's autocast, the outermost, frees its copies on exit: the report's is inside another
+        torch.clear_autocast_cache()  # as a fit's outermost autocast does on exit (the report's is inside another)
         loss.backward()
     for p in ps: p.grad = torch.zeros_like(p)  # a fit holds them between steps: the backward adds to them
     try: return _peak_bytes(step, dev)
@@ -515,11 +520,11 @@ def memory_terms(
     fixed = sum(t.nbytes for t in [*model.buffers(), *(p for p in model.parameters() if not p.requires_grad)])
     with _restored(model):  # a module's attributes as they were: an RNN's hidden state would reach the next forward
         steps = [_step_bytes(model, xb, yb, loss_func, how) for how in ('fp32', 'autocast', 'half')]
-    steps = [steps[0] if s is None else s for s in steps]  # a mode that cannot run here: as fp32 (`mode_failure` says so)
+    steps = [steps[0] if s is None else s for s in steps]  # a mode that cannot run here: as fp32
     dev = model_device(model)
     return MemoryTerms(sum(p.numel() for p in ps), sum(p.numel() for p in ps if p.numel() >= MIN_LOWBIT),
                        max((p.numel() for p in ps), default=0), fixed, _n_state(opt_func), *map(int, steps),
-                       default_chunk(dev), *((_COMPILER_CPU_BYTES, _RUNTIME_CPU_BYTES) if dev.type == 'cpu' else (0, 0)))
+                       default_chunk(dev), *(_COMPILER_CPU_BYTES, _RUNTIME_CPU_BYTES) if dev.type == 'cpu' else (0, 0))
 
 # %% ../nbs/06_advisor.ipynb #95919c5e
 def _kept_between_fits(mode:str, opt_state:str) -> bool:
@@ -542,11 +547,12 @@ def session_peaks(
     fit = MODE_BYTES[mode] * P + _state_bytes(t, opt_state) + t.fixed + held
     kept = _kept_between_fits(mode, opt_state)
     backward = dict(fp32=t.step_fp32, amp=t.step_autocast).get(mode, t.step_half)
-    step = 8 * L if mode == 'fp32' else 0 if fused == 'compile' else 16 * min(t.chunk, P)  # fastai's Adam, the engine's windows
+    # fastai's Adam's temporaries, or the engine's windows
+    step = 8 * L if mode == 'fp32' else 0 if fused == 'compile' else 16 * min(t.chunk, P)
     moments = {'a training step': fit + max(backward, step),
                "lr_find's load": fit + 4 * L if kept else fastai_layout + held + 4 * P}
     if mode == 'master': moments['a set-up'] = fastai_layout + held + 8 * P  # half weights, gradients, master gradients
-    if mode in ('kahan', 'stochastic'):  # the fp32 model, its bf16 weights (and compensations) made, a tensor's fp32 split
+    if mode in ('kahan', 'stochastic'):  # the fp32 model, the bf16 buffers made, a tensor's split
         moments['a set-up'] = (2 + MODE_BYTES[mode]) * P + 4 * L + t.fixed + t.runtime
     at = max(moments, key=moments.get)
     return dict(fit=fit, between=fit if kept else fastai_layout + held, peak=moments[at], at=at)
@@ -565,7 +571,7 @@ class PrecisionReport:
     fp8:pd.DataFrame|None=None # each `nn.Linear`: would `to_fp8()` run it in fp8, its M×K×N and `fp8_gain` class
     fp8_real:bool=False # whether the device computes fp8 (else `to_fp8()` emulates it, slowly: never recommended)
     cannot_run:dict=field(default_factory=dict) # mode -> the `ModeFailure` of a 16-bit mode that cannot train here
-    memory:pd.DataFrame|None=None # each mode's call: predicted bytes in a fit, between fits, at its peak; whether it fits
+    memory:pd.DataFrame|None=None # each mode's call: predicted bytes in a fit, between fits and at its peak
     room:int|None=None # bytes the device has for the learner: free now, plus what the learner holds
 
     @property
@@ -602,7 +608,7 @@ def _head(self:PrecisionReport) -> list:
 
 def memory_line() -> str:
     "Bytes a large parameter holds in each mode with Adam"
-    ms = dict(zip(('fp32 and AMP', 'master', 'pure kahan', 'pure stochastic'), ('amp', 'master', 'kahan', 'stochastic')))
+    ms = {'fp32 and AMP': 'amp', 'master': 'master', 'pure kahan': 'kahan', 'pure stochastic': 'stochastic'}
     return ("memory a parameter with Adam (fp32 state / opt_state='8bit'): "
             + ', '.join(f"{k} {param_bytes(m):.3g} / {param_bytes(m, '8bit'):.3g} B" for k,m in ms.items()))
 
@@ -678,7 +684,7 @@ def _memory_line(self:PrecisionReport) -> str:
     if self.room is None: return f"memory, predicted session peak (`report.memory`): {peaks}"
     out = [_MEMORY_MODES[c][0] for c,f in eager['fits'].items() if not f]
     verdict = 'every mode fits' if not out else 'no mode fits' if len(out) == len(eager) else 'too large: ' + ', '.join(out)
-    return f"memory, predicted session peak (`report.memory`): {peaks}; {_gb(self.room)} here for the learner: {verdict}"
+    return f"memory, predicted session peak (`report.memory`): {peaks}; {_gb(self.room)} here for the learner: " + verdict
 
 # %% ../nbs/06_advisor.ipynb #ec012913
 def _failed(learn:Learner, e:Exception) -> RuntimeError:
@@ -697,21 +703,25 @@ def precision_report(
     dev = training_device(learn.dls, learn.model)
     hw = detect_hardware(dev)
     # a caller's autocast would reach backward and the fp32 steps
-    with _untouched(learn.dls.train), _no_autocast(dev.type), torch.enable_grad(), fp32_trial(learn.model, dev) as model:
+    trial = fp32_trial(learn.model, dev)
+    with _untouched(learn.dls.train), _no_autocast(dev.type), torch.enable_grad(), trial as model:
         xb,yb = _one_batch(learn)
         loss_func = _learner_loss(learn)
         try: mods,underflow = module_numerics(model, xb, yb, loss_func)
         except Exception as e: raise _failed(learn, e) from e
         safe,at_risk,why = assess_numerics(mods, underflow, max_underflow)
         fp8 = fp8_table(model, rows=linear_rows(model, *xb))
-        tried = [m for m in ('bf16', 'fp16') if safe[m] and (time or getattr(hw, f'{m}_fast'))]  # those it could recommend
+        # the modes it could recommend
+        tried = [m for m in ('bf16', 'fp16') if safe[m] and (time or getattr(hw, f'{m}_fast'))]
         fails = {m: f for m in tried if (f := mode_failure(model, xb, yb, loss_func, m)) is not None}
-        timings = time_steps(model, xb, yb, loss_func, ('fp32', *(m for m in tried if m not in fails)), n_steps) if time else None
+        timed = ('fp32', *(m for m in tried if m not in fails))
+        timings = time_steps(model, xb, yb, loss_func, timed, n_steps) if time else None
         terms = memory_terms(model, xb, yb, loss_func, learn.opt_func)  # last: it leaves the trial model in bf16
     rec,verdict = _timed_verdict(timings, safe, min_speedup) if time else _hw_verdict(hw, safe, fails)
     for f in fails.values():
         if f.module: at_risk.setdefault(f.module, f"no {f.mode} kernel here" if f.no_kernel else f"fails in {f.mode}")
-    reasons = [verdict, *hw.notes[:2], *why, *map(str, fails.values()), *(_timing_reasons(timings, rec) if time else [])]
+    timing = _timing_reasons(timings, rec) if time else []
+    reasons = [verdict, *hw.notes[:2], *why, *map(str, fails.values()), *timing]
     free = device_free(dev)
     room = None if free is None else free + _held(learn)
     memory = memory_frame(terms, room)
