@@ -473,21 +473,19 @@ def _no_stderr():
 def _peak_bytes(f:callable, device) -> int|None:
     "The most bytes `f()` holds allocated at once on `device`, above what was there before; None where none can say"
     device = torch.device(device)
-    if device.type == 'cuda':
-        torch.cuda.synchronize(device)
-        before = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        f()
-        return torch.cuda.max_memory_allocated(device) - before
-    if device.type != 'cpu': return None
+    if device.type not in ('cpu', 'cuda'): return None
     from torch.profiler import profile, ProfilerActivity
-    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    # the profiler's memory events, not CUDA's peak statistics: resetting those would change the user's
+    acts = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if device.type == 'cuda' else [])]
+    prof = profile(activities=acts, profile_memory=True)
     with _no_stderr(): prof.start()
     try: f()
     finally:
         with _no_stderr(): prof.stop()
-    mem = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == '[memory]')
-    return max(itertools.accumulate(n for _,n in mem), default=0)
+    kind = getattr(torch.autograd.DeviceType, device.type.upper())
+    mem = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                 if e.name() == '[memory]' and e.device_type() == kind)
+    return max(itertools.accumulate(n for _,n in mem), default=0) if mem else None
 
 def _step_bytes(model:nn.Module, xb:tuple, yb:tuple, loss_func, how:str='fp32') -> int|None:
     "Peak bytes of one forward and backward of `model` in `how` ('fp32', 'autocast', 'half'); None if it cannot run"
@@ -520,7 +518,7 @@ def memory_terms(
     fixed = sum(t.nbytes for t in [*model.buffers(), *(p for p in model.parameters() if not p.requires_grad)])
     with _restored(model):  # a module's attributes as they were: an RNN's hidden state would reach the next forward
         steps = [_step_bytes(model, xb, yb, loss_func, how) for how in ('fp32', 'autocast', 'half')]
-    steps = [steps[0] if s is None else s for s in steps]  # a mode that cannot run here: as fp32
+    steps = [steps[0] or 0 if s is None else s for s in steps]  # a mode that cannot run here: as fp32
     dev = model_device(model)
     return MemoryTerms(sum(p.numel() for p in ps), sum(p.numel() for p in ps if p.numel() >= MIN_LOWBIT),
                        max((p.numel() for p in ps), default=0), fixed, _n_state(opt_func), *map(int, steps),
