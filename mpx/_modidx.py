@@ -793,6 +793,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                               'mpx.plumbing._lazy_reduce': ('plumbing.html#_lazy_reduce', 'mpx/plumbing.py'),
                               'mpx.plumbing._storage_dtypes': ('plumbing.html#_storage_dtypes', 'mpx/plumbing.py'),
                               'mpx.plumbing._storage_type': ('plumbing.html#_storage_type', 'mpx/plumbing.py'),
+                              'mpx.plumbing._stream_pickler': ('plumbing.html#_stream_pickler', 'mpx/plumbing.py'),
                               'mpx.plumbing._wraps': ('plumbing.html#_wraps', 'mpx/plumbing.py'),
                               'mpx.plumbing.exact_fp32': ('plumbing.html#exact_fp32', 'mpx/plumbing.py'),
                               'mpx.plumbing.halvable': ('plumbing.html#halvable', 'mpx/plumbing.py'),

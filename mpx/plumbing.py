@@ -4,7 +4,7 @@
 
 # %% ../nbs/01b_plumbing.ipynb #a52e4f38
 from __future__ import annotations
-import itertools, collections, pickle, io, sys, os, builtins
+import itertools, collections, functools, pickle, io, sys, os, builtins
 from typing import Callable
 import torch
 from torch import Tensor
@@ -152,28 +152,35 @@ def _lazy_reduce(t:Tensor, lazy:LazyTensor) -> tuple:
     if state: return torch._utils._rebuild_parameter_with_state,(lazy, t.requires_grad, collections.OrderedDict(), state)
     return torch._utils._rebuild_parameter,(lazy, t.requires_grad, collections.OrderedDict())
 
+@functools.cache
+def _stream_pickler(base:type) -> type:
+    "Pickler `base`, recording each tensor's storage for `save_streamed` on the instance (no closure: no cycle)"
+    class StreamPickler(base):
+        def persistent_id(self, o):
+            if isinstance(o, _Pending):
+                key = str(len(self.records) + len(self.real))
+                self.records[key] = o
+                return ('storage', _storage_type(o.lazy.dtype), key, 'cpu', o.lazy.shape.numel())
+            if isinstance(o, torch.storage.TypedStorage):  # a tensor in another object: written as torch writes it
+                st = o._untyped_storage
+                key = self.real.setdefault(st._cdata, (str(len(self.records) + len(self.real)), st))[0]
+                return ('storage', getattr(torch, o._pickle_storage_type()), key, 'cpu', o._size())
+        def reducer_override(self, o):
+            if id(o) in self.swap: return _lazy_reduce(o, self.swap[id(o)])
+            return super().reducer_override(o) if hasattr(base, 'reducer_override') else NotImplemented
+    return StreamPickler
+
 def save_streamed(obj, file, pickle_protocol:int=2,
                   pickler=pickle.Pickler, # the pickler class (`cloudpickle.Pickler` for a learner's `export`)
                   swap:dict|None=None, # `id` of a tensor in `obj` -> the `LazyTensor` written in its place
                  ):
     "`torch.save(obj, file)`, holding one tensor at a time"
-    records,real,swap = {},{},swap or {}
-    def persistent_id(o):
-        if isinstance(o, _Pending):
-            key = str(len(records) + len(real))
-            records[key] = o
-            return ('storage', _storage_type(o.lazy.dtype), key, 'cpu', o.lazy.shape.numel())
-        if isinstance(o, torch.storage.TypedStorage):  # a tensor in another object: written as torch writes it
-            key = real.setdefault(o._untyped_storage._cdata, (str(len(records) + len(real)), o._untyped_storage))[0]
-            return ('storage', getattr(torch, o._pickle_storage_type()), key, 'cpu', o._size())
-    class Pickler(pickler):
-        def persistent_id(self, o): return persistent_id(o)
-        def reducer_override(self, o):
-            if id(o) in swap: return _lazy_reduce(o, swap[id(o)])
-            return super().reducer_override(o) if hasattr(pickler, 'reducer_override') else NotImplemented
     buf = io.BytesIO()
-    Pickler(buf, protocol=pickle_protocol).dump(_lazy_leaves(obj))
-    data = buf.getvalue()
+    p = _stream_pickler(pickler)(buf, protocol=pickle_protocol)
+    p.records,p.real,p.swap = {},{},swap or {}
+    p.dump(_lazy_leaves(obj))
+    records,real,data = p.records,p.real,buf.getvalue()
+    del p  # its memo holds every object it wrote
     with torch.serialization._open_zipfile_writer(str(file) if isinstance(file, os.PathLike) else file) as w:
         heads = ('data.pkl', data),('.format_version', '1'),('.storage_alignment', '64'),('byteorder', sys.byteorder)
         for name,v in heads: w.write_record(name, v, len(v))

@@ -206,3 +206,15 @@ def test_next_fit_takes_the_buffers_as_they_are(mode, fused):
     assert _ptrs(learn) == before
     ps = list(learn.model.parameters())
     assert len({p.untyped_storage().data_ptr() for p in ps}) < len(ps), 'the weights lie in the buckets\' buffers'
+
+def test_save_and_export_leave_no_cycle():
+    "A streamed `save` and `export` of a kept layout leave nothing for the cyclic collector (no pickler closure holding storages)"
+    learn = learner('pure_kahan', True, opt_state='8bit')
+    learn.path = Path(tempfile.mkdtemp())
+    fit_quiet(learn)
+    cyclic_garbage()
+    with no_collector():
+        learn.save('s')
+        learn.export('e.pkl')
+        left = [type(o).__name__ for o in cyclic_garbage()]
+    assert not [n for n in left if n in ('_Pending', 'LazyTensor', 'UntypedStorage', 'StreamPickler', 'Pickler')], left
