@@ -11,6 +11,7 @@ from torch.nn.modules.batchnorm import _NormBase
 from .core import *
 from .scaler import *
 from .fused import FusedSteps, why_not_lowbit
+from .compiled import find_nonfinite
 from .lowbit import param_bytes
 from .plumbing import Ledger, LazyTensor, Stored, opt_params
 from .flat import overlapping
@@ -278,7 +279,9 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         "This step's scale, and whether its gradients hold inf/nan (one sync)"
         s,grads = self.scaler,self._step_grads()
         if s is not None and lazy: s.to_device(training_device(self.dls, self.model))  # the scale's state stays there
-        found = unscale_and_find_inf_(grads) if s is None else s.unscale_(grads)
+        # a compiled step's unscaled gradients: read once, compiled (the eager kernel writes them back)
+        found = find_nonfinite(grads) if s is None and lazy else None
+        if found is None: found = unscale_and_find_inf_(grads) if s is None else s.unscale_(grads)
         scale = 1.0 if s is None else s.dev['scale'] if lazy else s.scale
         return scale,(found if lazy else bool(found.item()))
     def _update_scale(self, found:bool):

@@ -14,7 +14,7 @@ from .lowbit import kept
 from .warn import warn_user
 
 # %% auto #0
-__all__ = ['StepCount', 'DeviceSteps', 'compile_plan', 'CompiledSteps']
+__all__ = ['StepCount', 'DeviceSteps', 'compile_plan', 'CompiledSteps', 'find_nonfinite']
 
 # %% ../nbs/01g_compiled.ipynb #cx0006
 _COMPILED = {}
@@ -393,3 +393,22 @@ def _zeros_state(b:Bucket, k:str, a:int, c:int, dtype) -> dict:
         b.store.zero(b, k, a, c)
         for i in range(a, c): b.dicts[i][k] = b.state_held[k][i]
     return b.store.kernel_io(b, k, a, c)
+
+# %% ../nbs/01g_compiled.ipynb #fabcaeea
+def _nonfinite_body(gs:list, zero:Tensor) -> Tensor:
+    "1. where any of `gs` holds an inf or a nan, else 0. (shape `[1]`, as `unscale_and_find_inf_`'s flag)"
+    # `g * zero`: a zero, or a nan where `g` is not finite (a zero tensor: inductor folds `g * 0` to 0)
+    total = sum((g.float() * zero).sum() for g in gs)
+    return (total != 0).float().reshape(1)
+
+def find_nonfinite(gs:list) -> Tensor|None:
+    "The finite check of gradients `gs` that no loss scale divides: read-only, compiled, no host sync (None: check eagerly)"
+    if not gs or 'finite check' in _failed: return None
+    f = _kernels.get('finite check')
+    if f is None: f = _kernels['finite check'] = torch.compile(_own(_nonfinite_body, 'mpx_nonfinite'), dynamic=True)
+    try: return f(gs, torch.zeros((), device=gs[0].device))
+    except Exception as e:
+        if torch._C._len_torch_dispatch_stack(): raise
+        first_line = str(e).strip().splitlines()[0][:200] if str(e).strip() else ''
+        _failed['finite check'] = f"torch.compile failed on this machine ({type(e).__name__}: {first_line})"
+        return None

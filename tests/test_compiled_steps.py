@@ -126,6 +126,35 @@ def test_no_host_sync_and_skips_on_device(mode):
     check_skips_change_nothing(cb, snap, skipped=[2])
     assert cb.last_overflow.step == 2 and cb.last_overflow.param is None  # read lazily: the gradients are gone, the step is known
 
+def _fused_unscales(learn) -> int:
+    "Calls of torch's fused unscale-and-check kernel (which writes the gradients back) in one fit of `learn`"
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p: fit_quiet(learn, 1)
+    return sum(e.name == 'aten::_amp_foreach_non_finite_check_and_unscale_' for e in p.events())
+
+@pytest.mark.compiled
+def test_unscaled_finite_check_compiled_reads_only():
+    """A compiled step with no loss scale checks its gradients in one compiled reduction, read-only: the fused unscale kernel, which
+    writes them back, runs only in the eager fit (the control). The compiled check flags as the eager one: infs and nans, and
+    nothing for huge finite values whose sum overflows; it writes nothing. (inductor folds `g * 0` to 0 for fp32 `g`: the first case
+    failed so.)"""
+    from mpx.compiled import find_nonfinite
+    from mpx.core import unscale_and_find_inf_
+    big = torch.full((3,), 3e38)
+    cases = [[torch.tensor([1., float('inf')])], [torch.ones(5, dtype=torch.bfloat16)], [big, torch.zeros(2)],
+             [big, torch.tensor([1., float('inf')])],
+             [torch.tensor([-float('inf')]).bfloat16(), torch.ones(3)], [torch.tensor([0., float('nan')])], [torch.tensor([-0.])]]
+    for gs in cases:
+        before = [g.clone() for g in gs]
+        got = find_nonfinite(gs)
+        assert got is not None and torch.equal(got, unscale_and_find_inf_([g.clone() for g in gs])), (gs, got)
+        assert all(torch.equal(g.view(torch.uint8), b.view(torch.uint8)) for g,b in zip(gs, before))
+    n = {}
+    for fused in (True, 'compile'):
+        learn = tiny_learner(opt_func=Adam, lr=1e-2, n_trn=4).to_bf16(pure=True, fused=fused)
+        fit_quiet(learn, 1)  # compiled first
+        n[fused] = _fused_unscales(learn)
+    assert n[True] == 4 and n['compile'] == 0, n
+
 @pytest.mark.compiled
 def test_dynamic_scale_on_device():
     "fp16 compiled: the dynamic scale backs off at the overflow and grows after `growth_interval` clean steps, on the device, as eagerly."
