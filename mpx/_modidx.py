@@ -445,6 +445,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                           'mpx.flat.Workspace.__call__': ('flat.html#workspace.__call__', 'mpx/flat.py'),
                           'mpx.flat.Workspace.__init__': ('flat.html#workspace.__init__', 'mpx/flat.py'),
                           'mpx.flat._alias': ('flat.html#_alias', 'mpx/flat.py'),
+                          'mpx.flat._aliases': ('flat.html#_aliases', 'mpx/flat.py'),
                           'mpx.flat._dense': ('flat.html#_dense', 'mpx/flat.py'),
                           'mpx.flat._flat_keys': ('flat.html#_flat_keys', 'mpx/flat.py'),
                           'mpx.flat._in_slot': ('flat.html#_in_slot', 'mpx/flat.py'),

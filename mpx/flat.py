@@ -25,12 +25,17 @@ def _offsets(sizes:list, align:int=_align) -> tuple:
 
 def _alias(buf:Tensor, offset:int, shape, stride) -> Tensor:
     "A `shape`, `stride` tensor over `buf` from element `offset`"
-    res = torch.empty(0, dtype=buf.dtype, device=buf.device)
-    return res.set_(buf.untyped_storage(), buf.storage_offset() + offset, shape, stride)
+    return buf.new_empty(0).set_(buf.untyped_storage(), buf.storage_offset() + offset, shape, stride)
+
+def _aliases(buf:Tensor, offs:list, specs:list) -> list:
+    "`_alias` of `buf` at each of `offs`, shaped as each of `specs` (a tensor of its own, with its own version counter)"
+    st,base = buf.untyped_storage(),buf.storage_offset()
+    return [buf.new_empty(0).set_(st, base + o, s, stride) for o,(s,stride) in zip(offs, specs)]
 
 # %% ../nbs/01e_flat.ipynb #fl0009
 def _dense(t:Tensor) -> bool:
     "Whether `t` fills its memory exactly, in some dimension order"
+    if t.is_contiguous(): return True
     n = 1
     for st,sz in sorted((st, sz) for sz,st in zip(t.shape, t.stride()) if sz != 1):
         if st != n: return False
@@ -52,7 +57,7 @@ def overlapping(ts:list) -> set:
         # a DTensor: its own
         if type(t) not in (Tensor, nn.Parameter) or t.layout is not torch.strided or t.numel() == 0: continue
         a = t.storage_offset()
-        c = a + 1 + sum((n-1) * abs(s) for n,s in zip(t.shape, t.stride()))
+        c = a + t.numel() if t.is_contiguous() else a + 1 + sum((n-1) * abs(s) for n,s in zip(t.shape, t.stride()))
         spans.append((t.untyped_storage().data_ptr(), a * t.element_size(), c * t.element_size(), id(t)))
     res,reach = set(),{}  # by storage: how far the spans so far reach, and whose
     for st,a,c,i in sorted(spans):
@@ -61,11 +66,11 @@ def overlapping(ts:list) -> set:
         if far is None or c > far[0]: reach[st] = (c, i)
     return res
 
-def _in_slot(t:Tensor, st, offset:int, spec:tuple, dtype) -> bool:
-    "Whether `t` is the slot at `offset` of storage `st`, as `spec` says"
-    if type(t) not in (Tensor, nn.Parameter) or t.layout is not torch.strided: return False
-    if t.dtype != dtype or t.untyped_storage().data_ptr() != st.data_ptr() or t.storage_offset() != offset: return False
-    return tuple(t.shape) == tuple(spec[0]) and tuple(t.stride()) == tuple(spec[1])
+def _in_slot(t:Tensor, at:int, offset:int, spec:tuple, dtype) -> bool:
+    "Whether `t` is the slot at `offset` of the storage at address `at`, as `spec` says"
+    if type(t) not in (Tensor, nn.Parameter) or t.layout is not torch.strided or t.dtype != dtype: return False
+    if t.storage_offset() != offset or t.shape != spec[0] or t.stride() != tuple(spec[1]): return False
+    return t.untyped_storage().data_ptr() == at
 
 def _same_slot(t:Tensor|None, v:Tensor) -> bool:
     "Whether `t` is view `v`'s memory, dtype, shape and strides"
@@ -205,7 +210,7 @@ class Bucket:
     def zeros(self, dtype) -> Tensor: return torch.zeros(self.n, dtype=dtype, device=self.device)
     def views(self, buf:Tensor) -> list:
         "Each parameter's slot of flat `buf`, shaped and strided like it"
-        return [_alias(buf, o, s, st) for o,(s,st) in zip(self.offs, self.specs)]
+        return _aliases(buf, self.offs, self.specs)
     def point(self, buf:Tensor):
         "Make each parameter's data its slot of `buf`"
         for p,v in zip(self.params, self.views(buf)): set_data(p, v)
@@ -216,7 +221,8 @@ class Bucket:
         if t0.dtype != dtype or t0.device != self.device: return None
         st = t0.untyped_storage()
         if st.nbytes() != self.n * t0.element_size(): return None  # the buffer holds these tensors and nothing else
-        if not all(t is None or _in_slot(t, st, o, spec, dtype) for t,o,spec in zip(ts, self.offs, self.specs)):
+        at = st.data_ptr()
+        if not all(t is None or _in_slot(t, at, o, spec, dtype) for t,o,spec in zip(ts, self.offs, self.specs)):
             return None
         return torch.empty(0, dtype=dtype, device=self.device).set_(st, 0, (self.n,), (1,))
     def hold_weights(self, dtype=None) -> Tensor:
