@@ -160,7 +160,7 @@ def _kernel_body(kind, store, chain:tuple, keys:list, t:dict, hyper:dict, run:di
     vals = dict(x=x, g=g, **{k: store.kernel_load(t, k) for k in keys})  # the state, dequantised where it is low-bit
     for f,kw in chain: _COMPILED[f].update(vals, run, dict(kw))
     keep = hyper['found'] != 0  # nothing changes where the finite check found an inf or nan
-    out = {k: kept(keep, t[k], v) for k,v in kind.kernel_fold(t, hyper, vals['x']).items()}
+    out = {k: kept(keep, t[k], v) for k,v in kind.kernel_fold(t, hyper, vals['x'], store.kernel_nearest).items()}
     for k in keys: out.update(store.kernel_store(t, k, vals[k], keep))
     for k,v in out.items(): t[k].copy_(v)
     if 'steps' in t: t['steps'].copy_(torch.where(keep, t['steps'], t['steps'] + 1))
@@ -173,10 +173,15 @@ def _known_options(options:dict) -> dict:
     missing = sorted(k for k in options if not hasattr(inductor, k))
     if missing and 'options' not in _warned:
         _warned.add('options')  # once a process
-        warn_user(f"torch {torch.__version__}'s inductor has no {', '.join(missing)}: a compiled low-bit step keeps "
-                  "its new values in two fp32 temporaries the size of a run (8 B/param more at its peak); "
-                  "torch 2.13 or later avoids them")
+        what = {_WITHOUT.get(k, _WITHOUT['realize_reads_threshold']) for k in missing}
+        warn_user(f"torch {torch.__version__}'s inductor has no {', '.join(missing)}: {'; '.join(sorted(what))}; "
+                  "torch 2.13 or later avoids it")
     return {k: v for k,v in options.items() if k not in missing}
+
+# what a compiled step does without each of the stores' inductor options
+_WITHOUT = dict(realize_reads_threshold="a compiled low-bit step keeps its new values in two fp32 temporaries the size "
+                                        "of a run (8 B/param more at its peak)",
+                emulate_precision_casts="a compiled pure bf16 step over bf16 state rounds on the bits (about half as fast)")
 
 def _own(f, name:str) -> Callable:
     "`f` with a code object of its own, named `name`"

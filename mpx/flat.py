@@ -150,8 +150,8 @@ class Kind:
         "In a kernel: what is stepped, and its gradients"
         return t['w'],t['g']
     @staticmethod
-    def kernel_fold(t:dict, s:dict, x:Tensor) -> dict:
-        "In a kernel: the new values of the kind's tensors, from stepped `x`"
+    def kernel_fold(t:dict, s:dict, x:Tensor, nearest:Callable|None=None) -> dict:
+        "In a kernel: the new values of the kind's tensors, from stepped `x` (`nearest`: the store's rounding to bf16)"
         return dict(w=x)
 
 # %% ../nbs/01e_flat.ipynb #fl0014

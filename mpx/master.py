@@ -118,7 +118,7 @@ class MasterKind(Kind):
     @staticmethod
     def kernel_widen(t, s): return t['x'],t['gx']
     @staticmethod
-    def kernel_fold(t, s, x): return dict(x=x, w=x)  # the half weights are the stepped masters, cast
+    def kernel_fold(t, s, x, nearest=None): return dict(x=x, w=x)  # the half weights are the stepped masters, cast
 
 # %% ../nbs/04_master.ipynb #8802bdff
 class _LoadHook:

@@ -151,11 +151,12 @@ class KahanKind(BF16Kind):
     @staticmethod
     def kernel_widen(t, s): return t['w'].float() + t['c'].float(),t['g'].float()
     @staticmethod
-    def kernel_fold(t, s, x):
-        "`fold_kahan` in a kernel"
-        w = bf16_nearest(x)
-        v = w + bf16_nearest(x - w)
-        w = bf16_nearest(v)
+    def kernel_fold(t, s, x, nearest=None):
+        "`fold_kahan` in a kernel, rounding to bf16 by `nearest` (the store's; else on the bits)"
+        nearest = nearest or bf16_nearest
+        w = nearest(x)
+        v = w + nearest(x - w)
+        w = nearest(v)
         nan = x != x  # a NaN's bits may have carried into an inf or a -0: kept a NaN, as the conversions keep it
         return dict(w=torch.where(nan, x, w), c=torch.where(nan, x, v - w))  # `c` rounded by the store's conversion
 
@@ -174,7 +175,7 @@ class StochasticKind(BF16Kind):
         key,base = self._key(b, a, phase)
         return t,dict(key=key, base=base)
     @staticmethod
-    def kernel_fold(t, s, x): return dict(w=round_stochastic(x, s['key'], s['base']))
+    def kernel_fold(t, s, x, nearest=None): return dict(w=round_stochastic(x, s['key'], s['base']))
 
 class KeptKind(BF16Kind):
     "bf16 weights frozen when the fit began, their fp32 values kept aside"
@@ -195,7 +196,7 @@ class KeptKind(BF16Kind):
     @staticmethod
     def kernel_widen(t, s): return t['x'],t['g'].float()
     @staticmethod
-    def kernel_fold(t, s, x): return dict(x=x, w=x)
+    def kernel_fold(t, s, x, nearest=None): return dict(x=x, w=x)
 
 # %% ../nbs/05_pure.ipynb #pb000021c
 class BF16Weights(FitState):

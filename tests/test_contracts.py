@@ -29,7 +29,7 @@ class Copied(Kind):
     @staticmethod
     def kernel_widen(t, s): return t['x'],t['g']
     @staticmethod
-    def kernel_fold(t, s, x): return dict(x=x, w=x)
+    def kernel_fold(t, s, x, nearest=None): return dict(x=x, w=x)
 
 class Cloned(Store):
     "fp32 state held in a buffer a key, stepped in a copy: a store that is not `DenseStore`'s view"

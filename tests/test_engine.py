@@ -4,6 +4,7 @@ import pytest, torch
 from fastai.basics import Adam
 from mpx.all import *
 from mpx.pure import KahanKind, StochasticKind, split_kahan, round_stochastic, stream_key
+from mpx.lowbit import BF16Store
 from mpx.test_utils import tiny_learner, fit_quiet, state_of, state_diffs, bf16_edges
 from conftest import compiles
 
@@ -41,6 +42,26 @@ def test_kahan_split_same_eager_and_compiled():
     w,c = split_kahan(x)
     assert torch.equal(_bits(out['w'], w), _bits(w, w)) and torch.equal(_bits(out['c'], c), _bits(c, c))
     assert torch.equal(out['w'].isnan(), w.isnan())
+
+def _kfold_casts(x):
+    "`KahanKind.kernel_fold` rounding as a kernel over bf16 state does (`BF16Store`: through conversions), as stored (bf16)"
+    return {k: v.bfloat16() for k,v in KahanKind.kernel_fold({}, {}, x, BF16Store().kernel_nearest).items()}
+
+@pytest.mark.parametrize('kept', [True, False], ids=['casts-kept', 'control-casts-dropped'])
+def test_kahan_split_same_eager_and_compiled_over_bf16_state(kept):
+    """Over bf16 state the compiled kernel rounds through conversions, which `BF16Store`'s inductor option keeps: the split is the
+    eager fold's, bit for bit, on the same values as above. Negative control: compiled without the option, inductor drops the
+    round trips and the compensations come out zero (the split differs)."""
+    if not compiles(): pytest.skip('torch.compile cannot build a kernel here (no C++ compiler): only the eager path runs')
+    g = torch.Generator().manual_seed(2)
+    patterns = torch.randint(-2**31, 2**31, (1 << 20,), dtype=torch.int32, generator=g).view(torch.float32)
+    x = torch.cat([bf16_edges(), _values(seed=2), patterns])
+    opts = BF16Store.kernel_options if kept else {'emulate_precision_casts': False}
+    out = torch.compile(_kfold_casts, dynamic=True, options=opts)(x)
+    w,c = split_kahan(x)
+    same = torch.equal(_bits(out['w'], w), _bits(w, w)) and torch.equal(_bits(out['c'], c), _bits(c, c))
+    assert same == kept
+    if kept: assert torch.equal(out['w'].isnan(), w.isnan())
 
 def _stochastic(fused, tmp_path, load=None):
     learn = tiny_learner(opt_func=Adam, lr=1e-2, n_trn=4, path=tmp_path).to_bf16(pure=True, update='stochastic', fused=fused)
