@@ -295,6 +295,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                               'mpx.compiled._marked': ('compiled.html#_marked', 'mpx/compiled.py'),
                               'mpx.compiled._nonfinite_body': ('compiled.html#_nonfinite_body', 'mpx/compiled.py'),
                               'mpx.compiled._own': ('compiled.html#_own', 'mpx/compiled.py'),
+                              'mpx.compiled._rows': ('compiled.html#_rows', 'mpx/compiled.py'),
                               'mpx.compiled._scalar_body': ('compiled.html#_scalar_body', 'mpx/compiled.py'),
                               'mpx.compiled._signature': ('compiled.html#_signature', 'mpx/compiled.py'),
                               'mpx.compiled._state_keys': ('compiled.html#_state_keys', 'mpx/compiled.py'),

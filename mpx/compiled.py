@@ -400,18 +400,26 @@ def _zeros_state(b:Bucket, k:str, a:int, c:int, dtype) -> dict:
     return b.store.kernel_io(b, k, a, c)
 
 # %% ../nbs/01g_compiled.ipynb #fabcaeea
-def _nonfinite_body(gs:list, zero:Tensor) -> Tensor:
-    "1. where any of `gs` holds an inf or a nan, else 0. (shape `[1]`, as `unscale_and_find_inf_`'s flag)"
+def _nonfinite_body(rows:list, tails:list, zero:Tensor) -> Tensor:
+    "1. where any of the gradients in `rows` and `tails` holds an inf or a nan, else 0. (shape `[1]`, as `unscale_and_find_inf_`'s)"
     # `g * zero`: a zero, or a nan where `g` is not finite (a zero tensor: inductor folds `g * 0` to 0)
-    total = sum((g.float() * zero).sum() for g in gs)
+    total = sum((r.float() * zero).sum(1).sum() for r in rows) + sum((t.float() * zero).sum() for t in tails)
     return (total != 0).float().reshape(1)
+
+_ROW = 1024  # summed a row first: one running sum a row, where one for a whole buffer is a long chain of adds
+
+def _rows(gs:list) -> tuple:
+    "Each of `gs` flat, as whole rows of `_ROW` elements and the rest (views)"
+    flat = [g.reshape(-1) for g in gs]
+    rows = [f[:f.numel() // _ROW * _ROW].view(-1, _ROW) for f in flat]
+    return rows,[f[r.numel():] for f,r in zip(flat, rows)]
 
 def find_nonfinite(gs:list) -> Tensor|None:
     "The finite check of gradients `gs` that no loss scale divides: read-only, compiled, no host sync (None: check eagerly)"
     if not gs or 'finite check' in _failed: return None
     f = _kernels.get('finite check')
     if f is None: f = _kernels['finite check'] = torch.compile(_own(_nonfinite_body, 'mpx_nonfinite'), dynamic=True)
-    try: return f(gs, torch.zeros((), device=gs[0].device))
+    try: return f(*_rows(gs), torch.zeros((), device=gs[0].device))
     except Exception as e:
         if torch._C._len_torch_dispatch_stack(): raise
         first_line = str(e).strip().splitlines()[0][:200] if str(e).strip() else ''

@@ -139,9 +139,11 @@ def test_unscaled_finite_check_compiled_reads_only():
     failed so.)"""
     from mpx.compiled import find_nonfinite
     from mpx.core import unscale_and_find_inf_
-    big = torch.full((3,), 3e38)
+    big = torch.full((2050,), 3e38)
     cases = [[torch.tensor([1., float('inf')])], [torch.ones(5, dtype=torch.bfloat16)], [big, torch.zeros(2)],
              [big, torch.tensor([1., float('inf')])],
+             [torch.zeros(3073).index_fill_(0, torch.tensor([3000]), float('nan'))],  # in a row of 1,024 (the check sums rows)
+             [torch.zeros(3073, dtype=torch.bfloat16).index_fill_(0, torch.tensor([3072]), float('inf'))],  # past the rows
              [torch.tensor([-float('inf')]).bfloat16(), torch.ones(3)], [torch.tensor([0., float('nan')])], [torch.tensor([-0.])]]
     for gs in cases:
         before = [g.clone() for g in gs]
