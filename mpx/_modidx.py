@@ -1005,6 +1005,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                 'mpx.test_utils._cpu_fused_adamw': ('test_utils.html#_cpu_fused_adamw', 'mpx/test_utils.py'),
                                 'mpx.test_utils._crit_loss': ('test_utils.html#_crit_loss', 'mpx/test_utils.py'),
                                 'mpx.test_utils._gen_loss': ('test_utils.html#_gen_loss', 'mpx/test_utils.py'),
+                                'mpx.test_utils._in_check': ('test_utils.html#_in_check', 'mpx/test_utils.py'),
                                 'mpx.test_utils._kept': ('test_utils.html#_kept', 'mpx/test_utils.py'),
                                 'mpx.test_utils._no_fd2': ('test_utils.html#_no_fd2', 'mpx/test_utils.py'),
                                 'mpx.test_utils._quiet': ('test_utils.html#_quiet', 'mpx/test_utils.py'),

@@ -14,7 +14,7 @@ from .lowbit import kept
 from .warn import warn_user
 
 # %% auto #0
-__all__ = ['StepCount', 'DeviceSteps', 'compile_plan', 'CompiledSteps', 'find_nonfinite']
+__all__ = ['CHECK_RANGE', 'StepCount', 'DeviceSteps', 'compile_plan', 'CompiledSteps', 'find_nonfinite']
 
 # %% ../nbs/01g_compiled.ipynb #cx0006
 _COMPILED = {}
@@ -406,6 +406,7 @@ def _nonfinite_body(rows:list, tails:list, zero:Tensor) -> Tensor:
     total = sum((r.float() * zero).sum(1).sum() for r in rows) + sum((t.float() * zero).sum() for t in tails)
     return (total != 0).float().reshape(1)
 
+CHECK_RANGE = 'mpx finite check'  # the check's range in a profile: its compiled region is no step's
 _ROW = 1024  # summed a row first: one running sum a row, where one for a whole buffer is a long chain of adds
 
 def _rows(gs:list) -> tuple:
@@ -419,7 +420,8 @@ def find_nonfinite(gs:list) -> Tensor|None:
     if not gs or 'finite check' in _failed: return None
     f = _kernels.get('finite check')
     if f is None: f = _kernels['finite check'] = torch.compile(_own(_nonfinite_body, 'mpx_nonfinite'), dynamic=True)
-    try: return f(*_rows(gs), torch.zeros((), device=gs[0].device))
+    try:
+        with torch.profiler.record_function(CHECK_RANGE): return f(*_rows(gs), torch.zeros((), device=gs[0].device))
     except Exception as e:
         if torch._C._len_torch_dispatch_stack(): raise
         first_line = str(e).strip().splitlines()[0][:200] if str(e).strip() else ''

@@ -218,7 +218,8 @@ def kernel_name(k:str, part:str) -> str:
 
 def kept(keep:Tensor, old:Tensor, new:Tensor) -> Tensor:
     "A kernel's `old` where `keep` (a skipped step), else `new`, in `old`'s dtype"
-    if old.dtype != torch.uint8: return torch.where(keep, old, new.to(old.dtype))
+    # chosen in fp32, then cast once (a kernel that keeps its casts would otherwise cast `new` there and back first)
+    if old.dtype != torch.uint8: return torch.where(keep, old.float(), new.float()).to(old.dtype)
     # bytes (4-bit codes) through a mask: inductor's CPU blend of bytes is slow
     return old ^ ((old ^ new) & torch.where(keep, 0, 255).to(torch.uint8))
 

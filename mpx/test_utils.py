@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import mpx.learner  # `Learner.to_fp16`, `to_bf16`, `to_fp32` for the mode tables
 from .callback import PrecisionCallback
 from .lowbit import LowBitState
+from .compiled import find_nonfinite, CHECK_RANGE
 
 # %% ../nbs/99_test_utils.ipynb #9879deb7
 class _ExportableDS(TensorDataset):
@@ -681,7 +682,9 @@ class StepProfile:
         with _no_fd2(): self.p.__exit__(None, None, None)
         evs = {e.key: e.count for e in self.p.key_averages()}
         self.p = None
-        self.steps.append(dict(compiled=sum(n for k,n in evs.items() if k.startswith('Torch-Compiled Region')),
+        # a compiled finite check's region is no step's (one a check, in its range)
+        regions = sum(n for k,n in evs.items() if k.startswith('Torch-Compiled Region')) - evs.get(CHECK_RANGE, 0)
+        self.steps.append(dict(compiled=regions,
                                ops={k: n for k,n in evs.items() if k.startswith('aten::')}))
     @property
     def syncs(self) -> list:
@@ -701,13 +704,19 @@ def check_compiled_steps(prof:StepProfile):
     assert not ran, f'steps ran the eager arithmetic beside the kernels: {ran[:2]}'
 
 # %% ../nbs/99_test_utils.ipynb #tu500005
+def _in_check() -> bool:
+    "Whether this call is inside mpx's compiled finite check (`find_nonfinite`)"
+    f = sys._getframe(2)
+    while f is not None and f.f_code is not find_nonfinite.__code__: f = f.f_back
+    return f is not None
+
 class KernelRuns:
     "Context manager counting the compiled graphs inductor runs, in `n`"
     def __enter__(self):
         from torch._inductor.output_code import CompiledFxGraph  # what a compiled function calls, each call
         self.n,self.cls,self.real = 0,CompiledFxGraph,CompiledFxGraph.__call__
         def call(graph, inputs):
-            self.n += 1
+            self.n += not _in_check()  # a compiled finite check's graph is no step's
             return self.real(graph, inputs)
         self.cls.__call__ = call
         return self
