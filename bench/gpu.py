@@ -5,7 +5,9 @@ helpers (`master_bookkeeping.py`'s steps, fused steps off and on), the host sync
 fused against per-parameter steps with fastai's `Adam` (CNN at batch 64, GPT; AMP bf16, master fp16, pure kahan and stochastic),
 fp8 (`learn.to_fp8`, tensorwise and rowwise, eager and `torch.compile`d) against bf16 on an MLP-heavy model and the GPT, low-bit
 optimizer state (`opt_state`, compiled AMP bf16 and pure kahan, fastai's Adam: each state's step time against fp32 state's, and its
-peak memory), and the GPT's steps under `torch.profiler` (kernels, GPU time, host syncs) for mpx bf16, fastai's bf16 and the raw loop.
+peak memory), issue 48's comparisons (bench/step.py's arms on the MLP and the GPT: mpx AMP bf16 and pure kahan, eager and compiled,
+against fastai + optimi's Kahan AdamW on a bf16 model; and `--chain`'s fits of 200 small layers, fused steps against fastai's loop),
+and the GPT's steps under `torch.profiler` (kernels, GPU time, host syncs) for mpx bf16, fastai's bf16 and the raw loop.
 `--only` picks sections.
 
 Without CUDA it prints one line and exits 0 (`make bench` runs every bench/*.py); `--smoke` runs it in miniature on the CPU
@@ -19,12 +21,13 @@ only) is `torch.cuda.max_memory_allocated()` over one fit of each mode run alone
 TFLOP/s).
 
 On a GPU machine with PyTorch but without fastai or a network (as the project's lent H100/H200 machines are):
-    here:  bash bench/gpu_wheels.sh          # wheels of fastai, the pure-Python packages it needs that the image lacks, and torchao
+    here:  bash bench/gpu_wheels.sh          # wheels: fastai, the pure-Python packages it needs that the image lacks, torchao, optimi
     carry `bench/wheels` with the working tree (it ignores itself in git), then there:
            python3 -m pip install -q --no-index --no-deps --target /tmp/site bench/wheels/*.whl && export PYTHONPATH=/tmp/site:$PWD
            cd bench && python3 gpu.py --plots $OUT --rounds 3 --only book,syncs,fused,fp8   # ~300 s on an H100
            python3 gpu.py --plots $OUT --rounds 3 --only main,profile                         # ~270 s
            python3 gpu.py --rounds 5 --only lowbit                                           # not yet timed on a GPU
+           python3 gpu.py --rounds 5 --only optimi,chain                                     # not yet timed on a GPU
 The default batch sizes leave room on an 80 GB H100 for every mode's copy of the model to stay resident."""
 import argparse, gc, sys, textwrap, time
 import torch
@@ -34,6 +37,8 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 from _common import *
 import mpx.fp8  # `learn.to_fp8`; torchao is imported on first use only
+import mpx.compiled  # `_failed`: why a compiled step fell back to eager steps
+from step import BF16Model, ADAM_KW, chain_model  # bench/step.py's arms of issue 48, on this device
 from copy import deepcopy
 
 DEV,N_BATCHES,SKIP = 'cuda',16,3  # `--smoke`: 'cpu',3,1. The first SKIP steps of an epoch are not timed
@@ -358,6 +363,61 @@ def lowbit_rows(cases, rounds) -> list:
 
 def _eager8(learn, k): return learn.to_bf16(pure=True, opt_state='8bit') if 'pure' in k else learn.to_bf16(opt_state='8bit')
 
+OPTIMI = 'fastai + optimi kahan'
+OPTIMI_MODES = {  # issue 48's mpx arms: name, what makes a learner train in that mode with fastai's `Adam`
+    'mpx AMP bf16': lambda l: l.to_bf16(), 'mpx AMP bf16 compile': lambda l: l.to_bf16(fused='compile'),
+    'mpx pure kahan': lambda l: l.to_bf16(pure=True), 'mpx pure kahan compile': lambda l: l.to_bf16(pure=True, fused='compile'),
+    'mpx pure kahan bf16 state compile': lambda l: l.to_bf16(pure=True, fused='compile', opt_state='bf16'),  # optimi's state dtype
+}
+OPTIMI_TARGETS = [  # (issue 48's target, arm, reference arm, speed at least), as bench/step.py prints them
+    ("compiled pure kahan >= 1.05x fastai + optimi kahan", 'mpx pure kahan compile', OPTIMI, 1.05),
+    ("like for like: compiled pure kahan, bf16 state, >= 1.05x fastai + optimi kahan", 'mpx pure kahan bf16 state compile', OPTIMI, 1.05),
+    ("compiled pure kahan >= 1.0x compiled AMP bf16", 'mpx pure kahan compile', 'mpx AMP bf16 compile', 1.0),
+    ("eager pure kahan >= 0.95x eager AMP bf16", 'mpx pure kahan', 'mpx AMP bf16', 0.95),
+]
+
+def optimi_kahan() -> callable:
+    "fastai's `opt_func` for optimi's `AdamW(kahan_sum=True)` with fastai Adam's hyper-parameters"
+    try: import optimi
+    except ImportError as e: raise ImportError(f"{e} (pip install --no-deps torch-optimi==0.3.3)") from e
+    return partial(OptimWrapper, opt=partial(optimi.AdamW, kahan_sum=True, **ADAM_KW))
+
+def bf16_model(learn):
+    "`learn` training its model in bf16 with `BF16Model`: converted in place, before the fit makes its optimizer"
+    learn.model.bfloat16()
+    return learn.add_cb(BF16Model())
+
+def optimi_rows(cases, rounds) -> tuple:
+    "Issue 48's arms (mpx with fastai's `Adam`, fastai + optimi) on each (case, batch size): table rows, target rows, failures"
+    rows,goals,fails = [],[],[]
+    for case,bs in cases:
+        model,batches,_,label = case(bs, DEV == 'cpu')
+        batches = on_dev(batches)
+        makers = {k: partial(learner_timer, model, batches, how, Adam) for k,how in OPTIMI_MODES.items()}
+        makers[OPTIMI] = lambda: learner_timer(model, batches, bf16_model, optimi_kahan())  # imports optimi: a failure is this arm's
+        t,failed = timed_modes(makers, rounds)
+        fails += [f"{label}: {k}: {e}" for k,e in failed.items()]
+        vs = lambda ref,k: f"{ratio(t[ref], t[k]):.2f}x" if ref in t else 'failed'
+        rows += [[label, k, f"{med(v)*1e3:.2f}", vs(OPTIMI, k), vs('mpx AMP bf16', k)] for k,v in t.items()]
+        for goal,a,b,lo in OPTIMI_TARGETS:
+            s = ratio(t[b], t[a]) if a in t and b in t else None
+            goals.append([label, goal, f"not measured: {a if a not in t else b} failed" if s is None else f"{s:.2f}x",
+                          '' if s is None else 'yes' if s >= lo else 'no'])
+        del makers; gc.collect()
+        if DEV == 'cuda': torch.cuda.empty_cache()
+    return rows, goals, fails
+
+def chain_fits(rounds) -> dict:
+    "bench/step.py's `--chain` on `DEV`: `fit(1)`s of 200 Linear(32, 32) (fastai's Adam, AMP bf16), fused=False and True; seconds a fit"
+    batches = on_dev(synth_batches((64, 32), n_out=32, n=16))
+    make = lambda: Learner(prebatched_dls(batches, DEV), chain_model().to(DEV), loss_func=CrossEntropyLossFlat(), opt_func=Adam, lr=1e-4)
+    learns = {f: make().to_bf16(fused=f) for f in (False, True)}
+    def timed(learn):
+        sync(); t0 = time.perf_counter()
+        fit_quiet(learn); sync()  # the fit's queued kernels are its time too
+        return time.perf_counter() - t0
+    return interleaved({f: partial(timed, l) for f,l in learns.items()}, rounds)
+
 def profile_gap(bs, smoke) -> list:
     "Per training step of the GPT, under `torch.profiler`: kernels launched, their GPU time, host syncs, CPU time of the step's ops"
     from torch.profiler import profile, ProfilerActivity
@@ -392,7 +452,7 @@ def plot(res, out, gpu_name):
     fig.suptitle(f"Training step speed-up, {gpu_name}", fontsize=9)
     savefig(fig, 'gpu_speedup', out)
 
-SECTIONS = ['book', 'syncs', 'fused', 'fp8', 'lowbit', 'main', 'profile']
+SECTIONS = ['book', 'syncs', 'fused', 'fp8', 'lowbit', 'optimi', 'chain', 'main', 'profile']
 
 def main(args):
     name = torch.cuda.get_device_name() if DEV == 'cuda' else f'CPU smoke run ({cpu_name()})'
@@ -440,6 +500,28 @@ def main(args):
         table(['model', 'mode', 'opt_state', 'steps', 'ms/step:', 'vs fp32 state:', 'peak GiB:'], rws)
         for f in fails: print(f"# failed: {f}")
         done('lowbit')
+    if 'optimi' in only:
+        print(f"# issue 48: mpx (fastai's Adam, lr 1e-4) against a fastai Learner on a bf16 model stepped by optimi's "
+              f"AdamW(kahan_sum=True) (fastai Adam's betas, eps and wd), {args.rounds} rounds; "
+              "speed = the other arm's step time over this one's (paired)")
+        rws,goals,fails = optimi_rows(((mlp_case, args.lowbit_mlp_bs), (gpt_case, args.gpt_bs)), args.rounds)
+        table(['model', 'arm', 'ms/step:', f'vs {OPTIMI}:', 'vs mpx AMP bf16 (eager):'], rws)
+        table(['model', 'target (issue 48)', 'measured:', 'met'], goals)
+        for f in fails: print(f"# failed: {f}")
+        fell_back = getattr(mpx.compiled, '_failed', {})  # a kernel that failed to compile steps eagerly: its arm is not what it says
+        for why in fell_back.values(): print(f"# compiled arms step eagerly: {why}")
+        done('optimi')
+    if 'chain' in only:
+        print(f"# issue 48, the engine's host work (bench/step.py --chain) on {DEV}: fit(1)s of 200 Linear(32, 32), "
+              f"fastai's Adam (lr 1e-4), AMP bf16, 16 batches of 64 and a validation batch, {args.rounds} interleaved rounds after "
+              "one untimed fit each, synchronised wall time; speed-up = the loop's fit time over the fused one's, "
+              "the median of paired ratios")
+        t = chain_fits(args.rounds)
+        rws = [[f'fused={f}', f'{med(v)*1e3:.1f}', ' '.join(f'{x*1e3:.1f}' for x in v)] for f,v in t.items()]
+        table(['arm', 'fit ms (median):', 'rounds ms'], rws)
+        s = ratio(t[False], t[True])
+        print(f"speed-up of fused=True (median of paired ratios): {s:.2f}x; target (issue 48) >= 1.5x: {'yes' if s >= 1.5 else 'no'}")
+        done('chain')
     res = {}
     if 'main' in only:
         for case,bs in ((gpt_case, args.gpt_bs), (cnn_case, args.cnn_bs)):  # each model's table as soon as it is measured

@@ -3,8 +3,9 @@
 # a network (the project's lent H100/H200 image: Python 3.12 with numpy, pandas, scipy, scikit-learn, matplotlib, requests,
 # rich ... already there). These are the pure-Python packages that `import mpx.all` loads and that image lacks, at the
 # versions of this checkout's .venv, built for the target's Python (TARGET_PY, 3.12 by default; one of them, plum-dispatch,
-# is compiled), and torchao (TORCHAO, 0.18.0 by default; TORCHAO= leaves it out) for the fp8 paths. DEST (bench/wheels by default)
-# ignores itself in git; carry it with the working tree (run's `carry`), then there (the image's pip is there, no network needed):
+# is compiled), torch-optimi (pure Python, the .venv's version: gpu.py's optimi section imports it) and torchao (TORCHAO,
+# 0.18.0 by default; TORCHAO= leaves it out) for the fp8 paths. DEST (bench/wheels by default) ignores itself in git; carry it
+# with the working tree (run's `carry`), then there (the image's pip is there, no network needed):
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site bench/wheels/*.whl && export PYTHONPATH=/tmp/site:$PWD
 #   python3 bench/gpu.py --plots $OUT
 set -euo pipefail
@@ -14,6 +15,7 @@ TARGET_PY=${TARGET_PY:-3.12}
 DEST=${DEST:-bench/wheels}
 TORCHAO=${TORCHAO-0.18.0}
 PKGS="fastai fastcore fastprogress fasttransform fastdownload plum-dispatch beartype python-fasthtml starlette itsdangerous python-multipart"
+PKGS="$PKGS torch-optimi"  # gpu.py's optimi section, not mpx
 pins=$($PY -c "import importlib.metadata as m, sys; print(' '.join(f'{p}=={m.version(p)}' for p in sys.argv[1:]))" $PKGS)
 pins="$pins${TORCHAO:+ torchao==$TORCHAO}"
 mkdir -p "$DEST" && echo '*' > "$DEST/.gitignore"

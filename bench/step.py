@@ -147,9 +147,9 @@ MODES = {  # mpx modes: name -> a function making learner `l` train in that mode
 }
 
 class BF16Model(Callback):
-    "A bf16 model without mpx: bf16 inputs in, fp32 predictions out (for the loss), as optimi's low-precision recipe trains"
+    "A bf16 model without mpx: float inputs in bf16 (token ids stay integers), fp32 predictions out for the loss, as optimi trains"
     order = 10
-    def before_batch(self): self.learn.xb = tuple(x.bfloat16() for x in self.xb)
+    def before_batch(self): self.learn.xb = tuple(x.bfloat16() if x.is_floating_point() else x for x in self.xb)
     def after_pred(self): self.learn.pred = self.pred.float()
 
 class LearnerArm:
