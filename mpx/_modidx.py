@@ -680,6 +680,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                             'mpx.master.MasterCopies.undo': ('master.html#mastercopies.undo', 'mpx/master.py'),
                             'mpx.master.MasterKind': ('master.html#masterkind', 'mpx/master.py'),
                             'mpx.master.MasterKind.__init__': ('master.html#masterkind.__init__', 'mpx/master.py'),
+                            'mpx.master.MasterKind._point_with_grads': ('master.html#masterkind._point_with_grads', 'mpx/master.py'),
                             'mpx.master.MasterKind._show_handed': ('master.html#masterkind._show_handed', 'mpx/master.py'),
                             'mpx.master.MasterKind._take_assigned': ('master.html#masterkind._take_assigned', 'mpx/master.py'),
                             'mpx.master.MasterKind.build': ('master.html#masterkind.build', 'mpx/master.py'),

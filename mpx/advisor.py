@@ -549,7 +549,8 @@ def session_peaks(
     step = 8 * L if mode == 'fp32' else 0 if fused == 'compile' else 16 * min(t.chunk, P)
     moments = {'a training step': fit + max(backward, step),
                "lr_find's load": fit + 4 * L if kept else fastai_layout + held + 4 * P}
-    if mode == 'master': moments['a set-up'] = fastai_layout + held + 8 * P  # half weights, gradients, master gradients
+    # half weights and gradients made; the fp32 gradients taken as the master gradients, in place (`MasterKind.finish`)
+    if mode == 'master': moments['a set-up'] = fastai_layout + held + 4 * P
     if mode in ('kahan', 'stochastic'):  # the fp32 model, the bf16 buffers made, a tensor's split
         moments['a set-up'] = (2 + MODE_BYTES[mode]) * P + 4 * L + t.fixed + t.runtime
     at = max(moments, key=moments.get)

@@ -29,10 +29,15 @@ class MasterKind(Kind):
     def build(self, b):
         "Flat buffers of fp32 masters, half weights and both gradients"
         b.x = b.hold_weights(torch.float32)
-        b.w = b.zeros(self.half)
+        b.w,b.g = b.zeros(self.half),b.zeros(self.half)
         b.w.copy_(b.x)
-        b.point(b.w)
-        b.gx,b.g = b.zeros(torch.float32),b.zeros(self.half)
+        grads = b._own_grads()
+        gx = b.packed(grads, torch.float32)  # the last fit's gradients, handed back in their slots (`finish`)
+        if gx is None:
+            b.point(b.w)  # each gradient cast to half, taken into its slot at the first step (`adopt_grads`)
+            gx = b.zeros(torch.float32)
+        else: self._point_with_grads(b, gx, grads)  # no second fp32 copy of the gradients while the layout is made
+        b.gx = gx
         b.xv,b.gxv = b.views(b.x),b.views(b.gx)
         b.ms = [nn.Parameter(m, requires_grad=False) for m in b.xv]
         b.handed,b.seen = [(m._version, g._version) for m,g in zip(b.ms, b.gxv)],None
@@ -96,9 +101,24 @@ class MasterKind(Kind):
         b.g.zero_()
         b.seen = None  # before a step's second backward: autograd adds the new ones
     def publish(self, b): b.g.copy_(b.gx)  # the checked (unscaled) gradients, shown in the model
+    def _point_with_grads(self, b, gx:Tensor, grads:list):
+        "The half weights and gradients shown in the model, its fp32 gradients `gx` (theirs, in its slots) cast"
+        for v,g in zip(b.views(gx), grads):
+            if g is None: v.zero_()  # a stale value must not reach the finite check
+        b.g.copy_(gx)
+        for p,w,g,old in zip(b.params, b.views(b.w), b.views(b.g), grads):
+            p.grad = None  # an fp32 gradient cannot stay on a half tensor
+            p.data = w
+            if old is not None: p.grad = g
     def finish(self, b):
-        "The masters become the fp32 parameters, never rounded through half"
-        for p,m in zip(b.params, b.xv): set_data(p, m)  # the next fit takes the buffer as it is
+        "The masters become the fp32 parameters, never rounded through half, their gradients in the fp32 buffer's slots"
+        for p,m,gx in zip(b.params, b.xv, b.gxv):
+            g = p.grad
+            p.grad = None
+            p.data = m  # the next fit takes the buffer as it is
+            if g is None: continue
+            gx.copy_(g)  # the model's gradient as it was, in fp32: the next fit takes this buffer too
+            p.grad = gx
     def carried(self, b, idle:bool=False) -> dict:
         "The fp32 and half gradients of a step under way, by `id`"
         if idle: return {}  # no step under way: the model's gradients are the last step's, already taken

@@ -191,14 +191,17 @@ def test_no_lowbit_handle_outlives_its_fit(opt_state, fused):
     learn.save('s', with_opt=True)  # it pickled a handle, and failed, where one was left
 
 def _ptrs(learn) -> list:
-    "Where each weight and each state tensor of `learn` lies"
+    "Where each weight, each gradient and each state tensor of `learn` lies"
     st = [v.data_ptr() for s in learn.opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    return [p.data_ptr() for p in learn.model.parameters()] + st
+    ps = list(learn.model.parameters())
+    assert all(p.grad is not None for p in ps)  # a fit leaves zeroed gradients, as fastai's loop does
+    return [p.data_ptr() for p in ps] + [p.grad.data_ptr() for p in ps] + st
 
 @pytest.mark.parametrize('fused', [True, pytest.param('compile', marks=pytest.mark.compiled)])
 @pytest.mark.parametrize('mode', ['amp_bf16', 'amp_fp16', 'master_fp16', 'master_bf16'])
 def test_next_fit_takes_the_buffers_as_they_are(mode, fused):
-    "Where a fit hands back fp32 buffers (weights or masters, state), the next fit steps in them: nothing copied, nothing moved"
+    """Where a fit hands back fp32 buffers (weights or masters, gradients or master gradients, state), the next fit steps in them:
+    nothing copied, nothing moved (a master fit's set-up once held a second fp32 copy of the gradients)"""
     learn = ALL_MODES[mode](tiny_learner(opt_func=Adam, n_trn=2, model=mlp), fused=fused)
     fit_quiet(learn)
     before = _ptrs(learn)
