@@ -181,7 +181,7 @@ def _known_options(options:dict) -> dict:
 # what a compiled step does without each of the stores' inductor options
 _WITHOUT = dict(realize_reads_threshold="a compiled low-bit step keeps its new values in two fp32 temporaries the size "
                                         "of a run (8 B/param more at its peak)",
-                emulate_precision_casts="a compiled pure bf16 step over bf16 state rounds on the bits (about half as fast)")
+                emulate_precision_casts="a compiled pure bf16 step over bf16 state rounds on the bits (half as fast)")
 
 def _own(f, name:str) -> Callable:
     "`f` with a code object of its own, named `name`"
@@ -401,7 +401,7 @@ def _zeros_state(b:Bucket, k:str, a:int, c:int, dtype) -> dict:
 
 # %% ../nbs/01g_compiled.ipynb #fabcaeea
 def _nonfinite_body(rows:list, tails:list, zero:Tensor) -> Tensor:
-    "1. where any of the gradients in `rows` and `tails` holds an inf or a nan, else 0. (shape `[1]`, as `unscale_and_find_inf_`'s)"
+    "1. where a gradient in `rows` or `tails` holds an inf or a nan, else 0. (shape `[1]`, as `unscale_and_find_inf_`'s)"
     # `g * zero`: a zero, or a nan where `g` is not finite (a zero tensor: inductor folds `g * 0` to 0)
     total = sum((r.float() * zero).sum(1).sum() for r in rows) + sum((t.float() * zero).sum() for t in tails)
     return (total != 0).float().reshape(1)
@@ -416,7 +416,7 @@ def _rows(gs:list) -> tuple:
     return rows,[f[r.numel():] for f,r in zip(flat, rows)]
 
 def find_nonfinite(gs:list) -> Tensor|None:
-    "The finite check of gradients `gs` that no loss scale divides: read-only, compiled, no host sync (None: check eagerly)"
+    "The finite check of gradients `gs` no loss scale divides: read-only, compiled, no host sync (None: check eagerly)"
     if not gs or 'finite check' in _failed: return None
     f = _kernels.get('finite check')
     if f is None: f = _kernels['finite check'] = torch.compile(_own(_nonfinite_body, 'mpx_nonfinite'), dynamic=True)

@@ -117,8 +117,10 @@ class MasterKind(Kind):
             p.grad = None
             p.data = m  # the next fit takes the buffer as it is
             if g is None: continue
-            gx.copy_(g)  # the model's gradient as it was, in fp32: the next fit takes this buffer too
-            p.grad = gx
+            if g.layout is not torch.strided: p.grad = g.to(m.dtype)  # a sparse gradient stays sparse
+            else:
+                gx.copy_(g)  # the model's gradient as it was, in fp32: the next fit takes this buffer too
+                p.grad = gx
     def carried(self, b, idle:bool=False) -> dict:
         "The fp32 and half gradients of a step under way, by `id`"
         if idle: return {}  # no step under way: the model's gradients are the last step's, already taken
