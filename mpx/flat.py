@@ -211,9 +211,16 @@ class Bucket:
     def views(self, buf:Tensor) -> list:
         "Each parameter's slot of flat `buf`, shaped and strided like it"
         return _aliases(buf, self.offs, self.specs)
-    def point(self, buf:Tensor):
-        "Make each parameter's data its slot of `buf`"
-        for p,v in zip(self.params, self.views(buf)): set_data(p, v)
+    def point(self, buf:Tensor, grads:Tensor|None=None):
+        "Make each parameter's data its slot of `buf`, and its gradient (where it has one) its slot of `grads`, if given"
+        if grads is None:
+            for p,v in zip(self.params, self.views(buf)): set_data(p, v)
+            return
+        for p,v,g in zip(self.params, self.views(buf), self.views(grads)):
+            had = p.grad is not None
+            p.grad = None  # a gradient of the old dtype cannot stay on the new data
+            p.data = v
+            if had: p.grad = g
     def packed(self, ts:list, dtype=None) -> Tensor|None:
         "The flat buffer `ts` fill already, each in its slot (else None)"
         dtype,t0 = dtype or self.dtype,next((t for t in ts if t is not None), None)
@@ -240,6 +247,9 @@ class Bucket:
         gs = self._own_grads()
         buf = self.packed(gs, dtype)
         if buf is None: return self.zeros(dtype or self.dtype)
+        return self.zero_missing(buf, gs)
+    def zero_missing(self, buf:Tensor, gs:list) -> Tensor:
+        "`buf` with the slots of the parameters whose gradient in `gs` is None zeroed"
         for v,g in zip(self.views(buf), gs):
             if g is None: v.zero_()  # a stale value must not reach the finite check
         return buf

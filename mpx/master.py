@@ -36,7 +36,9 @@ class MasterKind(Kind):
         if gx is None:
             b.point(b.w)  # each gradient cast to half, taken into its slot at the first step (`adopt_grads`)
             gx = b.zeros(torch.float32)
-        else: self._point_with_grads(b, gx, grads)  # no second fp32 copy of the gradients while the layout is made
+        else:  # no second fp32 copy of the gradients while the layout is made
+            b.g.copy_(b.zero_missing(gx, grads))
+            b.point(b.w, b.g)  # the half gradients shown in the model, in their slots
         b.gx = gx
         b.xv,b.gxv = b.views(b.x),b.views(b.gx)
         b.ms = [nn.Parameter(m, requires_grad=False) for m in b.xv]
@@ -101,15 +103,6 @@ class MasterKind(Kind):
         b.g.zero_()
         b.seen = None  # before a step's second backward: autograd adds the new ones
     def publish(self, b): b.g.copy_(b.gx)  # the checked (unscaled) gradients, shown in the model
-    def _point_with_grads(self, b, gx:Tensor, grads:list):
-        "The half weights and gradients shown in the model, its fp32 gradients `gx` (theirs, in its slots) cast"
-        for v,g in zip(b.views(gx), grads):
-            if g is None: v.zero_()  # a stale value must not reach the finite check
-        b.g.copy_(gx)
-        for p,w,g,old in zip(b.params, b.views(b.w), b.views(b.g), grads):
-            p.grad = None  # an fp32 gradient cannot stay on a half tensor
-            p.data = w
-            if old is not None: p.grad = g
     def finish(self, b):
         "The masters become the fp32 parameters, never rounded through half, their gradients in the fp32 buffer's slots"
         for p,m,gx in zip(b.params, b.xv, b.gxv):
