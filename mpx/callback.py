@@ -148,21 +148,37 @@ _instead = {AMPMode.FP16: 'train in bf16 (learn.to_bf16()) or fp32 (learn.to_fp3
             AMPMode.BF16: 'train in fp16 (learn.to_fp16()) or fp32 (learn.to_fp32()) instead'}
 
 # %% ../nbs/02_callback.ipynb #91fae438
+def _refuse_mismatch(model:nn.Module, ts:dict, sd:dict, strict:bool=True):
+    "Raise torch's `load_state_dict` error where `sd`'s keys or shapes do not fit `ts`"
+    errs = [f"size mismatch for {k}: copying a param with shape {sd[k].shape} from checkpoint, "
+            f"the shape in current model is {t.shape}." for k,t in ts.items() if k in sd and sd[k].shape != t.shape]
+    names = lambda ks: ', '.join(f'"{k}"' for k in ks)
+    unexpected,missing = [k for k in sd if k not in ts],[k for k in ts if k not in sd]
+    if strict and unexpected: errs.insert(0, f"Unexpected key(s) in state_dict: {names(unexpected)}. ")
+    if strict and missing: errs.insert(0, f"Missing key(s) in state_dict: {names(missing)}. ")
+    if errs: raise RuntimeError(f"Error(s) in loading state_dict for {type(model).__name__}:\n\t" + "\n\t".join(errs))
+
+def _own_state(module:nn.Module) -> list:
+    "`(name, tensor)` of `module`'s own parameters and persistent buffers, as its state dict names them"
+    bufs = ((k, b) for k,b in module._buffers.items() if k not in module._non_persistent_buffers_set)
+    return [(k, t) for k,t in itertools.chain(module._parameters.items(), bufs) if t is not None]
+
 class LoadsInto:
-    "`model.load_state_dict` into a layout a fit holds"
+    "`load_state_dict` of the model or of any of its modules into a layout a fit holds"
     def __init__(self, cb=None): self.cb,self.pending = (noop if cb is None else weakref.ref(cb)),[]  # no pointer back
     def __reduce__(self): return LoadsInto,()  # a copy of the model (an export mid-fit) gets hooks doing nothing
     def hook(self, model:nn.Module, ledger):
-        "Hook `model`'s `load_state_dict`, until `ledger` closes"
-        ledger.defer(model.register_load_state_dict_pre_hook(self.pre).remove)
-        ledger.defer(model.register_load_state_dict_post_hook(self.post).remove)
+        "Hook the `load_state_dict` of every module of `model`, until `ledger` closes"
+        for m in model.modules():  # torch runs a module's hooks whichever module's load began it
+            ledger.defer(m.register_load_state_dict_pre_hook(self.pre).remove)
+            ledger.defer(m.register_load_state_dict_post_hook(self.post).remove)
     def pre(self, module, sd, prefix, *args):
-        "Note the values the load gives to tensors the fit holds otherwise"
+        "Note the values the load gives to `module`'s own tensors the fit holds otherwise"
         cb = self.cb()
         if cb is None: return
-        ts = module.state_dict(prefix=prefix, keep_vars=True)
-        self.pending = [(t, sd[k]) for k,t in ts.items() if isinstance(sd.get(k), Tensor) and sd[k].shape == t.shape
-                        and cb._fp32_of(t) is not None]
+        got = ((t, sd.get(prefix + k)) for k,t in _own_state(module))
+        self.pending += [(t, x) for t,x in got if isinstance(x, Tensor) and x.shape == t.shape
+                         and cb._fp32_of(t) is not None]
     def post(self, module, incompatible):
         "Hold each value noted as the fit holds it, where torch rounded it"
         cb,pending,self.pending = self.cb(),self.pending,[]
@@ -191,7 +207,7 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         self._norms,self._norms_due = None,False
         self._checked,self._found = False,False  # this step was checked, and found non-finite
         self._outer = None  # during a fit, what each fit or validation nested in it put aside
-        self._began_kept = False  # the fit under way took the layout the last one kept
+        self._began_kept = None  # whether the fit under way took the layout the last one kept (None: no fit began here)
 
     @property
     def scaling(self) -> bool:
@@ -319,8 +335,9 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         self._norms,self._norms_due = (NormStats(self.model) if self.checking else None),True
         self._outer = []  # a fit is under way: a `before_fit` now begins a nested one
     def after_fit(self):
-        if self._outer: self._unnest()
-        else: self._rest()
+        if self._outer: return self._unnest()
+        self._began_kept = None
+        self._rest()
     def before_epoch(self): self._epoch_start = self.step_log.total
     def after_epoch(self):
         self._settle_overflows()  # compiled: the epoch's skips diagnosed, once
@@ -366,8 +383,10 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         return True
     def _leave_fit(self):
         "End a nested fit, else an exception's fit, as it found the learner"
-        if self._outer: self._unnest()
-        elif self._began_kept: self._rest()
+        if self._outer: return self._unnest()
+        began,self._began_kept = self._began_kept,None
+        if began is None: self._end_forward()  # the fit never reached this `before_fit` (an earlier callback raised)
+        elif began: self._rest()
         else: self._finish()
     def _finish(self):
         "End the mode's fit as `after_fit` does, safe to repeat"
@@ -507,11 +526,11 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         "What `export` pickles: the settings and telemetry"
         return {**self.__dict__, **{k: None for k in _not_pickled}}
     def load_fp32_model_state(self, sd:dict, strict:bool=True) -> bool:
-        "A streamed checkpoint's model state into the layout kept, or False"
-        ts = get_model(self.model).state_dict(keep_vars=True)
-        if strict and set(ts) != set(sd): return False  # fastai's own load says which keys differ
-        fits = lambda k,v: isinstance(v, (Stored, Tensor)) and (k not in ts or v.shape == ts[k].shape)
-        if not all(fits(k, v) for k,v in sd.items()): return False
+        "A streamed checkpoint's model state into the layout kept, or False (a value is no tensor)"
+        model = get_model(self.model)
+        ts = model.state_dict(keep_vars=True)
+        if not all(isinstance(v, (Stored, Tensor)) for v in sd.values()): return False
+        _refuse_mismatch(model, ts, sd, strict)  # torch's errors, before anything is loaded
         with torch.no_grad():
             for k,v in sd.items():
                 if k not in ts: continue

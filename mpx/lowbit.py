@@ -164,8 +164,10 @@ class Store:
         "New tensors of state `k` from fp32 `x`, in a kernel"
         raise NotImplementedError
     def kernel_nearest(self, x:Tensor) -> Tensor:
-        "fp32 `x` rounded to bf16, still fp32, in a kernel over this store (a kind's fold): on the bits"
-        return bf16_nearest(x)
+        "fp32 `x` rounded to bf16, still fp32, in a kernel over this store (a kind's fold)"
+        # through a conversion only where this store's own options keep its round trip: inductor folds it otherwise
+        if self.kernel_options.get('emulate_precision_casts') and _casts_kept(): return x.to(torch.bfloat16).float()
+        return bf16_nearest(x)  # on the bits
 
 class DenseStore(Store):
     "Flat state in the stepped dtype (`opt_state='fp32'`)"
@@ -202,10 +204,7 @@ class BF16Store(DenseStore):
     # with bf16 state, a pure bf16 kernel's tensors are all bf16, and inductor's vectors then hold 32 lanes: its bit
     # casts there are twice as slow as conversions (pure kahan's kernel, 5.27M elements: 17.2 against 9.5 ms), so
     # the kernel keeps its conversions (inductor drops a round trip otherwise) and rounds through them
-    kernel_options = {'emulate_precision_casts': True}
-    def kernel_nearest(self, x):
-        if not _casts_kept(): return bf16_nearest(x)  # a torch whose inductor cannot keep them: on the bits
-        return x.to(torch.bfloat16).float()
+    kernel_options = {'emulate_precision_casts': True}  # `kernel_nearest` rounds through conversions
 
 def _casts_kept() -> bool:
     "Whether this torch's inductor can keep a kernel's round trips through bf16 (`emulate_precision_casts`)"

@@ -4,7 +4,7 @@
 
 # %% ../nbs/01c_patches.ipynb #4c87c8b8
 from __future__ import annotations
-import itertools, warnings
+import itertools, warnings, inspect
 from contextlib import contextmanager, ExitStack
 import fastai
 from fastai.basics import *
@@ -218,7 +218,8 @@ def _kept_layout(learn:Learner) -> list:
     return [c for c in _precision_cbs(learn) if is_mpx_precision(c) and c.fused_steps is not None and c.resident
             and not c.fused_steps.stale(learn.opt)]
 
-def _save_streamed(learn:Learner, cb, file, with_opt:bool=True, pickle_protocol:int=2):
+def _save_streamed(learn:Learner, cb, file, with_opt:bool=True, pickle_protocol:int=2, pickle_module=pickle,
+                   **torch_save_kwargs):
     "`Learner.save` of a layout kept, each fp32 tensor made as it is written"
     if rank_distrib(): return
     file = join_path_file(file, learn.path/learn.model_dir, ext='.pth')
@@ -228,15 +229,30 @@ def _save_streamed(learn:Learner, cb, file, with_opt:bool=True, pickle_protocol:
         with Ledger() as led, _state_into_opt(learn):
             led.set(cb.fused_steps, 'lazy', True)  # low-bit state as `LazyTensor`s
             state = {'model': state, 'opt': learn.opt.state_dict()}
-    save_streamed(state, file, pickle_protocol)
+    if _streams(torch_save_kwargs): save_streamed(state, file, pickle_protocol, pickler=pickle_module.Pickler)
+    else:  # another format of torch.save's (`_use_new_zipfile_serialization=False`): its own writer, every tensor made
+        torch.save(_made(state), file, pickle_module=pickle_module, pickle_protocol=pickle_protocol, **torch_save_kwargs)
     return file
+
+def _streams(torch_save_kwargs:dict) -> bool:
+    "Whether `torch.save` with these keywords writes what `save_streamed` writes"
+    defaults = inspect.signature(torch.save).parameters
+    return all(k in defaults and defaults[k].default == v for k,v in torch_save_kwargs.items())
+
+def _made(o):
+    "`o` with each `LazyTensor` in its dicts, lists and tuples made"
+    if isinstance(o, LazyTensor): return o.make()
+    if isinstance(o, dict): return type(o)((k, _made(v)) for k,v in o.items())
+    return type(o)(map(_made, o)) if type(o) in (list, tuple) else o
 
 def _load_streamed(learn:Learner, cb, file, with_opt:bool=True, strict:bool=True, **kwargs) -> bool:
     "`Learner.load` into a layout kept, a tensor at a time: False if it cannot"
     if not cb.fused_steps.native: return False  # a torch optimizer's load casts its state to its (half) parameters'
     file = join_path_file(file, learn.path/learn.model_dir, ext='.pth')
-    try: state = load_streamed(file)
-    except (pickle.UnpicklingError, RuntimeError): return False  # objects of other kinds, or torch's legacy format
+    with open(file, 'rb') as f:  # a missing file: torch's own error, raised before anything changes
+        if not torch.serialization._is_zipfile(f): return False  # torch's legacy format: fastai's own load
+    try: state = load_streamed(file)  # a broken file (truncated) raises here, the layout kept as it was
+    except pickle.UnpicklingError: return False  # objects of other kinds: fastai's own load
     if not isinstance(state, dict): return False
     hasopt = set(state) == {'model', 'opt'}
     if not cb.load_fp32_model_state(state['model'] if hasopt else state, strict): return False
@@ -267,7 +283,8 @@ def _export_kept(learn:Learner, cb, fname='export.pkl', pickle_module=cloudpickl
     "fastai's `export` of a layout kept: each tensor it holds written as its fp32 value, in turn"
     if rank_distrib(): return
     learn._end_cleanup()
-    ts = [t for t in get_model(learn.model).state_dict(keep_vars=True).values() if isinstance(t, Tensor)]
+    model = get_model(learn.model)
+    ts = itertools.chain(model.parameters(), model.buffers())  # a buffer no state dict holds (persistent=False) too
     swap = {id(t): LazyTensor(f, torch.float32, t.shape) for t in ts if (f := cb._fp32_of(t)) is not None}
     with Ledger() as led:
         led.set(learn, 'dls', learn.dls.new_empty())

@@ -220,26 +220,31 @@ _plain_globals = {('collections', 'OrderedDict'): collections.OrderedDict,
                   ('fastcore.foundation', 'L'): L,  # fastai's hypers are an `L`
                   **{('builtins', n): getattr(builtins, n) for n in _plain_builtins}}
 
+def _rebuild_stored(src:_Source, storage, offset, size, stride, *args) -> Stored:
+    return Stored(src, storage[0], storage[1], offset, size, stride)
+
+class _StoredUnpickler(pickle.Unpickler):
+    "Unpickles a plain checkpoint, each tensor a `Stored` of `src` (one class: no per-call closure, no cycle)"
+    def find_class(self, mod, name):
+        if (mod, name) == ('torch._utils', '_rebuild_tensor_v2'): return functools.partial(_rebuild_stored, self.src)
+        if mod == 'torch' and name.endswith('Storage'): return getattr(torch, name)
+        if (mod, name) in _plain_globals: return _plain_globals[(mod, name)]
+        raise pickle.UnpicklingError(f"{mod}.{name}: not a plain checkpoint's")
+    def persistent_load(self, pid):
+        _,st,key,_,numel = pid
+        self.src.sizes[key] = numel
+        return key,(torch.uint8 if st is torch.UntypedStorage else _storage_dtypes()[st])
+
 def load_streamed(file):
     "A checkpoint's contents, each tensor a `Stored` read when loaded"
     reader = torch._C.PyTorchFileReader(str(file))
-    sizes,src = {},None
-    def rebuild(storage, offset, size, stride, *args): return Stored(src, storage[0], storage[1], offset, size, stride)
-    class Unpickler(pickle.Unpickler):
-        def find_class(self, mod, name):
-            if (mod, name) == ('torch._utils', '_rebuild_tensor_v2'): return rebuild
-            if mod == 'torch' and name.endswith('Storage'): return getattr(torch, name)
-            if (mod, name) in _plain_globals: return _plain_globals[(mod, name)]
-            raise pickle.UnpicklingError(f"{mod}.{name}: not a plain checkpoint's")
-        def persistent_load(self, pid):
-            _,st,key,_,numel = pid
-            sizes[key] = numel
-            return key,(torch.uint8 if st is torch.UntypedStorage else _storage_dtypes()[st])
-    src = _Source(reader, sizes)
-    return Unpickler(io.BytesIO(reader.get_record('data.pkl'))).load()
+    u = _StoredUnpickler(io.BytesIO(reader.get_record('data.pkl')))
+    u.src = _Source(reader, {})
+    return u.load()
 
 def read_stored(o):
-    "`o` with each `Stored` tensor read"
+    "`o` with each `Stored` tensor read (in dicts, lists, tuples and fastcore's `L`)"
     if isinstance(o, Stored): return o.load()
     if isinstance(o, dict): return type(o)((k, read_stored(v)) for k,v in o.items())
+    if isinstance(o, L): return L(map(read_stored, o))  # `Lookahead`'s slow weights
     return type(o)(map(read_stored, o)) if type(o) in (list, tuple) else o

@@ -1,0 +1,182 @@
+"""One truth between fits: a layout kept (pure bf16, low-bit state) is the learner's state, and every path around it (a
+submodule's load, a buffer no state dict holds, torch.save's keywords, Lookahead's slow weights, a failed load, an error
+before the precision callback's `before_fit`) goes through it or leaves it whole; compiled and eager steps keep the same
+values. Each case is compared with the same learner handing fastai's fp32 layout back after each fit (`keeps_layout=False`)."""
+import gc, pickle, tempfile
+from pathlib import Path
+from functools import partial
+import pytest, torch
+from fastai.basics import SGD, Adam, Callback, nn, set_seed, load_learner, ranger, Module
+import fastai.callback.schedule  # `lr_find`
+from mpx.all import *
+from mpx.test_utils import tiny_learner, fit_quiet, ALL_MODES, precision_cb, state_of, state_diffs, weights, raised
+from test_kept_layout import learner, fit_both, fitted_pair, assert_same, ARMS
+
+pytestmark = pytest.mark.filterwarnings("ignore:load_learner")
+
+# ---- compiled kernels keep the compensation over every store
+
+def ramp(mode:str, opt_state:str, fused) -> torch.Tensor:
+    "The fp32 value of a 96x96 weight (low-bit state) after 40 SGD steps each far below half its bf16 spacing"
+    set_seed(0)
+    learn = tiny_learner(opt_func=SGD, lr=1e-5, n_trn=40, model=lambda: nn.Sequential(nn.Linear(1, 96), nn.ReLU(),
+                                                                                       nn.Linear(96, 96), nn.Linear(96, 1)))
+    ALL_MODES[mode](learn, fused=fused, opt_state=opt_state)
+    w0 = learn.model[2].weight.detach().float().clone()
+    fit_quiet(learn)
+    return precision_cb(learn).fp32_value(learn.model[2].weight).clone(),w0
+
+STEPS_BELOW_SPACING = [('pure_kahan', s) for s in ('fp32', 'bf16', '8bit', '4bit')] + [
+    ('pure_stochastic', '8bit'), ('master_bf16', '8bit'), ('amp_bf16', '4bit')]
+
+@pytest.mark.compiled
+@pytest.mark.parametrize('mode,opt_state', STEPS_BELOW_SPACING)
+def test_compiled_keeps_what_eager_keeps(mode, opt_state):
+    "40 steps below half a bf16 spacing move a weight's fp32 value compiled as eagerly (within 1e-7), over every store"
+    (eager,w0),(comp,_) = ramp(mode, opt_state, True),ramp(mode, opt_state, 'compile')
+    if mode != 'pure_stochastic':  # the steps moved it, and not to a bf16 number: the compensation (or master) holds them
+        assert (eager - w0).abs().max() > 1e-6 and not torch.equal(eager, eager.bfloat16().float())
+    assert (comp - eager).abs().max() <= 1e-7, f'compiled off eager by {(comp - eager).abs().max():.3g}'
+
+# ---- loads of a submodule
+
+SUBMODULES = {'the model': lambda m: m, 'a Linear': lambda m: m[2], 'a BatchNorm': lambda m: m[3],
+              'a slice': lambda m: m[2:4]}
+
+@pytest.mark.parametrize('mode,opt_state,fused', ARMS)
+def test_every_module_loads_into_the_layout(mode, opt_state, fused):
+    "`load_state_dict` of any submodule between fits holds each fp32 value as a fit beginning from it does"
+    a,b,_ = fitted_pair(mode, opt_state, fused)
+    eng = precision_cb(a).fused_steps
+    for i,(what,sub) in enumerate(SUBMODULES.items()):
+        torch.manual_seed(i)
+        sd = {k: v + 1e-3 * torch.randn_like(v) if v.is_floating_point() else v
+              for k,v in sub(b.model).state_dict().items()}  # fp32 values, none a bf16 number
+        for l in (a, b): sub(l.model).load_state_dict(sd)
+        fit_both(a, b, seed=i)  # `a` holds each value split as a fit does, `b` its fp32 value, which its fit splits
+        assert_same(a, b, f'the fit after {what} loaded')
+    assert precision_cb(a).fused_steps is eng
+
+# ---- export: every buffer, persistent or not
+
+class ScaledHead(Module):
+    "A model with a buffer no state dict holds, not a bf16 number"
+    def __init__(self):
+        self.body,self.head = nn.Sequential(nn.Linear(1, 96), nn.ReLU(), nn.Linear(96, 96)),nn.Linear(96, 1)
+        self.register_buffer('scale', torch.tensor([1.000244]), persistent=False)
+    def forward(self, x): return self.head(self.body(x)) * self.scale
+
+@pytest.mark.parametrize('mode,opt_state', [('pure_kahan', 'fp32'), ('pure_stochastic', '8bit')])
+def test_export_writes_every_buffer_fp32(mode, opt_state):
+    "`export` of a layout kept writes a non-persistent buffer as its fp32 value, on the CPU and on the learner's device"
+    learn = ALL_MODES[mode](tiny_learner(opt_func=Adam, lr=1e-2, n_trn=4, model=ScaledHead), opt_state=opt_state)
+    learn.path = Path(tempfile.mkdtemp())
+    fit_quiet(learn)
+    assert learn.model.scale.dtype == torch.bfloat16 and precision_cb(learn).kept
+    learn.export('e.pkl')
+    for cpu in (True, False):
+        got = load_learner(learn.path/'e.pkl', cpu=cpu).model.scale
+        assert got.dtype == torch.float32 and got.item() == torch.tensor(1.000244).item(), (cpu, got)
+
+# ---- save: torch.save's keywords
+
+@pytest.mark.parametrize('kwargs', [dict(pickle_protocol=4), dict(pickle_module=pickle),
+                                    dict(_use_new_zipfile_serialization=False)])
+def test_save_takes_torch_save_keywords(kwargs):
+    "`learn.save(name, **torch_save_kwargs)` of a layout kept writes what the reference writes, keeping the layout"
+    a,b,path = fitted_pair('pure_kahan', '8bit', True)
+    eng = precision_cb(a).fused_steps
+    a.save('a', **kwargs)
+    b.save('b', **kwargs)
+    sa,sb = [torch.load(path/'models'/f'{n}.pth', weights_only=False) for n in 'ab']
+    assert not state_diffs(dict(sa['model']), dict(sb['model'])) and not state_diffs(sa['opt']['state'], sb['opt']['state'])
+    assert precision_cb(a).fused_steps is eng
+    a.load('a')
+    assert_same(a, b, 'loaded back')
+
+# ---- Lookahead's slow weights through a streamed load
+
+def test_ranger_after_a_streamed_load_and_lr_find():
+    "ranger's slow weights (fastcore `L`s) come back from a streamed `load` and `lr_find` as tensors: the next fits match"
+    path = Path(tempfile.mkdtemp())
+    def mk(kept):
+        l = ALL_MODES['pure_kahan'](tiny_learner(opt_func=ranger, lr=1e-2, n_trn=6, model=lambda: nn.Sequential(
+            nn.Linear(1, 96), nn.ReLU(), nn.Linear(96, 96), nn.Linear(96, 1))))
+        if not kept: precision_cb(l).keeps_layout = False
+        l.path = path
+        return l
+    a,b = mk(True),mk(False)
+    fit_both(a, b)
+    a.save('r')
+    fit_both(a, b, seed=2)
+    for l in (a, b): l.load('r')
+    slow = a.opt.slow_weights
+    assert slow is not None and all(isinstance(t, torch.Tensor) for pg in slow for t in pg)
+    fit_both(a, b, seed=3)
+    assert_same(a, b, 'the fit after a load')
+    for l in (a, b): set_seed(4); l.lr_find(num_it=3, show_plot=False)
+    fit_both(a, b, seed=5)
+    assert_same(a, b, 'the fit after lr_find')
+    a.to_fp32()
+
+# ---- a streamed load leaves nothing for the cyclic collector
+
+def test_streamed_load_leaves_no_cycle():
+    "A streamed `load` (so every `lr_find`) frees its reader and records by reference counting alone"
+    a,_,path = fitted_pair('pure_kahan', '8bit', True)
+    a.save('c')
+    gc.collect()
+    gc.disable()
+    try:
+        a.load('c')
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        left = [type(o).__name__ for o in gc.garbage if type(o).__module__.startswith(('mpx', 'torch'))]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert not left, left
+
+# ---- failures that leave the layout as it was
+
+class RaiseBeforeFit(Callback):
+    "Raise in `before_fit`, ahead of the precision callback"
+    order = 5
+    def before_fit(self): raise RuntimeError('a callback ordered before the precision callback failed')
+
+@pytest.mark.parametrize('mode,opt_state,fused', ARMS)
+def test_error_before_the_callback_keeps_the_layout(mode, opt_state, fused):
+    "An exception in an earlier callback's `before_fit` leaves the layout kept as it was: no rebuild, the next fit as the reference's"
+    a,b,_ = fitted_pair(mode, opt_state, fused)
+    eng = precision_cb(a).fused_steps
+    raised(lambda: fit_quiet(a, cbs=RaiseBeforeFit()), RuntimeError, 'ordered before')
+    assert precision_cb(a).fused_steps is eng and precision_cb(a).kept
+    assert_same(a, b, 'after the failed fit')
+    fit_both(a, b, seed=2)
+    assert precision_cb(a).fused_steps is eng
+    assert_same(a, b, 'the fit after')
+
+def test_failed_loads_keep_the_layout():
+    "A missing, truncated or mismatched checkpoint raises as fastai's load does, the layout kept whole (no fp32 copy made)"
+    a,b,path = fitted_pair('pure_kahan', '8bit', True)
+    eng = precision_cb(a).fused_steps
+    a.save('good')
+    data = (path/'models/good.pth').read_bytes()
+    (path/'models/cut.pth').write_bytes(data[:len(data)//2])
+    other = tiny_learner(opt_func=Adam, n_trn=4, model=lambda: nn.Sequential(nn.Linear(1, 8), nn.Linear(8, 1)))
+    other.path = path
+    other.save('other')
+    made = []
+    cb = precision_cb(a)
+    cb._finish = lambda: made.append('the layout ended')  # the fp32 layout would be made here
+    try:
+        raised(lambda: a.load('missing'), FileNotFoundError)
+        raised(lambda: a.load('cut'), RuntimeError)
+        raised(lambda: a.load('other'), RuntimeError, 'Missing key(s) in state_dict')
+    finally: del cb._finish
+    assert not made and cb.fused_steps is eng and a.model[0].weight.dtype == torch.bfloat16
+    assert_same(a, b, 'after the failed loads')
+    a.load('good')
+    b.load('good')
+    assert_same(a, b, 'loaded')
