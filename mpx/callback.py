@@ -148,6 +148,11 @@ _instead = {AMPMode.FP16: 'train in bf16 (learn.to_bf16()) or fp32 (learn.to_fp3
             AMPMode.BF16: 'train in fp16 (learn.to_fp16()) or fp32 (learn.to_fp32()) instead'}
 
 # %% ../nbs/02_callback.ipynb #91fae438
+def _norm_not_fp32(model:nn.Module) -> Tensor|None:
+    "The first floating buffer of `model`'s norm layers that is not fp32 (every mode keeps them fp32), or None"
+    norms = (m for m in model.modules() if isinstance(m, _NormBase))
+    return first(b for m in norms for b in m.buffers(recurse=False) if b.is_floating_point() and b.dtype != torch.float32)
+
 def _refuse_mismatch(model:nn.Module, ts:dict, sd:dict, strict:bool=True):
     "Raise torch's `load_state_dict` error where `sd`'s keys or shapes do not fit `ts`"
     errs = [f"size mismatch for {k}: copying a param with shape {sd[k].shape} from checkpoint, "
@@ -261,7 +266,8 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         "Raise a `ValueError` where the mode cannot train `model`"
         bad = first_not_fp32(model)
         if bad: raise ValueError(f"{type(self).__name__} needs an fp32 model: parameter {bad[0]!r} is {bad[1]}; "
-                                 "call learn.to_fp32() or model.float() first")
+                                 "call learn.to_fp32() first (on the learner whose layout holds this model, where "
+                                 "another one does: it gives each weight's exact fp32 value back)")
     def _check_untied(self):
         "Refuse parameters sharing memory, which a half copy would untie"
         ps = opt_params(self.learn.opt) if self.learn.opt is not None else list(self.model.parameters())
@@ -317,6 +323,7 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         kept = self._takes_kept()  # the layout the last fit left, as it is: nothing to check, nothing to build
         self._began_kept = kept  # a fit that fails leaves the learner as it found it: a layout kept stays
         if not kept: self._finish()
+        else: self._take_back()
         self.device_type = autocast_device_type(training_device(self.dls, self.model))
         check_amp_support(self.device_type, self.amp_mode)
         check_one_precision(self.learn.cbs)
@@ -375,6 +382,21 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         self._settle_overflows()
         self.fused_steps.rest()
         self._autocast,self._loss_autocast,self._norms,self._outer = None,None,None,None
+    def before_validate(self):
+        if self.kept: self._take_back()  # `get_preds` or `validate` between fits
+    def _take_back(self, refuse:bool=True):
+        "The layout kept: what was cast by hand since taken back (`model.float()`), or (`refuse`) the mode's refusal"
+        model = get_model(self.model)
+        bad = self.fused_steps.recast() if refuse else None
+        if bad is None and refuse and self.fit_state is not None: bad = self.fit_state.recast()
+        if bad is None and refuse: bad = _norm_not_fp32(model)  # its old values gone: no telling what was lost
+        if bad is not None:
+            name = first(n for n,t in itertools.chain(model.named_parameters(), model.named_buffers()) if t is bad)
+            raise ValueError(f"{type(self).__name__} keeps its layout between fits, and {name!r} was made {bad.dtype} "
+                             "by hand since (model.half()?), which changed its values. Assign fp32 values (each is "
+                             "held exactly) or call learn.to_fp32(), which gives the fp32 model of the values as they are")
+        if self.fit_state is not None: self.fit_state.take_back()
+        self.fused_steps.take_back()
     def _restart_if_stale(self) -> bool:
         "Lay the fit out again where the learner's optimizer changed under it"
         fs = self.fused_steps

@@ -10,7 +10,7 @@ from fastai.torch_basics import *
 from .lowbit import DenseStore
 
 # %% auto #0
-__all__ = ['slottable', 'overlapping', 'set_data', 'Kind', 'merge_writes', 'Workspace', 'Bucket', 'scalar_keys']
+__all__ = ['slottable', 'overlapping', 'same_values', 'set_data', 'Kind', 'merge_writes', 'Workspace', 'Bucket', 'scalar_keys']
 
 # %% ../nbs/01e_flat.ipynb #fl0006
 _align = 64  # elements: every slot starts on 256 bytes of fp32
@@ -76,6 +76,11 @@ def _same_slot(t:Tensor|None, v:Tensor) -> bool:
     "Whether `t` is view `v`'s memory, dtype, shape and strides"
     if t is None or t.layout is not torch.strided: return False  # a sparse gradient has no slot
     return t.data_ptr() == v.data_ptr() and t.dtype == v.dtype and t.shape == v.shape and t.stride() == v.stride()
+
+def same_values(x:Tensor, v:Tensor) -> bool:
+    "Whether `x` holds `v`'s values in another dtype, each exactly (a cast that lost nothing: `model.float()`)"
+    if x.dtype == v.dtype or x.shape != v.shape or x.device != v.device: return False
+    return torch.equal(x.to(v.dtype), v) and torch.equal(x, v.to(x.dtype))
 
 def set_data(p:Tensor, t:Tensor):
     "`p.data = t`, `p`'s gradient (if any) cast to `t`'s dtype"
@@ -201,6 +206,7 @@ class Bucket:
         kind.build(self)
         if flat and self.g is not None:
             self.gv = [g if _same_slot(g, v) else v for g,v in zip(self._own_grads(), self.views(self.g))]
+        self.gptrs = [g.data_ptr() for g in self.gv] if self.gv is not None else None  # where each slot lies
         self.ptrs = [p.data_ptr() for p in params] if flat else None
         self.versions = [p._version for p in params]
 
@@ -276,20 +282,44 @@ class Bucket:
         "Make the store of state `k` (zeros) where there is none yet"
         if k not in self.state_bufs: self.store.new(self, k, dtype)
     def adopt_weights(self):
-        "Copy moved `data` back into its slot, and tell the kind of writes"
+        "Take moved `data` back into its slot, and tell the kind of writes"
         if self.flat and [p.data_ptr() for p in self.params] != self.ptrs:
+            self._take_back_grads()  # a cast by hand casts the gradients too
             for i,p in enumerate(self.params):
-                if p.data_ptr() == self.ptrs[i]: continue
-                v = self.slot(self.w, i)
-                v.copy_(p.data)
-                set_data(p, v)
-                self.versions[i] = None  # written, whatever its version now
+                if p.data_ptr() != self.ptrs[i]: self._take_back(i, p)
         vs = [p._version for p in self.params]
         if vs == self.versions: return
         self.kind.written(self, [i for i,(v,u) in enumerate(zip(vs, self.versions)) if v != u])
         self.versions = vs
+    def _take_back(self, i:int, p:Tensor):
+        "Parameter `i`'s data, assigned anew: its slot again, holding the values assigned"
+        x,v = p.data,self.slot(self.w, i)
+        set_data(p, v)
+        if same_values(x, v): return  # cast by hand (`model.float()`): nothing written, nothing lost
+        if x.dtype == torch.float32 and not self.kind.in_place:  # an fp32 value: held as a load holds it, exactly
+            self.kind.assign(self, i, x)
+            self.versions[i] = p._version
+            return
+        v.copy_(x)
+        self.versions[i] = None  # written, whatever its version now
+    def _take_back_grads(self):
+        "Gradient slots whose data was assigned anew (`model.float()` casts `p.grad.data`): in their slots again"
+        if self.gv is None or [g.data_ptr() for g in self.gv] == self.gptrs: return
+        for i,(g,at) in enumerate(zip(self.gv, self.gptrs)):
+            if g.data_ptr() == at: continue
+            x = g.data
+            g.data = self.slot(self.g, i)
+            g.copy_(x)
+    def recast(self) -> int|None:
+        "The first parameter whose data was assigned values its slot cannot take as they are (not fp32), or None"
+        if not self.flat: return next((i for i,p in enumerate(self.params) if p.dtype != self.dtype), None)
+        moved = (i for i,p in enumerate(self.params) if p.data_ptr() != self.ptrs[i])
+        v = lambda i: self.slot(self.w, i)
+        return next((i for i in moved if self.params[i].dtype not in (torch.float32, v(i).dtype)
+                     and not same_values(self.params[i].data, v(i))), None)
     def adopt_grads(self):
         "Note which parameters have a gradient, and adopt new ones"
+        self._take_back_grads()
         gs = [p.grad for p in self.params]
         if self._grads is not None and list(map(id, gs)) == self._grads: return
         if not self.flat or self.g is None:

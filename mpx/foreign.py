@@ -22,6 +22,19 @@ class ForeignSteps:
         # a Lookahead's own sync must see the swap
         outer = o if isinstance(o, OptimWrapper) and not eng.lookaheads else eng.opt
         led.set(outer, 'step', partial(self.step, eng, getattr(outer, 'step'), isinstance(outer, OptimWrapper)))
+        if isinstance(o, OptimWrapper): led.set(o, 'load_state_dict', partial(self.load_state, eng, o.opt))
+
+    def load_state(self, eng, topt, sd:dict):
+        "torch's `load_state_dict`, each state tensor it cast to a parameter held in half kept as the checkpoint's"
+        topt.load_state_dict(sd)  # torch casts floating state to its parameter's dtype (bf16, where the mode holds it)
+        saved = [k for g in sd['param_groups'] for k in g['params']]
+        for k,p in zip(saved, (p for g in topt.param_groups for p in g['params'])):
+            home,now = eng.home.get(id(p)),topt.state.get(p, {})
+            if home is None or home[0].kind.in_place: continue  # stepped as it lies: torch's cast is its dtype
+            for key,v in sd['state'].get(k, {}).items():
+                t = now.get(key)
+                if isinstance(v, Tensor) and isinstance(t, Tensor) and v.is_floating_point() and t.dtype != v.dtype:
+                    now[key] = v.to(t.device)  # what the fp32 step reads, as torch holds it for an fp32 parameter
 
     @torch.no_grad()
     def step(self, eng, step:Callable, windowed:bool, closure=None):

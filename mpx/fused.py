@@ -4,14 +4,14 @@
 
 # %% ../nbs/01a_fused.ipynb #fz0003
 from __future__ import annotations
-import warnings, operator
+import warnings, operator, weakref
 from functools import partial
 from enum import Enum
 from fastai.torch_basics import *
 from fastai.optimizer import *
 from .core import Fused
 from .warn import warn_user
-from .plumbing import Ledger, unwrap, LazyTensor, Stored, read_stored
+from .plumbing import Ledger, unwrap, LazyTensor, Stored, read_stored, copies_as_fp32
 from .flat import *
 from .flat import _flat_keys
 from .eager import *
@@ -99,6 +99,7 @@ class FusedSteps:
         self.ledger.defer(self._finish)
         self._choose()
         self._install()
+        self._copies()
 
     def __repr__(self):
         how = f"{self.path.value}" if self.native else f"{type(self.inner).__name__}'s own step"
@@ -167,6 +168,13 @@ class FusedSteps:
         for la in self.lookaheads: led.set(la, 'step', partial(self.lookahead.step, self, la))
         for x in [o, *self.lookaheads]:
             if not _own_zero_grad(x): led.set(x, 'zero_grad', self.zero_grad)
+
+    def _copies(self):
+        "Copies and pickles of the parameters hold their fp32 values, and of the optimizers, none of the engine"
+        for b in self.buckets:
+            if b.kind.in_place: continue  # a parameter that is its own fp32 value
+            for i,p in enumerate(b.params): copies_as_fp32(self.ledger, p, partial(_value_of, weakref.ref(b), i))
+        for o in {id(o): o for o in (self.opt, self.inner, *self.lookaheads)}.values(): self.ledger.keep_out_of_copies(o)
 
     def stale(self, opt) -> bool:
         "Whether `opt` is no longer the optimizer laid out"
@@ -259,6 +267,14 @@ class FusedSteps:
         for b in self.buckets: b.adopt_weights()  # a weight written after the last step (a compensation reset)
         self.steps_to_host()
         self.workspace.bufs.clear()
+
+    def recast(self) -> Tensor|None:
+        "The first parameter assigned values its layout cannot hold as they are (`model.half()`), or None"
+        return next((b.params[i] for b in self.buckets if (i := b.recast()) is not None), None)
+
+    def take_back(self):
+        "Parameters assigned anew (cast by hand, `model.float()`) back in their slots, holding the values assigned"
+        for b in self.buckets: b.adopt_weights()
 
     def fp32_of(self, p:Tensor) -> Callable|None:
         "How to make `p`'s fp32 value where the engine holds it otherwise (None: `p` is it)"
@@ -384,6 +400,8 @@ class FusedSteps:
         self.phase = grads['at']
 
 _in_place = Kind()
+
+def _value_of(ref:weakref.ref, i:int) -> Tensor: return _value_now(ref(), i)  # the bucket, not pointed back at
 
 def _value_now(b:Bucket, i:int) -> Tensor:
     "Parameter `i`'s fp32 value, a write since the last step taken first"

@@ -84,6 +84,8 @@ class LowBitState:
     @property
     def device(self) -> torch.device: return self.b.device
     def float(self) -> Tensor: return self.b.store.value(self.b, self.k, self.i)
+    def __deepcopy__(self, memo) -> Tensor: return self.float()  # a snapshot of its values, not a second handle
+    def __reduce_ex__(self, protocol): return self.float().__reduce_ex__(protocol)  # pickled as its fp32 values
     def __repr__(self):
         b = self._b()
         if b is None: return f"LowBitState({self.k!r}, of an ended fit)"

@@ -45,6 +45,9 @@ class MasterKind(Kind):
         b.handed,b.seen = [(m._version, g._version) for m,g in zip(b.ms, b.gxv)],None
         b.shown = None  # once `learn.parameters()` handed the masters out: the gradient each was last shown with
     def wide(self, b, i, j): return b.part(b.x, i, j),b.part(b.gx, i, j)
+    def assign(self, b, i, x):
+        b.xv[i].copy_(x)  # the master exact, the half weight its rounding
+        b.slot(b.w, i).copy_(x)
     def written(self, b, idx):
         for i in idx: merge_writes(b.xv[i], b.slot(b.w, i))  # the master takes what the write changed
     def fold(self, b, i, j, x, phase=0): b.part(b.w, i, j).copy_(x)
@@ -150,7 +153,7 @@ class MasterCopies(FitState):
     ):
         halved,ours = halvable(learn.model),{id(p) for p in opt_params(learn.opt)}
         self.halves,self.kind,self.plain = {id(t) for t in halved},MasterKind(dtype),Kind()
-        self.rest = HalvedRest([t for t in halved if id(t) not in ours], dtype)
+        self.rest = HalvedRest([t for t in halved if id(t) not in ours], dtype, learn.model)
         owners = [m for m in learn.model.modules() if any(id(p) in self.halves for p in m.parameters(recurse=False))]
         self.hooks = [m.register_load_state_dict_pre_hook(_LoadHook(self._load_masters)) for m in owners]
     def kind_of(self, p) -> Kind: return self.kind if id(p) in self.halves else self.plain

@@ -223,6 +223,7 @@ def _save_streamed(learn:Learner, cb, file, with_opt:bool=True, pickle_protocol:
     "`Learner.save` of a layout kept, each fp32 tensor made as it is written"
     if rank_distrib(): return
     file = join_path_file(file, learn.path/learn.model_dir, ext='.pth')
+    cb._take_back(refuse=False)  # a cast by hand since taken back, the values it wrote written
     cb.fused_steps.refresh()  # writes since the last step first (a weight written resets its compensation)
     state = cb.fp32_model_state()
     if with_opt and learn.opt is not None:
@@ -247,7 +248,6 @@ def _made(o):
 
 def _load_streamed(learn:Learner, cb, file, with_opt:bool=True, strict:bool=True, **kwargs) -> bool:
     "`Learner.load` into a layout kept, a tensor at a time: False if it cannot"
-    if not cb.fused_steps.native: return False  # a torch optimizer's load casts its state to its (half) parameters'
     file = join_path_file(file, learn.path/learn.model_dir, ext='.pth')
     with open(file, 'rb') as f:  # a missing file: torch's own error, raised before anything changes
         if not torch.serialization._is_zipfile(f): return False  # torch's legacy format: fastai's own load
@@ -283,6 +283,7 @@ def _export_kept(learn:Learner, cb, fname='export.pkl', pickle_module=cloudpickl
     "fastai's `export` of a layout kept: each tensor it holds written as its fp32 value, in turn"
     if rank_distrib(): return
     learn._end_cleanup()
+    cb._take_back(refuse=False)
     model = get_model(learn.model)
     ts = itertools.chain(model.parameters(), model.buffers())  # a buffer no state dict holds (persistent=False) too
     swap = {id(t): LazyTensor(f, torch.float32, t.shape) for t in ts if (f := cb._fp32_of(t)) is not None}

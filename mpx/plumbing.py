@@ -4,7 +4,8 @@
 
 # %% ../nbs/01b_plumbing.ipynb #a52e4f38
 from __future__ import annotations
-import itertools, collections, functools, pickle, io, sys, os, builtins
+import itertools, collections, functools, pickle, io, sys, os, builtins, weakref, codecs
+import numpy as np
 from typing import Callable
 import torch
 from torch import Tensor
@@ -14,8 +15,8 @@ from fastcore.foundation import L
 from fastai.optimizer import OptimWrapper, _BaseOptimizer
 
 # %% auto #0
-__all__ = ['FitState', 'halvable', 'exact_fp32', 'HalvedRest', 'opt_params', 'unwrap', 'state_owners', 'Ledger', 'LazyTensor',
-           'save_streamed', 'Stored', 'load_streamed', 'read_stored']
+__all__ = ['FitState', 'halvable', 'exact_fp32', 'HalvedRest', 'opt_params', 'unwrap', 'state_owners', 'Ledger', 'copies_as_fp32',
+           'LazyTensor', 'save_streamed', 'Stored', 'load_streamed', 'read_stored']
 
 # %% ../nbs/01b_plumbing.ipynb #d6694c65
 class FitState:
@@ -32,6 +33,10 @@ class FitState:
     def assign(self, t, x) -> bool:
         "`t`, held otherwise by the fit, takes fp32 value `x`"
         return False
+    def recast(self):
+        "A tensor the mode halved, cast by hand since into values it cannot take back (`model.half()`), or None"
+    def take_back(self):
+        "The tensors the mode halved, cast by hand since (`model.float()`), halved again, nothing lost"
 
 # %% ../nbs/01b_plumbing.ipynb #508cbdd9
 def halvable(model:nn.Module) -> list:
@@ -45,19 +50,54 @@ def exact_fp32(t:torch.Tensor, kept:torch.Tensor) -> torch.Tensor:
     return kept if torch.equal(t, kept.to(t.dtype)) else t.float()
 
 # %% ../nbs/01b_plumbing.ipynb #hr000001
+def _exact_now(ref:weakref.ref, kept:Tensor) -> Tensor: return exact_fp32(ref().detach(), kept)
+
+def _buffer_homes(model:nn.Module|None, ts:list) -> list:
+    "Where each of `ts` lies in `model` as a buffer, `(module, name)` (None: a parameter, or not found)"
+    if model is None: return [None]*len(ts)
+    homes = {id(b): (m, k) for m in model.modules() for k,b in m._buffers.items() if b is not None}
+    return [homes.get(id(t)) for t in ts]
+
 class HalvedRest:
     "The tensors a fit halves that no optimizer steps"
-    def __init__(self, ts:list, dtype:torch.dtype):
-        self.kept = [(t, t.detach().clone()) for t in ts]
-        for t in ts:
+    def __init__(self, ts:list, dtype:torch.dtype, model:nn.Module|None=None):
+        # a buffer's module and name: `model.float()` replaces a buffer where it keeps a parameter (its `data` cast)
+        self.kept,self.dtype = [(t, t.detach().clone(), h) for t,h in zip(ts, _buffer_homes(model, ts))],dtype
+        self.copies = Ledger()  # a copy or a pickle of a halved tensor holds its fp32 value
+        for t,c,_ in self.kept:
             t.grad = None  # an fp32 gradient cannot stay on a half tensor
             t.data = t.data.to(dtype)
+            copies_as_fp32(self.copies, t, functools.partial(_exact_now, weakref.ref(t), c))
     def undo(self):
         "Each tensor back in fp32, a no-op the second time"
-        for t,c in self.kept:
+        self.copies.close()
+        self.take_back()
+        for t,c,_ in self.kept:
             t.grad = None
             t.data = exact_fp32(t, c)  # its exact value, or its half value widened
         self.kept = []
+    def _now(self, t:Tensor, home:tuple|None) -> Tensor|None:
+        "What the model holds in `t`'s place now (a buffer replaced by `model.float()`)"
+        return t if home is None else home[0]._buffers.get(home[1])
+    def take_back(self):
+        "Each tensor cast by hand since (`model.float()`) halved again: its fp32 value kept, or the one assigned"
+        for t,c,home in self.kept:
+            x = self._now(t, home)
+            if x is None or (x is t and t.dtype == self.dtype): continue
+            if not torch.equal(x.detach().to(self.dtype), c.to(self.dtype)):
+                c.copy_(x.detach())  # other values: what was assigned (fp32, say) is its value now
+            t.grad = None
+            t.data = x.detach().to(self.dtype)
+            if home is not None: home[0]._buffers[home[1]] = t
+    def find(self, t:Tensor) -> tuple|None:
+        "The halved tensor `t` is (or lies in the place of, cast by hand) and its fp32 value, or None"
+        return next(((u, c) for u,c,home in self.kept if u is t or self._now(u, home) is t), None)
+    def recast(self) -> Tensor|None:
+        "The first tensor cast by hand into values its fp32 value does not round to (`model.half()`), or None"
+        for t,c,home in self.kept:
+            x = self._now(t, home)
+            if x is None or x.dtype in (self.dtype, torch.float32): continue
+            if not torch.equal(x.detach().float(), c.to(self.dtype).float()): return x
 
 # %% ../nbs/01b_plumbing.ipynb #ce970274
 def opt_params(opt) -> list:
@@ -93,6 +133,10 @@ class Ledger:
         self.log.append((o, name, name in d, d.get(name)))
         setattr(o, name, value)
         return value
+    def keep_out_of_copies(self, o):
+        "Copies and pickles of `o` (`deepcopy`, `pickle`, `torch.save`) hold what it held before this ledger's sets"
+        installed = tuple((name, had, old) for o_,name,had,old in (e for e in self.log if len(e) == 4) if o_ is o)
+        if installed: self.set(o, '__getstate__', functools.partial(_state_without, weakref.ref(o), installed))
     def defer(self, f:Callable) -> Callable:
         "Call `f()` at `close`, in its turn"
         self.log.append((f,))
@@ -113,6 +157,40 @@ class Ledger:
     def __enter__(self): return self
     def __exit__(self, *exc): self.close()
     def __len__(self): return len(self.log)
+
+def _state_without(ref:weakref.ref, installed:tuple):
+    "The state of `ref()` a copy takes: its own, without the attributes a ledger set (what they replaced put back)"
+    o = ref()
+    state = type(o).__getstate__(o)
+    if not isinstance(state, dict): return state
+    names = {name for name,_,_ in installed} | {'__getstate__'}
+    return {**{k: v for k,v in state.items() if k not in names}, **{name: old for name,had,old in installed if had}}
+
+def copies_as_fp32(led:Ledger, t:Tensor, make:Callable):
+    "Until `led` closes, copies and pickles of `t` (a parameter, a buffer) hold fp32 value `make()`"
+    led.set(t, '__deepcopy__', functools.partial(_fp32_copy, weakref.ref(t), make))  # no pointer back to `t`
+    led.set(t, '__reduce_ex__', functools.partial(_fp32_reduce, weakref.ref(t), make))
+
+def _own_state(t:Tensor):
+    "`t`'s own attributes as torch pickles them, without those `copies_as_fp32` set"
+    state = torch._utils._get_obj_state(t)
+    if not isinstance(state, dict): return state
+    return {k: v for k,v in state.items() if k not in ('__deepcopy__', '__reduce_ex__')}
+
+def _own_storage(x:Tensor) -> Tensor:
+    "`x`, or a copy where it is a view into a larger storage (a flat buffer's slot)"
+    return x if x.untyped_storage().nbytes() == x.numel() * x.element_size() else x.clone()
+
+def _fp32_copy(ref:weakref.ref, make:Callable, memo:dict) -> Tensor:
+    t,x = ref(),make().detach().clone()
+    return nn.Parameter(x, t.requires_grad) if isinstance(t, nn.Parameter) else x
+
+def _fp32_reduce(ref:weakref.ref, make:Callable, protocol:int) -> tuple:
+    t,x = ref(),_own_storage(make().detach())
+    if not isinstance(t, nn.Parameter): return x.__reduce_ex__(protocol)
+    state = _own_state(t)
+    if state: return torch._utils._rebuild_parameter_with_state,(x, t.requires_grad, collections.OrderedDict(), state)
+    return torch._utils._rebuild_parameter,(x, t.requires_grad, collections.OrderedDict())
 
 # %% ../nbs/01b_plumbing.ipynb #8f6d98d3
 class LazyTensor:
@@ -148,7 +226,7 @@ def _storage_dtypes() -> dict:
 def _lazy_reduce(t:Tensor, lazy:LazyTensor) -> tuple:
     "How `t` pickles with `lazy` as its values (a parameter stays one)"
     if not isinstance(t, nn.Parameter): return lazy.__reduce_ex__(2)
-    state = torch._utils._get_obj_state(t)
+    state = _own_state(t)
     if state: return torch._utils._rebuild_parameter_with_state,(lazy, t.requires_grad, collections.OrderedDict(), state)
     return torch._utils._rebuild_parameter,(lazy, t.requires_grad, collections.OrderedDict())
 
@@ -216,8 +294,15 @@ class _Source:
         return self.last[1]
 
 _plain_builtins = ('set', 'frozenset', 'slice', 'complex', 'tuple', 'list', 'dict', 'int', 'float', 'bool')
+def _np_scalar(dtype, data=None):
+    "A pickled NumPy number (`fit_one_cycle` leaves `lr` an `np.float64` in the hypers), of a number dtype only"
+    if dtype.kind not in 'biufc': raise pickle.UnpicklingError(f"a NumPy scalar of dtype {dtype}: not a number")
+    return (getattr(np, '_core', None) or np.core).multiarray.scalar(dtype, data)
+
 _plain_globals = {('collections', 'OrderedDict'): collections.OrderedDict,
                   ('fastcore.foundation', 'L'): L,  # fastai's hypers are an `L`
+                  ('numpy._core.multiarray', 'scalar'): _np_scalar, ('numpy.core.multiarray', 'scalar'): _np_scalar,
+                  ('numpy', 'dtype'): np.dtype, ('_codecs', 'encode'): codecs.encode,  # a NumPy scalar's bytes
                   **{('builtins', n): getattr(builtins, n) for n in _plain_builtins}}
 
 def _rebuild_stored(src:_Source, storage, offset, size, stride, *args) -> Stored:

@@ -199,6 +199,11 @@ class KeptKind(BF16Kind):
     def kernel_fold(t, s, x, nearest=None): return dict(x=x, w=x)
 
 # %% ../nbs/05_pure.ipynb #pb000021c
+def _rest_value(rest:HalvedRest, t:Tensor, kept:Tensor) -> Tensor:
+    "The fp32 value of `t`, halved and not stepped, a cast by hand since taken back first"
+    rest.take_back()
+    return exact_fp32(t.detach(), kept)
+
 class BF16Weights(FitState):
     "A pure-bf16 fit's half model, and its weights' kinds"
     def __init__(self,
@@ -211,25 +216,29 @@ class BF16Weights(FitState):
         self.train = KahanKind() if update == 'kahan' else StochasticKind(stream)
         self.frozen,self.plain = KeptKind(),Kind()
         ours = {id(p) for p in ps}
-        self.rest = HalvedRest([t for t in halved if id(t) not in ours], torch.bfloat16)
+        self.rest = HalvedRest([t for t in halved if id(t) not in ours], torch.bfloat16, learn.model)
     def kind_of(self, p) -> Kind:
         if id(p) not in self.halves: return self.plain
         return self.train if id(p) in self.trained else self.frozen
     def undo(self): self.rest.undo()
+    def recast(self): return self.rest.recast()
+    def take_back(self): self.rest.take_back()
     def same(self, learn) -> bool:
         "Whether a fit beginning now would halve and train the same tensors"
         trained = {id(p) for p in opt_params(learn.opt) if p.requires_grad}
         return trained == self.trained and not halvable(learn.model)  # no fp32 tensor to halve: none new
     def fp32_of(self, t:Tensor) -> Callable|None:
         "How to make the fp32 value of `t`, halved and not stepped (else None)"
-        c = next((c for u,c in self.rest.kept if u is t), None)
-        return None if c is None else partial(exact_fp32, t.detach(), c)
+        found = self.rest.find(t)
+        return None if found is None else partial(_rest_value, self.rest, *found)
     def assign(self, t:Tensor, x:Tensor) -> bool:
         "`t`, halved and not stepped, takes fp32 value `x` (else False)"
-        c = next((c for u,c in self.rest.kept if u is t), None)
-        if c is None: return False
+        found = self.rest.find(t)
+        if found is None: return False
+        self.rest.take_back()
+        u,c = found
         c.copy_(x)
-        t.data.copy_(x)
+        u.data.copy_(x)
         return True
 
     def _buckets(self, kind) -> list: return [b for b in getattr(self.engine, 'buckets', []) if b.kind is kind]
@@ -241,7 +250,7 @@ class BF16Weights(FitState):
     def kept(self) -> dict:
         "The exact fp32 values kept aside, by tensor"
         frozen = {p: x for b in self._buckets(self.frozen) for p,x in zip(b.params, b.xv)}
-        return {**{t: c for t,c in self.rest.kept}, **frozen}
+        return {**{t: c for t,c,_ in self.rest.kept}, **frozen}
     def wide(self, p:Tensor) -> Tensor:
         "The fp32 value of parameter `p` during the fit"
         h = self.engine.home.get(id(p)) if self.engine is not None else None

@@ -2,11 +2,11 @@
 submodule's load, a buffer no state dict holds, torch.save's keywords, Lookahead's slow weights, a failed load, an error
 before the precision callback's `before_fit`) goes through it or leaves it whole; compiled and eager steps keep the same
 values. Each case is compared with the same learner handing fastai's fp32 layout back after each fit (`keeps_layout=False`)."""
-import gc, pickle, tempfile
+import gc, copy, pickle, tempfile
 from pathlib import Path
 from functools import partial
 import pytest, torch
-from fastai.basics import SGD, Adam, Callback, nn, set_seed, load_learner, ranger, Module
+from fastai.basics import SGD, Adam, Callback, OptimWrapper, nn, set_seed, load_learner, ranger, Module
 import fastai.callback.schedule  # `lr_find`
 from mpx.all import *
 from mpx.test_utils import tiny_learner, fit_quiet, ALL_MODES, precision_cb, state_of, state_diffs, weights, raised
@@ -180,3 +180,99 @@ def test_failed_loads_keep_the_layout():
     a.load('good')
     b.load('good')
     assert_same(a, b, 'loaded')
+
+# ---- a model cast by hand between fits
+
+@pytest.mark.parametrize('mode,opt_state,fused', ARMS)
+@pytest.mark.parametrize('cast', ['float'])
+def test_a_cast_by_hand_is_taken_back(mode, opt_state, fused, cast):
+    "`learn.model.float()` between fits loses nothing: each value and compensation is still held, the next fit as the reference's"
+    a,b,_ = fitted_pair(mode, opt_state, fused)
+    eng,before = precision_cb(a).fused_steps,state_of(a)
+    getattr(a.model, cast)()
+    if cast == 'float': assert not state_diffs(before, state_of(a)), 'the cast lost values'  # fp32 values, read as they are
+    fit_both(a, b, seed=2)
+    assert precision_cb(a).fused_steps is eng
+    assert_same(a, b, f'the fit after model.{cast}()')
+
+def test_a_buffer_cast_by_hand_is_taken_back():
+    "A halved buffer cast back to fp32 by hand keeps its exact fp32 value: `export` writes it"
+    learn = ALL_MODES['pure_kahan'](tiny_learner(opt_func=Adam, lr=1e-2, n_trn=4, model=ScaledHead))
+    learn.path = Path(tempfile.mkdtemp())
+    fit_quiet(learn)
+    learn.model.float()
+    assert precision_cb(learn).fp32_value(learn.model.scale).item() == torch.tensor(1.000244).item()
+    fit_quiet(learn)
+    assert learn.model.scale.dtype == torch.bfloat16
+    learn.export('e.pkl')
+    assert load_learner(learn.path/'e.pkl').model.scale.item() == torch.tensor(1.000244).item()
+
+@pytest.mark.parametrize('mode,opt_state,fused', ARMS[:2] + ARMS[3:4])
+def test_a_lossy_cast_by_hand_is_refused(mode, opt_state, fused):
+    "`learn.model.half()` between fits, which rounds values, gets the mode's own message at the next fit; `to_fp32()` still works"
+    a,_,_ = fitted_pair(mode, opt_state, fused)
+    eng = precision_cb(a).fused_steps
+    a.model.half()
+    raised(lambda: fit_quiet(a), ValueError, 'by hand since (model.half()?)')
+    raised(lambda: a.get_preds(), ValueError, 'by hand since (model.half()?)')
+    assert precision_cb(a).fused_steps is eng
+    a.to_fp32()
+    assert {p.dtype for p in a.model.parameters()} == {torch.float32}
+    fit_quiet(a)
+
+# ---- torch optimizers' own load
+
+@pytest.mark.parametrize('topt', ['SGD', 'AdamW'])
+def test_torch_optimizer_load_state_dict_keeps_fp32_state(topt):
+    "`learn.opt.load_state_dict` of a torch optimizer (fastai's `TextLearner.load` calls it) keeps its state fp32 on a bf16 layout"
+    kw = dict(momentum=.9) if topt == 'SGD' else {}
+    opt_func = partial(OptimWrapper, opt=partial(getattr(torch.optim, topt), **kw))
+    def mk(kept):
+        l = ALL_MODES['pure_kahan'](tiny_learner(opt_func=opt_func, lr=1e-2, n_trn=4, model=lambda: nn.Sequential(
+            nn.Linear(1, 96), nn.ReLU(), nn.Linear(96, 96), nn.Linear(96, 1))))
+        if not kept: precision_cb(l).keeps_layout = False
+        return l
+    a,b = mk(True),mk(False)
+    fit_both(a, b)
+    sd = copy.deepcopy(b.opt.state_dict())  # torch's own state dict holds the live tensors
+    fit_both(a, b, seed=2)  # away from it, then back
+    for l in (a, b): l.opt.load_state_dict(copy.deepcopy(sd))  # torch keeps the tensors it is given, where it can
+    floats = {v.dtype for s in a.opt.opt.state.values() for v in s.values() if torch.is_tensor(v) and v.is_floating_point() and v.dim()}
+    assert floats == {torch.float32}, floats
+    fit_both(a, b, seed=3)
+    assert_same(a, b, 'resumed')
+
+# ---- copies and pickles
+
+def copied(l, how:str):
+    if how == 'deepcopy': return copy.deepcopy(l)
+    return pickle.loads(pickle.dumps(l))
+
+@pytest.mark.parametrize('mode,opt_state,fused', ARMS)
+@pytest.mark.parametrize('how', ['deepcopy', 'pickle'])
+def test_a_copied_learner_is_the_fp32_learner(mode, opt_state, fused, how):
+    "`deepcopy`/`pickle` of a learner with a layout kept gives a learner in fastai's fp32 layout, every value exact: it fits on as the reference"
+    a,b,_ = fitted_pair(mode, opt_state, fused)
+    before = state_of(a)
+    c = copied(a, how)
+    assert precision_cb(c).fused_steps is None and {p.dtype for p in c.model.parameters()} == {torch.float32}
+    assert not state_diffs(before, state_of(c)), 'the copy lost values'
+    assert not state_diffs(before, state_of(a)), 'copying changed the original'
+    fit_both(c, b, seed=2)
+    assert_same(c, b, 'the copy after its fit')
+    c.to_fp32()
+    assert not state_diffs(state_of(c), state_of(b)), 'the copy to fp32'
+
+@pytest.mark.parametrize('opt_state', ['8bit', '4bit', 'bf16'])
+def test_low_bit_state_copies_and_pickles_as_fp32(opt_state):
+    "`deepcopy(opt.state[p])` is a snapshot of fp32 values (not handles that follow the next fit); pickle and torch.save write fp32"
+    a,b,path = fitted_pair('pure_kahan', opt_state, True)
+    w = a.model[2].weight
+    want = {k: (v.float() if hasattr(v, 'float') else v) for k,v in a.opt.state[w].items()}
+    snap = copy.deepcopy(a.opt.state[w])
+    torch.save(a.opt.state[w], path/'s.pth')
+    loaded = [pickle.loads(pickle.dumps(a.opt.state[w])), torch.load(path/'s.pth', weights_only=True)]
+    fit_quiet(a)  # the live state moves on
+    for got in [snap, *loaded]:
+        for k,v in want.items():
+            assert type(got[k]) is type(v) and (not torch.is_tensor(v) or torch.equal(got[k], v)), k
