@@ -12,8 +12,8 @@ from .core import *
 from .scaler import *
 from .fused import FusedSteps, why_not_lowbit
 from .compiled import find_nonfinite
-from .lowbit import param_bytes
-from .plumbing import Ledger, LazyTensor, Stored, opt_params
+from .lowbit import param_bytes, flat_part
+from .plumbing import Ledger, LazyTensor, Stored, opt_params, pieces, read_stored
 from .flat import overlapping
 from .patches import *
 from .warn import warn_user
@@ -524,10 +524,11 @@ class PrecisionCallback(Callback, ScaleTelemetry):
     # ---- checkpoints of a layout kept between fits, a tensor at a time (`Learner.save` and `load` in `mpx.patches`)
     def fp32_model_state(self) -> dict:
         "The model's state dict as fastai saves it, lazily"
-        res = {}
+        res,made = {},{}  # a tensor under two keys (tied weights): one `LazyTensor`, one record
         for k,t in get_model(self.model).state_dict(keep_vars=True).items():
             f = self._fp32_of(t) if isinstance(t, Tensor) else None
-            res[k] = t if f is None else LazyTensor(f, torch.float32, t.shape)
+            if f is not None and id(t) not in made: made[id(t)] = LazyTensor(f, torch.float32, t.shape)
+            res[k] = t if f is None else made[id(t)]
         return res
     @property
     def kept(self) -> bool:
@@ -540,10 +541,10 @@ class PrecisionCallback(Callback, ScaleTelemetry):
     def _fp32_of(self, t:Tensor) -> Callable|None:
         f = self.fused_steps.fp32_of(t) if self.fused_steps is not None else None
         return f if f is not None or self.fit_state is None else self.fit_state.fp32_of(t)
-    def _assign(self, t:Tensor, x:Tensor) -> bool:
-        "Model tensor `t`, held otherwise by the fit, takes fp32 value `x`"
-        if self.fused_steps is not None and self.fused_steps.assign(t, x): return True
-        return self.fit_state is not None and self.fit_state.assign(t, x)
+    def _assign(self, t:Tensor, x:Tensor, at:int|None=None) -> bool:
+        "Model tensor `t`, held otherwise by the fit, takes fp32 value `x` (`at`: its flat elements from `at`)"
+        if self.fused_steps is not None and self.fused_steps.assign(t, x, at): return True
+        return self.fit_state is not None and self.fit_state.assign(t, x, at)
     def __getstate__(self):
         "What `export` pickles: the settings and telemetry"
         return {**self.__dict__, **{k: None for k in _not_pickled}}
@@ -553,11 +554,14 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         ts = model.state_dict(keep_vars=True)
         if not all(isinstance(v, (Stored, Tensor)) for v in sd.values()): return False
         _refuse_mismatch(model, ts, sd, strict)  # torch's errors, before anything is loaded
+        seen = set()  # a tensor under two keys (tied weights) loaded once
         with torch.no_grad():
             for k,v in sd.items():
-                if k not in ts: continue
-                t,x = ts[k],(v.load() if isinstance(v, Stored) else v)
-                if not self._assign(t, x): t.data.copy_(x)
+                if k not in ts or id(ts[k]) in seen: continue
+                t = ts[k]
+                seen.add(id(t))
+                for at,x in pieces(v) if t.is_contiguous() else [(None, read_stored(v))]:  # a piece at a time
+                    if not self._assign(t, x, at): flat_part(t.data, at, x.numel()).copy_(x)
         return True
 
     # ---- state

@@ -7,7 +7,7 @@ from __future__ import annotations
 from itertools import repeat
 from contextlib import contextmanager
 from fastai.torch_basics import *
-from .lowbit import DenseStore
+from .lowbit import DenseStore, flat_part
 
 # %% auto #0
 __all__ = ['slottable', 'overlapping', 'same_values', 'set_data', 'Kind', 'merge_writes', 'Workspace', 'Bucket', 'scalar_keys']
@@ -106,9 +106,9 @@ class Kind:
     def value(self, b:Bucket, i:int) -> Tensor:
         "Parameter `i`'s fp32 value"
         return b.params[i].data.float()
-    def assign(self, b:Bucket, i:int, x:Tensor):
-        "Parameter `i` takes fp32 value `x` (a checkpoint's)"
-        b.params[i].data.copy_(x)
+    def assign(self, b:Bucket, i:int, x:Tensor, at:int|None=None):
+        "Parameter `i` takes fp32 value `x` (a checkpoint's; `at`: flat `x` is its elements from `at`)"
+        flat_part(b.params[i].data, at, x.numel()).copy_(x)
     # ---- the eager step
     def wide(self, b:Bucket, i:int, j:int) -> tuple:
         "What is stepped for parameters `i` to `j`, and its gradients"
@@ -182,7 +182,9 @@ def _flat_keys(p:Tensor, v) -> bool:
 class Bucket:
     "Parameters sharing group, kind, device, dtype and `do_wd`"
     def __init__(self, params:list, kind:Kind, flat:bool, group:int, base:int=0, workspace:Workspace|None=None,
-                 store=None, align:int|None=None):
+                 store=None, align:int|None=None,
+                 commit:bool=True, # False: the parameters keep their fp32 data until `commit` (the engine's set-up)
+                ):
         self.params,self.kind,self.flat,self.group,self.base = params,kind,flat,group,base
         self.workspace = workspace if workspace is not None else Workspace()  # the engine's, shared (not the engine)
         self.store = store or DenseStore()  # how the optimizer's state is held (`mpx.lowbit`)
@@ -203,12 +205,39 @@ class Bucket:
         self.loose = set()  # parameters whose gradient could not be adopted (sparse): stepped one at a time
         self._grads,self._runs,self._seen = None,None,None
         self.clip = None  # `(lo, hi)`: `lo`, `end` and `part` confined to these elements (`clipped`)
+        self.shows,self._undo = None,None  # what the parameters show once committed (`build` says), and how to undo it
         kind.build(self)
-        if flat and self.g is not None:
+        if not commit: return
+        self.commit()
+        self.settle()
+    def commit(self):
+        "Point the parameters at what the kind shows them (`shows`), all or none: `uncommit` undoes it until `settle`"
+        self._undo = [] if self.shows is None else self.point(*self.shows)
+        try: self._note_slots()
+        except BaseException:
+            self.uncommit()
+            raise
+    def uncommit(self):
+        "Each parameter's data and gradient as before `commit`: their fp32 values, exact"
+        for p,d,g in reversed(self._undo or []):
+            p.grad = None
+            p.data = d
+            p.grad = g
+        self._undo = None
+    def settle(self):
+        "The commit stays: what it replaced (the fp32 values it showed in half) freed"
+        self.shows,self._undo = None,None
+    @property
+    def committed(self) -> bool:
+        "Whether the commit is settled (not `uncommit`'s to undo)"
+        return self._undo is None
+    def _note_slots(self):
+        "Where each gradient and weight lies as the set-up leaves it"
+        if self.flat and self.g is not None:
             self.gv = [g if _same_slot(g, v) else v for g,v in zip(self._own_grads(), self.views(self.g))]
         self.gptrs = [g.data_ptr() for g in self.gv] if self.gv is not None else None  # where each slot lies
-        self.ptrs = [p.data_ptr() for p in params] if flat else None
-        self.versions = [p._version for p in params]
+        self.ptrs = [p.data_ptr() for p in self.params] if self.flat else None
+        self.versions = [p._version for p in self.params]
 
     def __repr__(self):
         how = 'flat' if self.flat else 'list'
@@ -217,16 +246,24 @@ class Bucket:
     def views(self, buf:Tensor) -> list:
         "Each parameter's slot of flat `buf`, shaped and strided like it"
         return _aliases(buf, self.offs, self.specs)
-    def point(self, buf:Tensor, grads:Tensor|None=None):
+    def point(self, buf:Tensor, grads:Tensor|None=None) -> list:
         "Make each parameter's data its slot of `buf`, and its gradient (where it has one) its slot of `grads`, if given"
-        if grads is None:
-            for p,v in zip(self.params, self.views(buf)): set_data(p, v)
-            return
-        for p,v,g in zip(self.params, self.views(buf), self.views(grads)):
-            had = p.grad is not None
-            p.grad = None  # a gradient of the old dtype cannot stay on the new data
-            p.data = v
-            if had: p.grad = g
+        # all or none; the data and gradients replaced, `(p, data, grad)`, returned
+        vs,gs,done = self.views(buf),(repeat(None) if grads is None else self.views(grads)),[]
+        try:
+            for p,v,g in zip(self.params, vs, gs):
+                done.append((p, p.data, p.grad))
+                if g is None: set_data(p, v)
+                else:
+                    had = p.grad is not None
+                    p.grad = None  # a gradient of the old dtype cannot stay on the new data
+                    p.data = v
+                    if had: p.grad = g
+        except BaseException:  # all or none: those pointed already get their own back
+            self._undo = done
+            self.uncommit()
+            raise
+        return done
     def packed(self, ts:list, dtype=None) -> Tensor|None:
         "The flat buffer `ts` fill already, each in its slot (else None)"
         dtype,t0 = dtype or self.dtype,next((t for t in ts if t is not None), None)

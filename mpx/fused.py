@@ -11,7 +11,7 @@ from fastai.torch_basics import *
 from fastai.optimizer import *
 from .core import Fused
 from .warn import warn_user
-from .plumbing import Ledger, unwrap, LazyTensor, Stored, read_stored, copies_as_fp32
+from .plumbing import Ledger, unwrap, LazyTensor, Stored, read_stored, copies_as_fp32, pieces
 from .flat import *
 from .flat import _flat_keys
 from .eager import *
@@ -94,12 +94,14 @@ class FusedSteps:
         self.dense,self.low = DenseStore(),make_store(opt_state)
         why = why_not_lowbit(opt, self.path, opt_state)
         if why: raise ValueError(why)
+        self.buckets = []
+        self.ledger.defer(self._finish)  # the buckets' fp32 layout back, once committed (`_layout`)
         self._layout(kind_of)
         self.chunk = chunk or default_chunk(self.buckets[0].device if self.buckets else 'cpu')
-        self.ledger.defer(self._finish)
         self._choose()
         self._install()
         self._copies()
+        for b in self.buckets: b.settle()  # the set-up complete: the fp32 values the layout replaced freed
 
     def __repr__(self):
         how = f"{self.path.value}" if self.native else f"{type(self.inner).__name__}'s own step"
@@ -108,7 +110,7 @@ class FusedSteps:
 
     def _layout(self, kind_of:Callable|None=None):
         "Lay out every group's buckets and extras, kinds from `kind_of`"
-        self.home,self.places,self.groups,base = {},{},[],0
+        self.home,self.places,self.groups,base,built = {},{},[],0,[]
         st = self.inner.state if self.native else {}
         tied = overlapping([p for pg in self.lists for p in pg])  # stepped where they lie, so they stay tied
         for gi,pg in enumerate(self.lists):
@@ -125,15 +127,28 @@ class FusedSteps:
                 self.home[id(p)] = None
             bs = []
             for kind,flat,store,ps in keys.values():
-                b = Bucket(ps, kind, flat, gi, base, self.workspace, store)
+                b = Bucket(ps, kind, flat, gi, base, self.workspace, store, commit=False)
+                built.append(b)
                 base += b.n
                 for i,p in enumerate(ps): self.home[id(p)] = (b, i)
                 bs.append(b)
             self.groups.append(bs)
+        self._commit(built)
         self.buckets = [b for bs in self.groups for b in bs]
         self.takes = any(b.kind.takes for b in self.buckets)  # a kind keeps gradients of its own: the phase matters
         self.extras = [self._extra_places(gi) for gi in range(len(self.lists))]
         self.refresh()
+
+    def _commit(self, built:list):
+        "Show every bucket's layout in the model, all or none: until the set-up ends each fp32 value is kept"
+        done = []
+        try:
+            for b in built:
+                b.commit()
+                done.append(b)
+        except BaseException:  # an out-of-memory error, Ctrl-C: the model as it was, every value exact
+            for b in reversed(done): b.uncommit()
+            raise
 
     def _extra_places(self, gi:int) -> list:
         "Group `gi`'s extra places, as `(n, p)`"
@@ -281,12 +296,12 @@ class FusedSteps:
         h = self.home.get(id(p))
         return None if h is None or h[0].kind.in_place else partial(_value_now, *h)
 
-    def assign(self, p:Tensor, x:Tensor) -> bool:
-        "Parameter `p` takes fp32 value `x` (False where the engine does not hold `p`)"
+    def assign(self, p:Tensor, x:Tensor, at:int|None=None) -> bool:
+        "Parameter `p` takes fp32 value `x` (`at`: its flat elements from `at`); False where the engine does not hold `p`"
         h = self.home.get(id(p))
         if h is None or h[0].kind.in_place: return False
         b,i = h
-        b.kind.assign(b, i, x.to(b.device, torch.float32))
+        b.kind.assign(b, i, x.to(b.device, torch.float32), at)
         # held as a fit beginning from `x` holds it: not a write for the kind to take
         b.versions[i] = b.params[i]._version
         return True
@@ -305,13 +320,14 @@ class FusedSteps:
         o.state = {p: {k: self._stored(p, k, v) for k,v in s.items()} for p,s in zip(ps, sd['state'])}
 
     def _stored(self, p:Tensor, k:str, v):
-        "State `k` of `p` from a checkpoint, into its store where its bucket keeps one"
+        "State `k` of `p` from a checkpoint, into its store where its bucket keeps one, a piece at a time"
         if not isinstance(v, (Stored, Tensor)): return v
-        x,h = v.load() if isinstance(v, Stored) else v,self.home.get(id(p))
-        if h is None or not h[0].flat or not _flat_keys(p, x): return x.to(p.device)
+        h = self.home.get(id(p))
+        flat = h is not None and h[0].flat and v.dtype.is_floating_point and v.shape == p.shape
+        if not flat: return (v.load() if isinstance(v, Stored) else v).to(p.device)
         b,i = h
         b.state_new(k, b.kind.state_dtype(b))
-        b.store.put(b, k, i, x.to(b.device))
+        for at,x in pieces(v) if p.is_contiguous() else [(None, read_stored(v))]: b.store.put(b, k, i, x.to(b.device), at)
         return b.state_held[k][i]
 
     def _finish(self):
@@ -321,7 +337,8 @@ class FusedSteps:
             # a write after the last step, or before a mid-fit save, reaches the masters (or resets a compensation)
             b.adopt_weights()
             # a gradient in its slot stays there (the next fit takes the buffer as it is), else it is cast
-            b.kind.finish(b)
+            if b.committed: b.kind.finish(b)
+            else: b.uncommit()  # a set-up that failed: each parameter's fp32 value as it was, exact
             # so does dense state: each dict's tensor is already fastai's, in its slot
             if b.store.bits is None: continue
             # a dict replaced since the last step too

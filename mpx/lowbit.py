@@ -9,8 +9,8 @@ from fastai.torch_basics import *
 
 # %% auto #0
 __all__ = ['MIN_LOWBIT', 'MODE_BYTES', 'dynamic_map', 'root_map', 'quantize', 'dequantize', 'pack4', 'unpack4', 'LowBitState',
-           'Store', 'DenseStore', 'BF16Store', 'kernel_name', 'kept', 'bf16_nearest', 'Float8Codes', 'MapCodes',
-           'static_rows', 'QuantStore', 'make_store', 'state_bytes', 'param_bytes']
+           'flat_part', 'Store', 'DenseStore', 'BF16Store', 'kernel_name', 'kept', 'bf16_nearest', 'Float8Codes',
+           'MapCodes', 'static_rows', 'QuantStore', 'make_store', 'state_bytes', 'param_bytes']
 
 # %% ../nbs/01i_lowbit.ipynb #lb0006
 def dynamic_map(signed:bool=True, exp_bits:int=7, bits:int=8) -> Tensor:
@@ -125,6 +125,10 @@ for _name in ('__add__ __radd__ __sub__ __rsub__ __mul__ __rmul__ __truediv__ __
               '__array__').split():
     setattr(LowBitState, _name, _read(_name))
 
+def flat_part(t:Tensor, at:int|None, n:int) -> Tensor:
+    "`t` itself, or (`at` given) its flat elements `at` to `at + n` (`t` contiguous): where a piece of a load goes"
+    return t if at is None else t.view(-1)[at:at+n]
+
 class Store:
     "How a bucket holds its optimizer state, a flat buffer a key"
     # `opt_state`'s name, bits an element (None: the stepped dtype's), and the block slots align to
@@ -137,8 +141,8 @@ class Store:
     def new(self, b, k:str, dtype):
         "Fill `b.state_bufs[k]` (zeros) and `b.state_held[k]`"
         raise NotImplementedError
-    def put(self, b, k:str, i:int, v:Tensor):
-        "Parameter `i`'s state `k` takes tensor `v`"
+    def put(self, b, k:str, i:int, v:Tensor, at:int|None=None):
+        "Parameter `i`'s state `k` takes tensor `v` (`at`: flat `v` is its elements from `at`, a multiple of `block`)"
         raise NotImplementedError
     def value(self, b, k:str, i:int) -> Tensor:
         "Parameter `i`'s state `k`: fp32, a tensor of its own"
@@ -178,7 +182,7 @@ class DenseStore(Store):
     def new(self, b, k:str, dtype):
         b.state_bufs[k] = b.zeros(dtype)
         b.state_held[k] = b.views(b.state_bufs[k])
-    def put(self, b, k:str, i:int, v:Tensor): b.state_held[k][i].copy_(v)
+    def put(self, b, k:str, i:int, v:Tensor, at:int|None=None): flat_part(b.state_held[k][i], at, v.numel()).copy_(v)
     def value(self, b, k:str, i:int) -> Tensor: return b.state_held[k][i].clone(memory_format=torch.preserve_format)
     def zero(self, b, k:str, a:int, c:int): b.part(b.state_bufs[k], a, c).zero_()
     def load_window(self, b, k:str, i:int, j:int, scratch:Tensor|None=None) -> Tensor:
@@ -195,7 +199,7 @@ class BF16Store(DenseStore):
     def new(self, b, k, dtype):
         b.state_bufs[k] = b.zeros(torch.bfloat16)
         b.state_held[k] = [LowBitState(b, k, i) for i in range(len(b.params))]
-    def put(self, b, k, i, v): b.slot(b.state_bufs[k], i).copy_(v)
+    def put(self, b, k, i, v, at=None): flat_part(b.slot(b.state_bufs[k], i), at, v.numel()).copy_(v)
     def value(self, b, k, i): return b.slot(b.state_bufs[k], i).float()
     def load_window(self, b, k, i, j, scratch=None):
         scratch.copy_(b.part(b.state_bufs[k], i, j))
@@ -314,10 +318,17 @@ class QuantStore(BF16Store):
         codes,scale = self.codes.encode(self._enc(k, torch.zeros(self.block, device=b.device)), self.qmap(k, b.device))
         b.state_bufs[k][self._span(k, lo, hi)].fill_(codes[0])
         b.scales[k][lo // self.block:hi // self.block].fill_(scale[0])
-    def put(self, b, k, i, v):
-        lo,hi = b.lo(i),b.end(i+1)
+    def put(self, b, k, i, v, at=None):
+        if at is None:
+            lo,hi = b.lo(i),b.end(i+1)
+            x = self._load(b, k, lo, hi)
+            b.slot(x, i, lo).copy_(v)
+            return self._store(b, k, lo, hi, x)
+        if at % self.block: raise ValueError(f"a piece of state at element {at}: not on a block of {self.block}")
+        lo = b.offs[i] + at  # the blocks the piece covers alone: decoded, written, coded again
+        hi = min(-(-(lo + v.numel()) // self.block) * self.block, b.end(i+1))
         x = self._load(b, k, lo, hi)
-        b.slot(x, i, lo).copy_(v)
+        x[:v.numel()].copy_(v)
         self._store(b, k, lo, hi, x)
     def value(self, b, k, i):
         lo = b.lo(i)

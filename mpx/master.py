@@ -9,7 +9,7 @@ from fastai.basics import *
 from .core import *
 from .scaler import *
 from .plumbing import *
-from .flat import Kind, set_data, merge_writes
+from .flat import Kind, set_data, merge_writes, flat_part
 from .fused import FusedSteps
 from .warn import warn_user
 from .parallel import ShardedMasters, is_sharded
@@ -33,21 +33,19 @@ class MasterKind(Kind):
         b.w.copy_(b.x)
         grads = b._own_grads()
         gx = b.packed(grads, torch.float32)  # the last fit's gradients, handed back in their slots (`finish`)
-        if gx is None:
-            b.point(b.w)  # each gradient cast to half, taken into its slot at the first step (`adopt_grads`)
-            gx = b.zeros(torch.float32)
-        else:  # no second fp32 copy of the gradients while the layout is made
-            b.g.copy_(b.zero_missing(gx, grads))
-            b.point(b.w, b.g)  # the half gradients shown in the model, in their slots
-        b.gx = gx
+        if gx is not None: b.g.copy_(b.zero_missing(gx, grads))  # no second fp32 copy of them while the layout is made
+        b.gx = b.zeros(torch.float32) if gx is None else gx
         b.xv,b.gxv = b.views(b.x),b.views(b.gx)
         b.ms = [nn.Parameter(m, requires_grad=False) for m in b.xv]
         b.handed,b.seen = [(m._version, g._version) for m,g in zip(b.ms, b.gxv)],None
         b.shown = None  # once `learn.parameters()` handed the masters out: the gradient each was last shown with
+        # at the set-up's end (`Bucket.commit`): the half weights (and gradients, in their slots) shown in the model;
+        # fresh gradients are cast to half each, taken into their slots at the first step (`adopt_grads`)
+        b.shows = (b.w, None if gx is None else b.g)
     def wide(self, b, i, j): return b.part(b.x, i, j),b.part(b.gx, i, j)
-    def assign(self, b, i, x):
-        b.xv[i].copy_(x)  # the master exact, the half weight its rounding
-        b.slot(b.w, i).copy_(x)
+    def assign(self, b, i, x, at=None):
+        flat_part(b.xv[i], at, x.numel()).copy_(x)  # the master exact, the half weight its rounding
+        flat_part(b.slot(b.w, i), at, x.numel()).copy_(x)
     def written(self, b, idx):
         for i in idx: merge_writes(b.xv[i], b.slot(b.w, i))  # the master takes what the write changed
     def fold(self, b, i, j, x, phase=0): b.part(b.w, i, j).copy_(x)
@@ -153,9 +151,9 @@ class MasterCopies(FitState):
     ):
         halved,ours = halvable(learn.model),{id(p) for p in opt_params(learn.opt)}
         self.halves,self.kind,self.plain = {id(t) for t in halved},MasterKind(dtype),Kind()
-        self.rest = HalvedRest([t for t in halved if id(t) not in ours], dtype, learn.model)
         owners = [m for m in learn.model.modules() if any(id(p) in self.halves for p in m.parameters(recurse=False))]
         self.hooks = [m.register_load_state_dict_pre_hook(_LoadHook(self._load_masters)) for m in owners]
+        self.rest = HalvedRest([t for t in halved if id(t) not in ours], dtype, learn.model)  # last: it halves
     def kind_of(self, p) -> Kind: return self.kind if id(p) in self.halves else self.plain
     def undo(self):
         for h in self.hooks: h.remove()

@@ -206,7 +206,9 @@ def load(self:Learner, file, device=None, **kwargs):
     "fastai's `Learner.load`, with the loss scale, into the fp32 model"
     if self.opt is None: self.create_opt()
     kept = _kept_layout(self)
-    if kept and _load_streamed(self, kept[0], file, **kwargs): return self
+    if kept and _load_streamed(self, kept[0], file, **kwargs):
+        kept[0].fused_steps.rest()  # the scratch its pieces were folded through freed
+        return self
     with _suspended(self), _state_from_opt(self):
         return (load_sharded if is_sharded(self.model) else _fastai_load)(self, file, device=device, **kwargs)
 

@@ -15,8 +15,8 @@ from fastcore.foundation import L
 from fastai.optimizer import OptimWrapper, _BaseOptimizer
 
 # %% auto #0
-__all__ = ['FitState', 'halvable', 'exact_fp32', 'HalvedRest', 'opt_params', 'unwrap', 'state_owners', 'Ledger', 'copies_as_fp32',
-           'LazyTensor', 'save_streamed', 'Stored', 'load_streamed', 'read_stored']
+__all__ = ['LOAD_PIECE', 'FitState', 'halvable', 'exact_fp32', 'HalvedRest', 'opt_params', 'unwrap', 'state_owners', 'Ledger',
+           'copies_as_fp32', 'LazyTensor', 'save_streamed', 'Stored', 'pieces', 'load_streamed', 'read_stored']
 
 # %% ../nbs/01b_plumbing.ipynb #d6694c65
 class FitState:
@@ -64,10 +64,14 @@ class HalvedRest:
         # a buffer's module and name: `model.float()` replaces a buffer where it keeps a parameter (its `data` cast)
         self.kept,self.dtype = [(t, t.detach().clone(), h) for t,h in zip(ts, _buffer_homes(model, ts))],dtype
         self.copies = Ledger()  # a copy or a pickle of a halved tensor holds its fp32 value
-        for t,c,_ in self.kept:
-            t.grad = None  # an fp32 gradient cannot stay on a half tensor
-            t.data = t.data.to(dtype)
-            copies_as_fp32(self.copies, t, functools.partial(_exact_now, weakref.ref(t), c))
+        try:
+            for t,c,_ in self.kept:
+                t.grad = None  # an fp32 gradient cannot stay on a half tensor
+                t.data = t.data.to(dtype)
+                copies_as_fp32(self.copies, t, functools.partial(_exact_now, weakref.ref(t), c))
+        except BaseException:  # all or none
+            self.undo()
+            raise
     def undo(self):
         "Each tensor back in fp32, a no-op the second time"
         self.copies.close()
@@ -281,10 +285,33 @@ class Stored:
     def load(self) -> Tensor:
         st = self.src.storage(self.key, self.dtype)
         return torch.empty(0, dtype=self.dtype).set_(st, self.offset, self.shape, self.stride)
+    @property
+    def contiguous(self) -> bool: return self.stride == torch.empty(self.shape, device='meta').stride()
+    def read(self, a:int, e:int) -> Tensor:
+        "Elements `a` to `e` of a contiguous stored tensor, flat, read from the file alone (not its whole record)"
+        x = torch.empty(e - a, dtype=self.dtype)
+        at = self.src.reader.get_record_offset(f'data/{self.key}') + (self.offset + a) * x.element_size()
+        with open(self.src.path, 'rb') as f:
+            f.seek(at)
+            f.readinto(x.view(torch.uint8).numpy())
+        return x
+
+# elements a streamed load reads and puts in place at a time: a CPU step's window (a multiple of every store's block)
+LOAD_PIECE = 1<<17
+
+def pieces(v, n:int|None=None):
+    "`(at, x)`: flat pieces of `n` elements of tensor or `Stored` `v`; `(None, v)` whole where it is small or not contiguous"
+    n = n or LOAD_PIECE
+    if isinstance(v, Stored) and v.contiguous and v.shape.numel() > n:
+        for a in range(0, v.shape.numel(), n): yield a,v.read(a, min(a + n, v.shape.numel()))
+    elif isinstance(v, Tensor) and v.is_contiguous() and v.numel() > n:
+        for a in range(0, v.numel(), n): yield a,v.view(-1)[a:a+n]
+    else: yield None,(v.load() if isinstance(v, Stored) else v)
 
 class _Source:
     "A checkpoint's records, the last one read kept for those sharing it"
-    def __init__(self, reader, sizes:dict): self.reader,self.sizes,self.last = reader,sizes,(None, None)
+    def __init__(self, reader, sizes:dict, path:str):
+        self.reader,self.sizes,self.path,self.last = reader,sizes,path,(None, None)
     def storage(self, key:str, dtype):
         if self.last[0] != key:
             self.last = (None, None)  # the last record freed first
@@ -324,7 +351,7 @@ def load_streamed(file):
     "A checkpoint's contents, each tensor a `Stored` read when loaded"
     reader = torch._C.PyTorchFileReader(str(file))
     u = _StoredUnpickler(io.BytesIO(reader.get_record('data.pkl')))
-    u.src = _Source(reader, {})
+    u.src = _Source(reader, {}, str(file))
     return u.load()
 
 def read_stored(o):

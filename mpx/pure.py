@@ -10,7 +10,7 @@ from .core import *
 from .callback import *
 from .plumbing import *
 from .flat import Kind, set_data, merge_writes
-from .lowbit import bf16_nearest
+from .lowbit import bf16_nearest, flat_part
 
 # %% auto #0
 __all__ = ['stream_key', 'random_bits16', 'round_stochastic', 'fold_kahan', 'split_kahan', 'widen_kahan', 'BF16Kind', 'KahanKind',
@@ -88,9 +88,9 @@ class BF16Kind(Kind):
         x = b.hold_weights(torch.float32)
         b.w,b.g = b.zeros(torch.bfloat16),b.zeros(torch.bfloat16)
         self.split(b, x)
-        b.point(b.w)
+        b.shows = (b.w, None)  # the parameters, bf16: at the set-up's end (`Bucket.commit`)
     def split(self, b, x:Tensor): b.w.copy_(x)  # to nearest
-    def assign(self, b, i, x): b.slot(b.w, i).copy_(x)  # as `split` does
+    def assign(self, b, i, x, at=None): flat_part(b.slot(b.w, i), at, x.numel()).copy_(x)  # as `split` does
     def wide(self, b, i, j):
         "The fp32 values and gradients of parameters `i` to `j`"
         n = b.end(j) - b.lo(i)
@@ -127,10 +127,11 @@ class KahanKind(BF16Kind):
         b.c = b.zeros(torch.bfloat16)
         b.cv = b.views(b.c)
         self._fold_whole(b, x, b.w, b.c)
-    def assign(self, b, i, x):
+    def assign(self, b, i, x, at=None):
         w,c = b.slot(b.w, i),b.cv[i]
-        if w.is_contiguous(): self._fold_whole(b, x.reshape(-1), w.view(-1), c.view(-1))
-        else: fold_kahan([x], [w], [c])  # another order of its elements (transposed): whole
+        if not w.is_contiguous(): return fold_kahan([x], [w], [c])  # another order of its elements (transposed): whole
+        a,n = at or 0,x.numel()
+        self._fold_whole(b, x.reshape(-1), w.view(-1)[a:a+n], c.view(-1)[a:a+n])
     def _fold_whole(self, b, x, w, c, chunk:int=1<<20):
         "`fold_kahan` of flat `x` into `w` and `c`, a chunk at a time"
         for a in range(0, x.numel(), chunk):
@@ -183,9 +184,9 @@ class KeptKind(BF16Kind):
         b.x = x
         b.xv = b.views(x)
         b.w.copy_(x)
-    def assign(self, b, i, x):
-        b.xv[i].copy_(x)
-        b.slot(b.w, i).copy_(x)
+    def assign(self, b, i, x, at=None):
+        flat_part(b.xv[i], at, x.numel()).copy_(x)
+        flat_part(b.slot(b.w, i), at, x.numel()).copy_(x)
     def wide(self, b, i, j): return b.part(b.x, i, j),super().wide(b, i, j)[1]
     def widen(self, b, i, j, x): pass
     def written(self, b, idx):
@@ -231,14 +232,14 @@ class BF16Weights(FitState):
         "How to make the fp32 value of `t`, halved and not stepped (else None)"
         found = self.rest.find(t)
         return None if found is None else partial(_rest_value, self.rest, *found)
-    def assign(self, t:Tensor, x:Tensor) -> bool:
-        "`t`, halved and not stepped, takes fp32 value `x` (else False)"
+    def assign(self, t:Tensor, x:Tensor, at:int|None=None) -> bool:
+        "`t`, halved and not stepped, takes fp32 value `x` (`at`: its flat elements from `at`), else False"
         found = self.rest.find(t)
         if found is None: return False
         self.rest.take_back()
         u,c = found
-        c.copy_(x)
-        u.data.copy_(x)
+        flat_part(c, at, x.numel()).copy_(x)
+        flat_part(u.data, at, x.numel()).copy_(x)
         return True
 
     def _buckets(self, kind) -> list: return [b for b in getattr(self.engine, 'buckets', []) if b.kind is kind]

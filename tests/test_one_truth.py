@@ -6,9 +6,12 @@ import gc, copy, pickle, tempfile
 from pathlib import Path
 from functools import partial
 import pytest, torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from fastai.basics import SGD, Adam, Callback, OptimWrapper, nn, set_seed, load_learner, ranger, Module
 import fastai.callback.schedule  # `lr_find`
 from mpx.all import *
+import mpx.plumbing
+from mpx.advisor import _peak_bytes
 from mpx.test_utils import tiny_learner, fit_quiet, ALL_MODES, precision_cb, state_of, state_diffs, weights, raised
 from test_kept_layout import learner, fit_both, fitted_pair, assert_same, ARMS
 
@@ -276,3 +279,102 @@ def test_low_bit_state_copies_and_pickles_as_fp32(opt_state):
     for got in [snap, *loaded]:
         for k,v in want.items():
             assert type(got[k]) is type(v) and (not torch.is_tensor(v) or torch.equal(got[k], v)), k
+
+# ---- a set-up that fails part way
+
+class FailAt(TorchDispatchMode):
+    "Count the ops dispatched inside; raise `KeyboardInterrupt` (Ctrl-C, an out-of-memory error) at op number `at`"
+    def __init__(self, at:int|None=None): super().__init__(); self.at,self.n = at,0
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        if self.n == self.at: raise KeyboardInterrupt(f'injected at op {self.n}: {func}')
+        return func(*args, **(kwargs or {}))
+
+def set_up_under(learn, mode:FailAt):
+    "The precision callback's next set-up (`_begin_fit`) runs under `mode`"
+    cb = precision_cb(learn)
+    begin = type(cb)._begin_fit
+    def run():
+        with mode: begin(cb)
+    cb._begin_fit = run
+    return cb
+
+SET_UP = [('master_bf16', 'fp32'), ('master_fp16', 'fp32'), ('pure_kahan', 'fp32'), ('pure_stochastic', '8bit'),
+          ('pure_kahan', '4bit')]
+
+@pytest.mark.parametrize('rebuild', [False, True], ids=['first fit', 'a rebuild'])
+@pytest.mark.parametrize('mode,opt_state', SET_UP)
+def test_a_set_up_that_fails_anywhere_loses_nothing(mode, opt_state, rebuild, one_thread):
+    "An exception at any op of the set-up (each in turn) leaves every weight and state value as it was, fp32; the next fit works"
+    def prepared():
+        l = learner(mode, opt_state)
+        if rebuild: fit_quiet(l)
+        l.create_opt()  # the fit's (rebuild: another optimizer, so the layout kept is ended and built again)
+        return l
+    counter = FailAt()
+    l = prepared()
+    set_up_under(l, counter)
+    fit_quiet(l)
+    assert counter.n > 20, counter.n
+    for at in range(1, counter.n + 1):
+        l = prepared()
+        before = state_of(l)
+        cb = set_up_under(l, FailAt(at))
+        with pytest.raises(KeyboardInterrupt): fit_quiet(l)
+        del cb._begin_fit
+        assert cb.fused_steps is None and cb.fit_state is None, at
+        assert {p.dtype for p in l.model.parameters()} == {torch.float32}, at
+        assert not state_diffs(before, state_of(l)), f'op {at} of {counter.n}: {state_diffs(before, state_of(l))[:2]}'
+    fit_quiet(l)  # the next fit sets up whole
+
+# ---- loads that stream on every model
+
+@pytest.mark.parametrize('mode,opt_state,fused', ARMS)
+def test_a_load_in_pieces_is_the_whole_load(mode, opt_state, fused, monkeypatch):
+    "A streamed `load` read a piece at a time (512 elements here) into weights, compensations and low-bit state gives the reference's state"
+    monkeypatch.setattr(mpx.plumbing, 'LOAD_PIECE', 512)
+    a,b,path = fitted_pair(mode, opt_state, fused)
+    a.save('a')
+    fit_both(a, b, seed=2)  # away from the checkpoint, then back
+    for l in (a, b): l.load('a')
+    assert_same(a, b, 'loaded in pieces')
+    fit_both(a, b, seed=3)
+    assert_same(a, b, 'resumed')
+
+def test_load_streams_after_fit_one_cycle():
+    "After `fit_one_cycle` (NumPy numbers in the hypers) the load streams: the layout kept stays, no fp32 copy of it is made"
+    a,b,path = fitted_pair('pure_kahan', '8bit', True)
+    for l in (a, b): set_seed(2); fit_quiet(l, method='fit_one_cycle')
+    a.save('c')
+    cb = precision_cb(a)
+    eng = cb.fused_steps
+    a.load('c')
+    assert cb.fused_steps is eng and cb.kept, 'the load fell back to fastai\'s, through the fp32 layout'
+
+    b.load('c')
+    assert_same(a, b, 'loaded')
+
+class TiedLM(Module):
+    "A transformer layer between an embedding and an output layer tied to it (GPT-2's tying), and a non-persistent buffer"
+    def __init__(self, vocab:int=16384, d:int=32):
+        self.emb,self.head = nn.Embedding(vocab, d),nn.Linear(d, vocab, bias=False)
+        self.body = nn.TransformerEncoderLayer(d, 2, 64, dropout=0., batch_first=True)
+        self.head.weight = self.emb.weight
+        self.register_buffer('scale', torch.tensor(1.000244), persistent=False)
+    def forward(self, x):
+        ids = (x.abs() * 500).long().clamp(max=self.emb.num_embeddings - 1).view(-1, 1)  # a token a sample
+        return self.head(self.body(self.emb(ids))).mean((1, 2))[:, None] * self.scale
+
+def wide_mlp(): return nn.Sequential(nn.Linear(1, 512), nn.ReLU(), nn.Linear(512, 1024), nn.Linear(1024, 1))
+
+@pytest.mark.parametrize('model', [wide_mlp, TiedLM], ids=['mlp', 'tied transformer'])
+@pytest.mark.parametrize('opt_state', ['fp32', '8bit'])
+def test_a_load_peaks_below_the_fit(model, opt_state):
+    "A streamed `load` (model and optimizer) allocates at its peak no more than a fit does, on models of 0.5M parameters"
+    learn = ALL_MODES['pure_kahan'](tiny_learner(opt_func=Adam, n_trn=2, model=model), opt_state=opt_state)
+    learn.path = Path(tempfile.mkdtemp())
+    fit_quiet(learn)
+    learn.save('x')
+    fit,load = _peak_bytes(lambda: fit_quiet(learn), 'cpu'),_peak_bytes(lambda: learn.load('x'), 'cpu')
+    n = sum(p.numel() for p in learn.model.parameters())
+    assert load <= fit, f'the load peaks at +{load / n:.2f} B/param, the fit at +{fit / n:.2f}'
