@@ -8,7 +8,8 @@ the resident memory follows live memory; no `gc.collect()` is called. Before eac
 memory is reset (`/proc/self/clear_refs`), so each call's peak is its own. Figures are bytes a parameter above the process
 before the model was built (the user's fp32 model included): each call's peak, and what stays resident after it.
 Run: `PYTHONPATH=. .venv/bin/python bench/session_memory.py` (`--arms a,b` picks arms by name, `--small` a 1M-parameter
-model for a quick look; `--one NAME` runs one arm in this process and prints its row as JSON)."""
+model for a quick look; `--one NAME` runs one arm in this process and prints its row as JSON). `--model gpt2`, a random
+GPT-2 with tied embeddings, needs transformers: `.venv/bin/python -m pip install -c constraints.txt transformers`."""
 import argparse, json, os, subprocess, sys, tempfile, time
 from pathlib import Path
 
@@ -73,14 +74,49 @@ MODELS = {  # name: its description, the widths of the MLP (None: the text model
     'deep': ("bench/memory.py's 'deep': MLP 1024-1024x20-10 (21.0M parameters, none over 1.05M)", [1024] * 21 + [10]),
     'text': ("fastai's AWD_LSTM classifier (pretrained=False, one LSTM layer of 1536, WeightDropout), 12-word vocabulary, "
              "sequences of 8", None),
+    'gpt2': ("transformers' GPT2LMHeadModel (random init, tied embeddings, 4 layers of 256, 32k vocabulary: 11.4M "
+             "parameters, 8.2M in the embedding), random tokens, sequences of 32, one validation batch of 4", None),
 }
+GPT2 = dict(vocab_size=32000, n_positions=32, n_embd=256, n_layer=4, n_head=4, tie_word_embeddings=True)
+NEEDS = {'gpt2': 'transformers'}  # the models that need a package beside the project's own
+
+def _gpt2_classes() -> tuple:
+    "transformers' `GPT2Config` and `GPT2LMHeadModel`, a torchvision that cannot load kept out"
+    try: import torchvision  # noqa: F401 (transformers' image helpers import it)
+    except Exception: sys.modules['torchvision'] = None  # e.g. a CUDA build beside a CPU torch: transformers goes on
+    from transformers import GPT2Config, GPT2LMHeadModel
+    return GPT2Config,GPT2LMHeadModel
+
+def _gpt2_data(vocab:int, seq:int, bs:int, n:int):
+    "Random token sequences that `export` can empty: `n` training batches of `bs`, one validation batch of 4"
+    from fastai.basics import torch
+    from mpx.test_utils import _ExportableDS
+    from fastai.data.core import TfmdDL, DataLoaders
+    def ds(k):
+        x = torch.randint(0, vocab, (k, seq + 1))
+        return _ExportableDS(x[:, :-1], x[:, 1:])
+    return DataLoaders(TfmdDL(ds(bs*n), bs=bs, shuffle=True), TfmdDL(ds(4), bs=bs))  # 4: get_preds' logits stay small
+
+def _gpt2_lm():
+    "A module whose forward gives a random GPT-2's logits (no download: `GPT2Config` only)"
+    from fastai.basics import nn
+    Config,LMHead = _gpt2_classes()
+    class LM(nn.Module):
+        def __init__(self, m): super().__init__(); self.m = m
+        def forward(self, x): return self.m(input_ids=x).logits
+    return LM(LMHead(Config(**GPT2)))
 
 def _learner(model:str, bs:int=16, n:int=8):
     "The arm's learner, and the process's resident bytes once its data is made (before the model)"
-    from fastai.basics import Learner, MSELossFlat, Adam, set_seed
+    from fastai.basics import Learner, MSELossFlat, CrossEntropyLossFlat, Adam, set_seed
     from mpx.test_utils import _quiet, text_app_learner
     set_seed(0)
     sizes = MODELS[model][1]
+    if model == 'gpt2':
+        _gpt2_classes()  # transformers imported before the measure
+        dls = _gpt2_data(GPT2['vocab_size'], GPT2['n_positions'], bs, n)
+        base = _status('VmRSS')
+        return _quiet(Learner(dls, _gpt2_lm(), loss_func=CrossEntropyLossFlat(), opt_func=Adam, lr=1e-3)),base
     if sizes is None:  # the text model: its data made with a tiny model first, then the model measured on that data
         from fastai.text.all import AWD_LSTM, text_classifier_learner
         dls = text_app_learner(n=bs*(n+1), bs=bs, emb_sz=8).dls
@@ -156,6 +192,10 @@ def main():
     ap.add_argument('--predict', action='store_true', help=argparse.SUPPRESS)
     a = ap.parse_args()
     model = 'small' if a.small else a.model
+    import importlib.util
+    if model in NEEDS and importlib.util.find_spec(NEEDS[model]) is None:
+        sys.exit(f"--model {model} needs {NEEDS[model]}, which is missing: "
+                 f".venv/bin/python -m pip install -c constraints.txt {NEEDS[model]}")
     if a.one: return print(json.dumps(run_one(a.one, model)))
     if a.predict: return print(json.dumps(predict(model)))
     names = [n for n in ARMS if not a.arms or any(s.strip() in n for s in a.arms.split(','))]

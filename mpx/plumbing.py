@@ -15,8 +15,8 @@ from fastcore.foundation import L
 from fastai.optimizer import OptimWrapper, _BaseOptimizer
 
 # %% auto #0
-__all__ = ['LOAD_PIECE', 'FitState', 'halvable', 'exact_fp32', 'HalvedRest', 'opt_params', 'unwrap', 'state_owners', 'Ledger',
-           'copies_as_fp32', 'LazyTensor', 'save_streamed', 'Stored', 'pieces', 'load_streamed', 'read_stored']
+__all__ = ['LOAD_PIECE', 'FitState', 'halvable', 'exact_fp32', 'opt_params', 'unwrap', 'state_owners', 'Ledger', 'copies_as_fp32',
+           'HalvedRest', 'LazyTensor', 'save_streamed', 'Stored', 'pieces', 'load_streamed', 'read_stored']
 
 # %% ../nbs/01b_plumbing.ipynb #d6694c65
 class FitState:
@@ -48,60 +48,6 @@ def halvable(model:nn.Module) -> list:
 def exact_fp32(t:torch.Tensor, kept:torch.Tensor) -> torch.Tensor:
     "`kept` where `t` still rounds from it, else `t` in fp32"
     return kept if torch.equal(t, kept.to(t.dtype)) else t.float()
-
-# %% ../nbs/01b_plumbing.ipynb #hr000001
-def _exact_now(ref:weakref.ref, kept:Tensor) -> Tensor: return exact_fp32(ref().detach(), kept)
-
-def _buffer_homes(model:nn.Module|None, ts:list) -> list:
-    "Where each of `ts` lies in `model` as a buffer, `(module, name)` (None: a parameter, or not found)"
-    if model is None: return [None]*len(ts)
-    homes = {id(b): (m, k) for m in model.modules() for k,b in m._buffers.items() if b is not None}
-    return [homes.get(id(t)) for t in ts]
-
-class HalvedRest:
-    "The tensors a fit halves that no optimizer steps"
-    def __init__(self, ts:list, dtype:torch.dtype, model:nn.Module|None=None):
-        # a buffer's module and name: `model.float()` replaces a buffer where it keeps a parameter (its `data` cast)
-        self.kept,self.dtype = [(t, t.detach().clone(), h) for t,h in zip(ts, _buffer_homes(model, ts))],dtype
-        self.copies = Ledger()  # a copy or a pickle of a halved tensor holds its fp32 value
-        try:
-            for t,c,_ in self.kept:
-                t.grad = None  # an fp32 gradient cannot stay on a half tensor
-                t.data = t.data.to(dtype)
-                copies_as_fp32(self.copies, t, functools.partial(_exact_now, weakref.ref(t), c))
-        except BaseException:  # all or none
-            self.undo()
-            raise
-    def undo(self):
-        "Each tensor back in fp32, a no-op the second time"
-        self.copies.close()
-        self.take_back()
-        for t,c,_ in self.kept:
-            t.grad = None
-            t.data = exact_fp32(t, c)  # its exact value, or its half value widened
-        self.kept = []
-    def _now(self, t:Tensor, home:tuple|None) -> Tensor|None:
-        "What the model holds in `t`'s place now (a buffer replaced by `model.float()`)"
-        return t if home is None else home[0]._buffers.get(home[1])
-    def take_back(self):
-        "Each tensor cast by hand since (`model.float()`) halved again: its fp32 value kept, or the one assigned"
-        for t,c,home in self.kept:
-            x = self._now(t, home)
-            if x is None or (x is t and t.dtype == self.dtype): continue
-            if not torch.equal(x.detach().to(self.dtype), c.to(self.dtype)):
-                c.copy_(x.detach())  # other values: what was assigned (fp32, say) is its value now
-            t.grad = None
-            t.data = x.detach().to(self.dtype)
-            if home is not None: home[0]._buffers[home[1]] = t
-    def find(self, t:Tensor) -> tuple|None:
-        "The halved tensor `t` is (or lies in the place of, cast by hand) and its fp32 value, or None"
-        return next(((u, c) for u,c,home in self.kept if u is t or self._now(u, home) is t), None)
-    def recast(self) -> Tensor|None:
-        "The first tensor cast by hand into values its fp32 value does not round to (`model.half()`), or None"
-        for t,c,home in self.kept:
-            x = self._now(t, home)
-            if x is None or x.dtype in (self.dtype, torch.float32): continue
-            if not torch.equal(x.detach().float(), c.to(self.dtype).float()): return x
 
 # %% ../nbs/01b_plumbing.ipynb #ce970274
 def opt_params(opt) -> list:
@@ -195,6 +141,60 @@ def _fp32_reduce(ref:weakref.ref, make:Callable, protocol:int) -> tuple:
     state = _own_state(t)
     if state: return torch._utils._rebuild_parameter_with_state,(x, t.requires_grad, collections.OrderedDict(), state)
     return torch._utils._rebuild_parameter,(x, t.requires_grad, collections.OrderedDict())
+
+# %% ../nbs/01b_plumbing.ipynb #hr000001
+def _exact_now(ref:weakref.ref, kept:Tensor) -> Tensor: return exact_fp32(ref().detach(), kept)
+
+def _buffer_homes(model:nn.Module|None, ts:list) -> list:
+    "Where each of `ts` lies in `model` as a buffer, `(module, name)` (None: a parameter, or not found)"
+    if model is None: return [None]*len(ts)
+    homes = {id(b): (m, k) for m in model.modules() for k,b in m._buffers.items() if b is not None}
+    return [homes.get(id(t)) for t in ts]
+
+class HalvedRest:
+    "The tensors a fit halves that no optimizer steps"
+    def __init__(self, ts:list, dtype:torch.dtype, model:nn.Module|None=None):
+        # a buffer's module and name: `model.float()` replaces a buffer where it keeps a parameter (its `data` cast)
+        self.kept,self.dtype = [(t, t.detach().clone(), h) for t,h in zip(ts, _buffer_homes(model, ts))],dtype
+        self.copies = Ledger()  # a copy or a pickle of a halved tensor holds its fp32 value
+        try:
+            for t,c,_ in self.kept:
+                t.grad = None  # an fp32 gradient cannot stay on a half tensor
+                t.data = t.data.to(dtype)
+                copies_as_fp32(self.copies, t, functools.partial(_exact_now, weakref.ref(t), c))
+        except BaseException:  # all or none
+            self.undo()
+            raise
+    def undo(self):
+        "Each tensor back in fp32, a no-op the second time"
+        self.copies.close()
+        self.take_back()
+        for t,c,_ in self.kept:
+            t.grad = None
+            t.data = exact_fp32(t, c)  # its exact value, or its half value widened
+        self.kept = []
+    def _now(self, t:Tensor, home:tuple|None) -> Tensor|None:
+        "What the model holds in `t`'s place now (a buffer replaced by `model.float()`)"
+        return t if home is None else home[0]._buffers.get(home[1])
+    def take_back(self):
+        "Each tensor cast by hand since (`model.float()`) halved again: its fp32 value kept, or the one assigned"
+        for t,c,home in self.kept:
+            x = self._now(t, home)
+            if x is None or (x is t and t.dtype == self.dtype): continue
+            if not torch.equal(x.detach().to(self.dtype), c.to(self.dtype)):
+                c.copy_(x.detach())  # other values: what was assigned (fp32, say) is its value now
+            t.grad = None
+            t.data = x.detach().to(self.dtype)
+            if home is not None: home[0]._buffers[home[1]] = t
+    def find(self, t:Tensor) -> tuple|None:
+        "The halved tensor `t` is (or lies in the place of, cast by hand) and its fp32 value, or None"
+        return next(((u, c) for u,c,home in self.kept if u is t or self._now(u, home) is t), None)
+    def recast(self) -> Tensor|None:
+        "The first tensor cast by hand into values its fp32 value does not round to (`model.half()`), or None"
+        for t,c,home in self.kept:
+            x = self._now(t, home)
+            if x is None or x.dtype in (self.dtype, torch.float32): continue
+            if not torch.equal(x.detach().float(), c.to(self.dtype).float()): return x
 
 # %% ../nbs/01b_plumbing.ipynb #8f6d98d3
 class LazyTensor:

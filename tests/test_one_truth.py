@@ -99,12 +99,14 @@ def test_save_takes_torch_save_keywords(kwargs):
 
 # ---- Lookahead's slow weights through a streamed load
 
-def test_ranger_after_a_streamed_load_and_lr_find():
+@pytest.mark.parametrize('opt_state,fused', [('fp32', True), ('8bit', True),
+                                             pytest.param('8bit', 'compile', marks=pytest.mark.compiled)])
+def test_ranger_after_a_streamed_load_and_lr_find(opt_state, fused):
     "ranger's slow weights (fastcore `L`s) come back from a streamed `load` and `lr_find` as tensors: the next fits match"
     path = Path(tempfile.mkdtemp())
     def mk(kept):
         l = ALL_MODES['pure_kahan'](tiny_learner(opt_func=ranger, lr=1e-2, n_trn=6, model=lambda: nn.Sequential(
-            nn.Linear(1, 96), nn.ReLU(), nn.Linear(96, 96), nn.Linear(96, 1))))
+            nn.Linear(1, 96), nn.ReLU(), nn.Linear(96, 96), nn.Linear(96, 1))), opt_state=opt_state, fused=fused)
         if not kept: precision_cb(l).keeps_layout = False
         l.path = path
         return l
@@ -225,13 +227,14 @@ def test_a_lossy_cast_by_hand_is_refused(mode, opt_state, fused):
 
 # ---- torch optimizers' own load
 
+@pytest.mark.parametrize('mode', ['pure_kahan', 'pure_stochastic'])
 @pytest.mark.parametrize('topt', ['SGD', 'AdamW'])
-def test_torch_optimizer_load_state_dict_keeps_fp32_state(topt):
+def test_torch_optimizer_load_state_dict_keeps_fp32_state(topt, mode):
     "`learn.opt.load_state_dict` of a torch optimizer (fastai's `TextLearner.load` calls it) keeps its state fp32 on a bf16 layout"
     kw = dict(momentum=.9) if topt == 'SGD' else {}
     opt_func = partial(OptimWrapper, opt=partial(getattr(torch.optim, topt), **kw))
     def mk(kept):
-        l = ALL_MODES['pure_kahan'](tiny_learner(opt_func=opt_func, lr=1e-2, n_trn=4, model=lambda: nn.Sequential(
+        l = ALL_MODES[mode](tiny_learner(opt_func=opt_func, lr=1e-2, n_trn=4, model=lambda: nn.Sequential(
             nn.Linear(1, 96), nn.ReLU(), nn.Linear(96, 96), nn.Linear(96, 1))))
         if not kept: precision_cb(l).keeps_layout = False
         return l
@@ -265,6 +268,19 @@ def test_a_copied_learner_is_the_fp32_learner(mode, opt_state, fused, how):
     assert_same(c, b, 'the copy after its fit')
     c.to_fp32()
     assert not state_diffs(state_of(c), state_of(b)), 'the copy to fp32'
+
+@pytest.mark.parametrize('mode,opt_state,fused', ARMS)
+def test_every_copy_of_the_model_is_fp32(mode, opt_state, fused):
+    "`deepcopy`, `pickle` and `torch.save` of the model, of a parameter and of a buffer give fp32 values, exact; the layout stays"
+    a,_,path = fitted_pair(mode, opt_state, fused)
+    eng,want = precision_cb(a).fused_steps,weights(a)
+    torch.save(a.model, path/'m.pth')
+    copies = [copy.deepcopy(a.model), pickle.loads(pickle.dumps(a.model)), torch.load(path/'m.pth', weights_only=False)]
+    for m in copies: assert not state_diffs([p.detach() for p in m.parameters()], want)
+    w = a.model[2].weight
+    for got in (copy.deepcopy(w), pickle.loads(pickle.dumps(w))):
+        assert isinstance(got, nn.Parameter) and torch.equal(got.detach(), precision_cb(a).fp32_value(w))
+    assert precision_cb(a).fused_steps is eng and a.model[2].weight is w
 
 @pytest.mark.parametrize('opt_state', ['8bit', '4bit', 'bf16'])
 def test_low_bit_state_copies_and_pickles_as_fp32(opt_state):
