@@ -18,10 +18,10 @@ ARMS = [('pure_kahan', 'fp32', True), ('pure_stochastic', '8bit', True), ('pure_
 
 def model(): return nn.Sequential(nn.Linear(1, 96), nn.ReLU(), nn.Linear(96, 96), nn.BatchNorm1d(96), nn.Linear(96, 1))  # 96x96: low-bit
 
-def learner(mode:str, opt_state:str, fused=True, kept:bool=True, path:Path|None=None):
+def learner(mode:str, opt_state:str, fused=True, kept:bool=True, path:Path|None=None, opt_func=Adam, n_trn:int=4):
     "A learner of `mode`; `kept=False`: the reference, handing fastai's fp32 layout back after each fit and building it again"
     kw = dict(fused=fused) if opt_state == 'fp32' else dict(fused=fused, opt_state=opt_state)
-    learn = ALL_MODES[mode](tiny_learner(opt_func=Adam, lr=1e-2, n_trn=4, model=model), **kw)
+    learn = ALL_MODES[mode](tiny_learner(opt_func=opt_func, lr=1e-2, n_trn=n_trn, model=model), **kw)
     if not kept: precision_cb(learn).keeps_layout = False
     learn.path = path or Path(tempfile.mkdtemp())
     return learn
@@ -29,10 +29,10 @@ def learner(mode:str, opt_state:str, fused=True, kept:bool=True, path:Path|None=
 def fit_both(*ls, seed:int=1):
     for l in ls: set_seed(seed); fit_quiet(l)
 
-def fitted_pair(mode:str, opt_state:str, fused) -> tuple:
-    "A learner keeping its layout and its reference, one fit each, saving to one temporary path"
+def fitted_pair(mode:str, opt_state:str, fused, **kwargs) -> tuple:
+    "A learner keeping its layout and its reference (`learner`'s `kwargs`), one fit each, saving to one temporary path"
     path = Path(tempfile.mkdtemp())
-    a,b = learner(mode, opt_state, fused, path=path),learner(mode, opt_state, fused, kept=False, path=path)
+    a,b = learner(mode, opt_state, fused, path=path, **kwargs),learner(mode, opt_state, fused, kept=False, path=path, **kwargs)
     fit_both(a, b)
     return a,b,path
 
@@ -168,14 +168,7 @@ def test_model_load_state_dict_between_fits(update):
 def test_torch_optimizer_load_into_the_layout_kept():
     "A torch optimizer's `load_state_dict` casts its state to its parameters' dtype: its load goes through fastai's, in fp32"
     from fastai.basics import OptimWrapper
-    path = Path(tempfile.mkdtemp())
-    def mk(kept):
-        l = ALL_MODES['pure_kahan'](tiny_learner(opt_func=partial(OptimWrapper, opt=torch.optim.AdamW), lr=1e-2, n_trn=4, model=model))
-        if not kept: precision_cb(l).keeps_layout = False
-        l.path = path
-        return l
-    a,b = mk(True),mk(False)
-    fit_both(a, b)
+    a,b,_ = fitted_pair('pure_kahan', 'fp32', True, opt_func=partial(OptimWrapper, opt=torch.optim.AdamW))
     a.save('t')
     for l in (a, b): l.load('t')
     assert {v.dtype for s in a.opt.opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()} == {torch.float32}

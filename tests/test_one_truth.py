@@ -99,19 +99,10 @@ def test_save_takes_torch_save_keywords(kwargs):
 
 # ---- Lookahead's slow weights through a streamed load
 
-@pytest.mark.parametrize('opt_state,fused', [('fp32', True), ('8bit', True),
-                                             pytest.param('8bit', 'compile', marks=pytest.mark.compiled)])
-def test_ranger_after_a_streamed_load_and_lr_find(opt_state, fused):
+@pytest.mark.parametrize('opt_state', ['fp32', '8bit'])  # compiled, Lookahead steps eagerly (its sync is outside the kernel)
+def test_ranger_after_a_streamed_load_and_lr_find(opt_state):
     "ranger's slow weights (fastcore `L`s) come back from a streamed `load` and `lr_find` as tensors: the next fits match"
-    path = Path(tempfile.mkdtemp())
-    def mk(kept):
-        l = ALL_MODES['pure_kahan'](tiny_learner(opt_func=ranger, lr=1e-2, n_trn=6, model=lambda: nn.Sequential(
-            nn.Linear(1, 96), nn.ReLU(), nn.Linear(96, 96), nn.Linear(96, 1))), opt_state=opt_state, fused=fused)
-        if not kept: precision_cb(l).keeps_layout = False
-        l.path = path
-        return l
-    a,b = mk(True),mk(False)
-    fit_both(a, b)
+    a,b,_ = fitted_pair('pure_kahan', opt_state, True, opt_func=ranger, n_trn=6)
     a.save('r')
     fit_both(a, b, seed=2)
     for l in (a, b): l.load('r')
@@ -233,13 +224,7 @@ def test_torch_optimizer_load_state_dict_keeps_fp32_state(topt, mode):
     "`learn.opt.load_state_dict` of a torch optimizer (fastai's `TextLearner.load` calls it) keeps its state fp32 on a bf16 layout"
     kw = dict(momentum=.9) if topt == 'SGD' else {}
     opt_func = partial(OptimWrapper, opt=partial(getattr(torch.optim, topt), **kw))
-    def mk(kept):
-        l = ALL_MODES[mode](tiny_learner(opt_func=opt_func, lr=1e-2, n_trn=4, model=lambda: nn.Sequential(
-            nn.Linear(1, 96), nn.ReLU(), nn.Linear(96, 96), nn.Linear(96, 1))))
-        if not kept: precision_cb(l).keeps_layout = False
-        return l
-    a,b = mk(True),mk(False)
-    fit_both(a, b)
+    a,b,_ = fitted_pair(mode, 'fp32', True, opt_func=opt_func)
     sd = copy.deepcopy(b.opt.state_dict())  # torch's own state dict holds the live tensors
     fit_both(a, b, seed=2)  # away from it, then back
     for l in (a, b): l.opt.load_state_dict(copy.deepcopy(sd))  # torch keeps the tensors it is given, where it can
