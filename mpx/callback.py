@@ -151,7 +151,8 @@ _instead = {AMPMode.FP16: 'train in bf16 (learn.to_bf16()) or fp32 (learn.to_fp3
 def _norm_not_fp32(model:nn.Module) -> Tensor|None:
     "The first floating buffer of `model`'s norm layers that is not fp32 (every mode keeps them fp32), or None"
     norms = (m for m in model.modules() if isinstance(m, _NormBase))
-    return first(b for m in norms for b in m.buffers(recurse=False) if b.is_floating_point() and b.dtype != torch.float32)
+    bufs = (b for m in norms for b in m.buffers(recurse=False))
+    return first(b for b in bufs if b.is_floating_point() and b.dtype != torch.float32)
 
 def _refuse_mismatch(model:nn.Module, ts:dict, sd:dict, strict:bool=True):
     "Raise torch's `load_state_dict` error where `sd`'s keys or shapes do not fit `ts`"
@@ -394,7 +395,8 @@ class PrecisionCallback(Callback, ScaleTelemetry):
             name = first(n for n,t in itertools.chain(model.named_parameters(), model.named_buffers()) if t is bad)
             raise ValueError(f"{type(self).__name__} keeps its layout between fits, and {name!r} was made {bad.dtype} "
                              "by hand since (model.half()?), which changed its values. Assign fp32 values (each is "
-                             "held exactly) or call learn.to_fp32(), which gives the fp32 model of the values as they are")
+                             "held exactly) or call learn.to_fp32(), which gives the fp32 model of the values as "
+                             "they are")
         if self.fit_state is not None: self.fit_state.take_back()
         self.fused_steps.take_back()
     def _restart_if_stale(self) -> bool:

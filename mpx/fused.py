@@ -189,7 +189,8 @@ class FusedSteps:
         for b in self.buckets:
             if b.kind.in_place: continue  # a parameter that is its own fp32 value
             for i,p in enumerate(b.params): copies_as_fp32(self.ledger, p, partial(_value_of, weakref.ref(b), i))
-        for o in {id(o): o for o in (self.opt, self.inner, *self.lookaheads)}.values(): self.ledger.keep_out_of_copies(o)
+        owners = {id(o): o for o in (self.opt, self.inner, *self.lookaheads)}
+        for o in owners.values(): self.ledger.keep_out_of_copies(o)
 
     def stale(self, opt) -> bool:
         "Whether `opt` is no longer the optimizer laid out"
@@ -297,7 +298,7 @@ class FusedSteps:
         return None if h is None or h[0].kind.in_place else partial(_value_now, *h)
 
     def assign(self, p:Tensor, x:Tensor, at:int|None=None) -> bool:
-        "Parameter `p` takes fp32 value `x` (`at`: its flat elements from `at`); False where the engine does not hold `p`"
+        "Parameter `p` takes fp32 value `x` (`at`: its flat elements from `at`); False where the engine holds it not"
         h = self.home.get(id(p))
         if h is None or h[0].kind.in_place: return False
         b,i = h
@@ -327,7 +328,8 @@ class FusedSteps:
         if not flat: return (v.load() if isinstance(v, Stored) else v).to(p.device)
         b,i = h
         b.state_new(k, b.kind.state_dtype(b))
-        for at,x in pieces(v) if p.is_contiguous() else [(None, read_stored(v))]: b.store.put(b, k, i, x.to(b.device), at)
+        for at,x in pieces(v) if p.is_contiguous() else [(None, read_stored(v))]:
+            b.store.put(b, k, i, x.to(b.device), at)
         return b.state_held[k][i]
 
     def _finish(self):

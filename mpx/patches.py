@@ -234,7 +234,8 @@ def _save_streamed(learn:Learner, cb, file, with_opt:bool=True, pickle_protocol:
             state = {'model': state, 'opt': learn.opt.state_dict()}
     if _streams(torch_save_kwargs): save_streamed(state, file, pickle_protocol, pickler=pickle_module.Pickler)
     else:  # another format of torch.save's (`_use_new_zipfile_serialization=False`): its own writer, every tensor made
-        torch.save(_made(state), file, pickle_module=pickle_module, pickle_protocol=pickle_protocol, **torch_save_kwargs)
+        kw = dict(pickle_module=pickle_module, pickle_protocol=pickle_protocol, **torch_save_kwargs)
+        torch.save(_made(state), file, **kw)
     return file
 
 def _streams(torch_save_kwargs:dict) -> bool:

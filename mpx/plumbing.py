@@ -300,7 +300,7 @@ class Stored:
 LOAD_PIECE = 1<<17
 
 def pieces(v, n:int|None=None):
-    "`(at, x)`: flat pieces of `n` elements of tensor or `Stored` `v`; `(None, v)` whole where it is small or not contiguous"
+    "`(at, x)`: flat pieces of `n` elements of tensor or `Stored` `v`; `(None, v)` whole, small or not contiguous"
     n = n or LOAD_PIECE
     if isinstance(v, Stored) and v.contiguous and v.shape.numel() > n:
         for a in range(0, v.shape.numel(), n): yield a,v.read(a, min(a + n, v.shape.numel()))

@@ -242,7 +242,7 @@ def copied(l, how:str):
 @pytest.mark.parametrize('mode,opt_state,fused', ARMS)
 @pytest.mark.parametrize('how', ['deepcopy', 'pickle'])
 def test_a_copied_learner_is_the_fp32_learner(mode, opt_state, fused, how):
-    "`deepcopy`/`pickle` of a learner with a layout kept gives a learner in fastai's fp32 layout, every value exact: it fits on as the reference"
+    "`deepcopy`/`pickle` of a learner with a layout kept gives it in fastai's fp32 layout, every value exact: it fits on as the reference"
     a,b,_ = fitted_pair(mode, opt_state, fused)
     before = state_of(a)
     c = copied(a, how)
@@ -332,7 +332,7 @@ def test_a_set_up_that_fails_anywhere_loses_nothing(mode, opt_state, rebuild, on
 
 @pytest.mark.parametrize('mode,opt_state,fused', ARMS)
 def test_a_load_in_pieces_is_the_whole_load(mode, opt_state, fused, monkeypatch):
-    "A streamed `load` read a piece at a time (512 elements here) into weights, compensations and low-bit state gives the reference's state"
+    "A streamed `load` a piece at a time (512 elements) into weights, compensations and low-bit state gives the reference's state"
     monkeypatch.setattr(mpx.plumbing, 'LOAD_PIECE', 512)
     a,b,path = fitted_pair(mode, opt_state, fused)
     a.save('a')
