@@ -362,6 +362,9 @@ class CompiledSteps:
         "Reused 0-dim tensors on `device` holding `vals`"
         res = {}
         for k,v in vals.items():
+            if isinstance(v, Tensor):  # a kind's own, on the device already (stochastic rounding's count)
+                res[k] = v
+                continue
             key = (device, k)
             t,old = self.scal.get(key, (None, None))
             if t is None: t = torch.zeros((), device=device, dtype=torch.int32 if type(v) is int else torch.float32)

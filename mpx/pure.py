@@ -13,8 +13,8 @@ from .flat import Kind, set_data, merge_writes
 from .lowbit import bf16_nearest, flat_part
 
 # %% auto #0
-__all__ = ['stream_key', 'random_bits16', 'round_stochastic', 'fold_kahan', 'split_kahan', 'widen_kahan', 'BF16Kind', 'KahanKind',
-           'StochasticKind', 'KeptKind', 'BF16Weights', 'PureBF16']
+__all__ = ['stream_key', 'stream_key_t', 'random_bits16', 'round_stochastic', 'fold_kahan', 'split_kahan', 'widen_kahan',
+           'BF16Kind', 'KahanKind', 'Stream', 'StochasticKind', 'KeptKind', 'BF16Weights', 'PureBF16']
 
 # %% ../nbs/05_pure.ipynb #pb000007
 _hi = -65536  # 0xFFFF0000 as an int32: the bits of an fp32 that a bf16 keeps
@@ -29,6 +29,17 @@ def stream_key(seed:int, count:int, phase:int=0) -> int:
     "The int32 key of step `count` (and `phase`) of stream `seed`"
     k = _mix32(_mix32(_mix32(seed) + count) + phase)
     return k - 2**32 if k >= 2**31 else k
+
+def _mix32_t(x:Tensor) -> Tensor:
+    "`_mix32` of each int64 of `x`"
+    x = x & 0xFFFFFFFF
+    for _ in range(2): x = ((x ^ (x >> 16)) * 0x45d9f3b) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+def stream_key_t(mixed:Tensor, count:Tensor, phase:Tensor) -> Tensor:
+    "`stream_key` in a kernel: from `_mix32(seed)` (as an int32), the count on the device and the phase"
+    k = _mix32_t(_mix32_t((mixed.long() & 0xFFFFFFFF) + count) + phase.long())
+    return torch.where(k >= 2**31, k - 2**32, k).int()
 
 def random_bits16(idx:Tensor, key) -> Tensor:
     "16 random bits for each element index in `idx`, from stream `key`"
@@ -161,22 +172,49 @@ class KahanKind(BF16Kind):
         nan = x != x  # a NaN's bits may have carried into an inf or a -0: kept a NaN, as the conversions keep it
         return dict(w=torch.where(nan, x, w), c=torch.where(nan, x, v - w))  # `c` rounded by the store's conversion
 
+class Stream:
+    "Stochastic rounding's stream: a seed, and the steps taken (those a compiled fit skipped counted on the device)"
+    def __init__(self, seed:int=0, count:int=0): self.seed,self._count,self.skipped = seed,count,None
+    def __repr__(self): return f"Stream(seed={self.seed}, count={self.count})"
+    @property
+    def count(self) -> int:
+        "The steps taken (one host sync where a compiled fit skipped steps on the device since)"
+        if self.skipped is not None: self._count,self.skipped = self._count - int(self.skipped.item()),None
+        return self._count
+    @count.setter
+    def count(self, n:int): self._count,self.skipped = int(n),None
+    def to_host(self):
+        "The count whole on the host, the device's count of skips dropped (one sync where there is one)"
+        if self.skipped is not None: self.count = self.count
+    def tick(self): self._count += 1  # each step the engine runs: a skipped one is taken off on the device
+    def skip_on_device(self, found:Tensor):
+        "A compiled step skipped where `found` (the device's flag) is not one taken (no sync)"
+        if self.skipped is None: self.skipped = torch.zeros((), dtype=torch.int64, device=found.device)
+        self.skipped.add_((found.reshape(()) != 0).long())
+    def on(self, device) -> tuple:
+        "For a kernel on `device`: the steps the host counted, and those skipped on the device (no sync)"
+        if self.skipped is None: self.skipped = torch.zeros((), dtype=torch.int64, device=device)
+        return self._count,self.skipped
+    def __getstate__(self): return dict(seed=self.seed, _count=self.count, skipped=None)  # pickled whole on the host
+
 class StochasticKind(BF16Kind):
     "bf16 weights rounded stochastically after each step"
-    def __init__(self, stream:dict|None=None): self.stream = stream or dict(seed=0, count=0)
-    def tick(self): self.stream['count'] += 1
-    def _key(self, b, i:int, phase:int) -> tuple:
-        "The stream's key for this step, and parameter `i`'s first index"
-        return stream_key(self.stream['seed'], self.stream['count'], phase),(b.base + b.lo(i)) % 2**31
+    def __init__(self, stream:Stream|None=None): self.stream = stream or Stream()
+    def tick(self): self.stream.tick()
+    def _base(self, b, i:int) -> int: return (b.base + b.lo(i)) % 2**31  # parameter `i`'s first index in the stream
     def fold(self, b, i, j, x, phase=0):
-        key,base = self._key(b, i, phase)
-        b.part(b.w, i, j).copy_(round_stochastic(x, key, base))  # exact: every value is a bf16 now
+        key = stream_key(self.stream.seed, self.stream.count, phase)
+        b.part(b.w, i, j).copy_(round_stochastic(x, key, self._base(b, i)))  # exact: every value is a bf16 now
     def kernel_io(self, b, a, c, phase=0):
         t,_ = super().kernel_io(b, a, c)
-        key,base = self._key(b, a, phase)
-        return t,dict(key=key, base=base)
+        mixed = _mix32(self.stream.seed)  # the seed's part of the key, as an int32
+        count,skipped = self.stream.on(b.device)
+        s = dict(count=count, skipped=skipped, mixed=mixed - 2**32 if mixed >= 2**31 else mixed, phase=phase)
+        return t,{**s, 'base': self._base(b, a)}
     @staticmethod
-    def kernel_fold(t, s, x, nearest=None): return dict(w=round_stochastic(x, s['key'], s['base']))
+    def kernel_fold(t, s, x, nearest=None):
+        key = stream_key_t(s['mixed'], s['count'] - s['skipped'], s['phase'])
+        return dict(w=round_stochastic(x, key, s['base']))
 
 class KeptKind(BF16Kind):
     "bf16 weights frozen when the fit began, their fp32 values kept aside"
@@ -210,7 +248,7 @@ class BF16Weights(FitState):
     def __init__(self,
         learn:Learner, # The learner whose model is halved
         update:str='kahan', # 'kahan' (a bf16 compensation per weight) or 'stochastic'
-        stream:dict|None=None, # Stochastic rounding's stream (`seed`, `count`), carried across fits
+        stream:Stream|None=None, # Stochastic rounding's stream (`seed`, `count`), carried across fits
     ):
         halved,ps = halvable(learn.model),opt_params(learn.opt)
         self.halves,self.trained = {id(t) for t in halved},{id(p) for p in ps if p.requires_grad}
@@ -274,7 +312,7 @@ class PureBF16(PrecisionCallback):
         super().__init__(AMPMode.BF16, check_finite, fused, schedule_skips, opt_state)
         self._check_schedule_skips()
         check_mode_args('pure', AMPMode.BF16, update=update, seed=seed)
-        self.update,self.seed,self.stream = update,seed,dict(seed=seed, count=0)
+        self.update,self.seed,self.stream = update,seed,Stream(seed)
     @property
     def bf16_weights(self) -> BF16Weights|None:
         "During a fit, its `BF16Weights`"
@@ -287,10 +325,16 @@ class PureBF16(PrecisionCallback):
     def _new_fit_state(self): return BF16Weights(self.learn, self.update, self.stream)
 
     # ---- the stream's step count rides in checkpoints where a loss scale would
-    def _scaler_state(self) -> dict: return dict(count=self.stream['count']) if self.stream['count'] else {}
+    def _scaler_state(self) -> dict: return dict(count=self.stream.count) if self.stream.count else {}
     def _load_scaler_state(self, sd:dict):
         if 'count' not in sd: return self.reset_scaler()
-        self.stream['count'] = sd['count']
+        self.stream.count = sd['count']
     def reset_scaler(self):
         "Start stochastic rounding's random stream afresh from `seed`"
-        self.stream['count'] = 0
+        self.stream.count = 0
+    def after_epoch(self):
+        super().after_epoch()
+        self.stream.to_host()  # compiled: the count whole on the host once an epoch, as the step counts
+    def _skip_on_device(self, found:Tensor):
+        super()._skip_on_device(found)
+        self.stream.skip_on_device(found)  # the stream goes on as in the run without that batch

@@ -120,16 +120,10 @@ def lr_frozen():
 @contextmanager
 def lowbit_decoded_scaled(factor:float=.7):
     "8-bit state decodes as `factor` times its value, eager and compiled (the kernels made inside are dropped when it ends)"
-    import mpx.compiled
     from mpx.lowbit import Float8Codes
-    real,kernels = Float8Codes.decode,dict(mpx.compiled._kernels)
+    real = Float8Codes.decode
     def decode(self, codes, scale, qmap=None): return real(self, codes, scale, qmap) * factor
-    mpx.compiled._kernels.clear()  # a kernel made before would keep the true decode
-    try:
-        with _patched(Float8Codes, 'decode', decode): yield
-    finally:
-        mpx.compiled._kernels.clear()
-        mpx.compiled._kernels.update(kernels)
+    with _kernels_dropped(), _patched(Float8Codes, 'decode', decode): yield  # a kernel made before keeps the true decode
 
 @contextmanager
 def lowbit_state_dict_zeros():
@@ -162,3 +156,59 @@ def lowbit_state_dict_zeros():
             if had: opt.state_dict = fastai_sd
             else: del opt.state_dict
     with _patched(FusedSteps, '_state_dict', state_dict), _patched(mpx.patches, '_fastai_save', save): yield
+
+@contextmanager
+def compiled_group0_hypers():
+    "Compiled steps take parameter group 0's hyper-parameters (lr, wd, mom) for every group"
+    from mpx.compiled import CompiledSteps
+    real_bucket,real_extra = CompiledSteps.bucket,CompiledSteps.extra
+    def bucket(self, eng, b, hyper): return real_bucket(self, eng, b, eng.inner.hypers[0])
+    def extra(self, eng, b, i, n, hyper): return real_extra(self, eng, b, i, n, eng.inner.hypers[0])
+    with _patched(CompiledSteps, 'bucket', bucket), _patched(CompiledSteps, 'extra', extra): yield
+
+@contextmanager
+def _kernels_dropped():
+    "Inside, compiled kernels are made anew (a patch of what they trace reaches them), those made before put back after"
+    import mpx.compiled
+    kernels = dict(mpx.compiled._kernels)
+    mpx.compiled._kernels.clear()
+    try: yield
+    finally:
+        mpx.compiled._kernels.clear()
+        mpx.compiled._kernels.update(kernels)
+
+@contextmanager
+def skip_counts_a_step():
+    "A step skipped on the device (compiled) still advances its parameters' step counts (Adam's bias correction then runs ahead)"
+    import mpx.compiled
+    real = mpx.compiled._kernel_body
+    def body(kind, store, chain, keys, t, hyper, run):
+        real(kind, store, chain, keys, {k: v for k,v in t.items() if k != 'steps'}, hyper, run)
+        if 'steps' in t: t['steps'].copy_(t['steps'] + 1)
+    with _kernels_dropped(), _patched(mpx.compiled, '_kernel_body', body): yield
+
+@contextmanager
+def stream_on_one_base():
+    "Stochastic rounding keys every window's bits on element 0, not its own place: parameters in other buckets draw the same bits"
+    from mpx.pure import StochasticKind
+    with _patched(StochasticKind, '_base', lambda self, b, i: 0): yield
+
+@contextmanager
+def unscale_by_host_scale():
+    "Unscaling divides by the scale the host last read, while a compiled fit's scale moves on the device"
+    from mpx.scaler import LossScaler, _f32
+    from mpx.core import unscale_and_find_inf_
+    def unscale_(self, tensors): return unscale_and_find_inf_(tensors, inv_scale=_f32(1. / self.scale))
+    with _patched(LossScaler, 'unscale_', unscale_): yield
+
+@contextmanager
+def lowbit_values_from_neighbour():
+    "A low-bit store reads a parameter's state (`value`: checkpoints, `opt.state` reads) from the next parameter of its shape"
+    from mpx.lowbit import BF16Store, QuantStore
+    def neighbour(b, i):
+        same = [j for j,s in enumerate(b.specs) if s == b.specs[i]]
+        return same[(same.index(i) + 1) % len(same)]
+    real_bf16,real_quant = BF16Store.value,QuantStore.value
+    def bf16(self, b, k, i): return real_bf16(self, b, k, neighbour(b, i))
+    def quant(self, b, k, i): return real_quant(self, b, k, neighbour(b, i))
+    with _patched(BF16Store, 'value', bf16), _patched(QuantStore, 'value', quant): yield

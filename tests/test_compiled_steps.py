@@ -12,6 +12,7 @@ from torch import nn
 from fastai.basics import Callback, Optimizer, Adam, SGD, RAdam, QHAdam, RMSProp, Lamb, Larc, ranger, sgd_step, load_learner
 import fastai.callback.schedule  # noqa: F401 (fit_one_cycle, lr_find)
 from mpx.all import *
+import mpx.compiled
 from mpx.test_utils import (tiny_learner, tiny_split, ALL_MODES, fit_quiet, state_of, state_diffs, precision_cb, Snapshot, InjectGrad,
                             check_skips_change_nothing, CountOps, weights, tabular_app_learner, collab_app_learner, text_app_learner,
                             StepProfile, check_compiled_steps, ramp_learner, check_stochastic_rounding, suspended, StepLrs, check_step_lrs,
@@ -290,10 +291,13 @@ def test_compiled_kernels_do_not_grow(mode):
 def test_kernels_never_recompile():
     "With dynamo allowed no recompile, fp16 and bf16 masters, AMP, runs of one element and of many, all step compiled in one process"
     single = lambda: nn.Linear(1, 1, bias=False)  # one run of one element: torch.compile specialises sizes 0 and 1
-    limit = torch._dynamo.config.recompile_limit
-    with torch._dynamo.config.patch(recompile_limit=1):  # its own undo: monkeypatch's leaves the config module broken
-        for mode in ('master_fp16', 'master_bf16', 'amp_fp16', 'amp_bf16'):
-            for model in (single, None): regions_a_step(mode, 2, model)
+    limit,made = torch._dynamo.config.recompile_limit,dict(mpx.compiled._kernels)
+    mpx.compiled._kernels.clear()  # kernels of their own, whatever earlier cases compiled (and for which sizes)
+    try:
+        with torch._dynamo.config.patch(recompile_limit=1):  # its own undo: monkeypatch's leaves the config module broken
+            for mode in ('master_fp16', 'master_bf16', 'amp_fp16', 'amp_bf16'):
+                for model in (single, None): regions_a_step(mode, 2, model)
+    finally: mpx.compiled._kernels.update(made)
     assert torch._dynamo.config.recompile_limit == limit
     # tests/conftest.py fails this case if any kernel fell back to eager steps
 

@@ -3,7 +3,7 @@ rounding draws the same bits under every `fused` setting, and a checkpoint resum
 import pytest, torch
 from fastai.basics import Adam
 from mpx.all import *
-from mpx.pure import KahanKind, StochasticKind, split_kahan, round_stochastic, stream_key
+from mpx.pure import KahanKind, StochasticKind, split_kahan, round_stochastic, stream_key, _mix32
 from mpx.lowbit import BF16Store
 from mpx.test_utils import tiny_learner, fit_quiet, state_of, state_diffs, bf16_edges
 from conftest import compiles
@@ -16,14 +16,17 @@ def _values(n=50_000, seed=0):
     return torch.cat([x, torch.tensor([1 + 2**-8, 1 + 3*2**-8, 0., -0., 3e38, 1e-40, 1 + 2**-9])])
 
 def test_stochastic_rounding_same_eager_and_compiled():
-    "The compiled kernel's stochastic rounding and the eager fold draw the same bits from (seed, step, element): bit for bit."
+    """The compiled kernel's stochastic rounding and the eager fold draw the same bits from (seed, step, element), bit for bit: the
+    kernel's key made on the device from the steps counted on the host, less those skipped there (`Stream`), is the host's"""
     if not compiles(): pytest.skip('torch.compile cannot build a kernel here (no C++ compiler): only the eager path runs')
     x = _values()
-    for seed,count,phase,base in ((0, 1, 0, 0), (7, 123, 1, 4096), (2**40, 5, 0, 2**31 - 64)):
-        key = stream_key(seed, count, phase)
-        kernel = torch.compile(lambda x, k, b: StochasticKind.kernel_fold({}, dict(key=k, base=b), x)['w'], dynamic=True)
-        got = kernel(x, torch.tensor(key, dtype=torch.int32), torch.tensor(base, dtype=torch.int32))
-        assert torch.equal(got.view(torch.int32), round_stochastic(x, key, base).view(torch.int32))
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32)
+    kernel = torch.compile(lambda x, s: StochasticKind.kernel_fold({}, s, x)['w'], dynamic=True)
+    for seed,count,phase,base in ((0, 1, 0, 0), (7, 123, 1, 4096), (2**40, 5, -1, 2**31 - 64)):
+        key,mixed = stream_key(seed, count, phase),_mix32(seed)
+        s = dict(mixed=i32(mixed - 2**32 if mixed >= 2**31 else mixed), count=i32(count + 3), skipped=torch.tensor(3),
+                 phase=i32(phase), base=i32(base))  # three steps skipped on the device
+        assert torch.equal(kernel(x, s).view(torch.int32), round_stochastic(x, key, base).view(torch.int32))
 
 def _bits(x, ref): return torch.where(ref.isnan(), 0, x.view(torch.int16))  # every NaN alike
 
@@ -77,20 +80,20 @@ def test_stream_resumes_under_either(saved, resumed, tmp_path):
     the resumed fit draws the bits a resume under the setting it was saved with draws (the same weights; the state within the compiled
     step's 1e-4), where a stream started afresh rounds other weights otherwise."""
     a = _stochastic(saved, tmp_path); fit_quiet(a, 1); a.save('ck', with_opt=True)
-    assert a.pure_bf16.stream['count'] == 4
+    assert a.pure_bf16.stream.count == 4
     runs = {}
     for fused in (resumed, saved):
         b = _stochastic(fused, tmp_path, 'ck')
-        assert b.pure_bf16.stream['count'] == 4
+        assert b.pure_bf16.stream.count == 4
         fit_quiet(b, 1)
         runs[fused] = b
-        assert b.pure_bf16.stream['count'] == 8
+        assert b.pure_bf16.stream.count == 8
     got,ref = runs[resumed],runs[saved]
     assert all(torch.equal(x, y) for x,y in zip(_weights(got), _weights(ref))), 'the resumed fit rounded with other bits'
     diffs = [d for d in state_diffs(state_of(ref), state_of(got)) if 'max diff' not in d or float(d.rsplit(' ', 1)[1]) > 1e-4]
     assert not diffs, diffs[:3]
     fresh = _stochastic(resumed, tmp_path, 'ck')
-    fresh.pure_bf16.stream['count'] = 0
+    fresh.pure_bf16.stream.count = 0
     fit_quiet(fresh, 1)
     assert not all(torch.equal(x, y) for x,y in zip(_weights(got), _weights(fresh))), 'a stream started afresh rounds the same: no check'
 

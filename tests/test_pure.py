@@ -120,7 +120,7 @@ def test_skip_changes_nothing(update, opt):
         bw,opt = learn.mixed_precision.bf16_weights,learn.opt
         st = opt.opt.state if isinstance(opt, OptimWrapper) else opt.state if 'state' in vars(opt) else opt.opt.state
         snaps.append([p.detach().clone() for p in learn.model.parameters()] + [c.clone() for c in bw.comp.values()]
-                     + [v.clone() for s in st.values() for v in s.values() if isinstance(v, Tensor)] + [torch.tensor(learn.mixed_precision.stream['count'])])
+                     + [v.clone() for s in st.values() for v in s.values() if isinstance(v, Tensor)] + [torch.tensor(learn.mixed_precision.stream.count)])
     learn.add_cb(Callback(after_batch=snap))
     learn.fit(1)
     assert learn.mixed_precision.skipped_steps == 1
