@@ -8,7 +8,7 @@ from fastai.optimizer import *
 from mpx.fused import *
 from mpx.flat import Kind
 from mpx.test_utils import CountOps, stepped_opt, opt_diffs
-from mpx.pure import split_kahan, fold_kahan, widen_kahan, round_stochastic, stream_key, KahanKind, StochasticKind, KeptKind
+from mpx.pure import split_kahan, fold_kahan, widen_kahan, round_stochastic, stream_key, KahanKind, StochasticKind, KeptKind, Stream
 
 pytestmark = pytest.mark.usefixtures('one_thread')
 
@@ -126,7 +126,7 @@ def test_round_stochastic():
     assert torch.equal(round_stochastic(x, stream_key(1234, 0)), w.float())
     assert not torch.equal(round_stochastic(x, stream_key(99, 0)), w.float())
 
-_KINDS = {'kahan': KahanKind, 'stochastic': lambda: StochasticKind(dict(seed=7, count=0))}
+_KINDS = {'kahan': KahanKind, 'stochastic': lambda: StochasticKind(Stream(7))}
 
 def _bf16_twin(update, opt_func, fused, chunk=1<<22, frozen=False, n=7):
     "bf16 weights stepped `n` times by the engine with a pure-bf16 kind (`frozen`: the first layer kept exact), fused or by fastai's loop"
