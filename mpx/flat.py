@@ -356,7 +356,6 @@ class Bucket:
                      and not same_values(self.params[i].data, v(i))), None)
     def adopt_grads(self):
         "Note which parameters have a gradient, and adopt new ones"
-        self._take_back_grads()
         gs = [p.grad for p in self.params]
         if self._grads is not None and list(map(id, gs)) == self._grads: return
         if not self.flat or self.g is None:

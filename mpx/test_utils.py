@@ -11,8 +11,8 @@ __all__ = ['MASTER_MODES', 'MODES', 'BASIC_MODES', 'ALL_MODES', 'OPTIMIZERS', 'A
            'PoisonLoss', 'PoisonInput', 'weights', 'state_of', 'state_diffs', 'same_state', 'all_stepped_changed',
            'Snapshot', 'check_skips_change_nothing', 'assert_same_state', 'learner_problems', 'suspended', 'rel_err',
            'grad_norm', 'GradNormProbe', 'DtypeHook', 'PredProbe', 'LossProbe', 'replay', 'stepped_opt', 'opt_diffs',
-           'ramp_learner', 'check_stochastic_rounding', 'StepLrs', 'step_lr_tol', 'check_step_lrs', 'raised',
-           'StepProfile', 'check_compiled_steps', 'KernelRuns']
+           'Ramps', 'ramps_split', 'ramp_learner', 'check_stochastic_rounding', 'StepLrs', 'step_lr_tol',
+           'check_step_lrs', 'raised', 'StepProfile', 'check_compiled_steps', 'KernelRuns']
 
 # %% ../nbs/99_test_utils.ipynb #29d10340
 import functools, os, re, sys
@@ -568,17 +568,26 @@ def opt_diffs(a:tuple, b:tuple) -> list:
     return state_diffs(sd(*a), sd(*b))
 
 # %% ../nbs/99_test_utils.ipynb #tu380016
+class Ramps(Module):
+    "`k` ramps of `n` weights, each its own parameter group (`ramps_split`)"
+    def __init__(self, k:int, n:int): self.ws = nn.ModuleList(nn.Linear(1, n, bias=False) for _ in range(k))
+    def forward(self, x): return torch.cat([w(x) for w in self.ws], 1)
+
+def ramps_split(m:Ramps) -> L: return L(params(w) for w in m.ws)
+
 def ramp_learner(cbs=None,
-                 n:int=4096, # Weights
+                 n:int=4096, # Weights (a ramp's)
                  steps:int=20, # Training batches: one step each
                  lr:float=1e-3, # Each step's exact change of every weight
-                ) -> Learner:
-    "A quiet learner whose `n` weights of 1.0 get gradient 1 a step, by SGD"
+                 k:int=1, # Ramps: more than one, a `Ramps` model, a parameter group each
+                 opt_func=partial(SGD, mom=0.), wd:float=0., **kwargs) -> Learner:
+    "A quiet learner whose `n` weights of 1.0 (`k` times) get gradient 1 a step, by SGD"
     xs = torch.ones(steps, 1)
     dls = DataLoaders(TfmdDL(list(zip(xs, xs)), bs=1), TfmdDL(list(zip(xs[:1], xs[:1])), bs=1))
-    model = nn.Linear(1, n, bias=False)
-    nn.init.ones_(model.weight)
-    return _quiet(Learner(dls, model, loss_func=_sum_loss, opt_func=partial(SGD, mom=0.), lr=lr, wd=0., cbs=cbs))
+    model = nn.Linear(1, n, bias=False) if k == 1 else Ramps(k, n)
+    for p in model.parameters(): nn.init.ones_(p)
+    if k > 1: kwargs['splitter'] = ramps_split
+    return _quiet(Learner(dls, model, loss_func=_sum_loss, opt_func=opt_func, lr=lr, wd=wd, cbs=cbs, **kwargs))
 
 def _sum_loss(pred, y): return pred.float().sum()  # gradient 1 for every output, so for every weight
 

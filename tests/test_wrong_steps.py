@@ -6,13 +6,12 @@ import tempfile
 from pathlib import Path
 from functools import partial
 import pytest, torch
-from fastai.basics import (SGD, Adam, Callback, CancelBatchException, DataLoaders, TfmdDL, Learner, Module, L, nn, params,
+from fastai.basics import (SGD, Adam, Callback, CancelBatchException, Module, nn,
                            set_seed)
 import fastai.callback.schedule  # `fine_tune`
 from mpx.all import *
 from mpx.test_utils import (ALL_MODES, tiny_learner, fit_quiet, precision_cb, state_of, state_diffs, weights, InjectGrad,
-                            STEP_LR_TOL)
-from mpx.test_utils import _quiet, _sum_loss
+                            STEP_LR_TOL, ramp_learner)
 from planted import compiled_group0_hypers, skip_counts_a_step, stream_on_one_base, unscale_by_host_scale, \
     lowbit_values_from_neighbour
 
@@ -20,20 +19,6 @@ FUSED = [True, False, pytest.param('compile', marks=pytest.mark.compiled)]
 COMPILED = pytest.param('compile', marks=pytest.mark.compiled)
 
 # ---- each group's hyper-parameters, against fastai's fp32 loop
-
-class Ramps(Module):
-    "`k` weights of `n` ones, each its own parameter group: the sum of the outputs gives every weight gradient 1"
-    def __init__(self, k:int=3, n:int=4096): self.ws = nn.ModuleList(nn.Linear(1, n, bias=False) for _ in range(k))
-    def forward(self, x): return torch.cat([w(x) for w in self.ws], 1)
-
-def ramps_learner(steps:int=12, k:int=3, n:int=4096, opt_func=partial(SGD, mom=.9), **kwargs) -> Learner:
-    "A quiet learner of `Ramps`, one step a batch, a parameter group a ramp"
-    xs = torch.ones(steps, 1)
-    dls = DataLoaders(TfmdDL(list(zip(xs, xs)), bs=1), TfmdDL(list(zip(xs[:1], xs[:1])), bs=1))
-    model = Ramps(k, n)
-    for w in model.ws: nn.init.ones_(w.weight)
-    return _quiet(Learner(dls, model, loss_func=_sum_loss, opt_func=opt_func, splitter=lambda m: L(params(w) for w in m.ws),
-                          **kwargs))
 
 class GroupMoves(Callback):
     "Each optimizer step's fall of each group's mean weight (fp32 values, as a checkpoint holds them)"
@@ -51,7 +36,7 @@ HYPERS = dict(lr=[1e-3, 2e-3, 4e-3], wd=[0., 1e-2, 1e-1], mom=[0., .5, .9])
 def group_moves(mode:str|None, fused=True, method:str='fit') -> list:
     "Each step's fall of each group's weights, in `mode` (None: fastai's fp32 loop), each group at its own lr, wd, mom"
     probe = GroupMoves()
-    learn = ramps_learner(cbs=probe)
+    learn = ramp_learner(steps=12, k=3, opt_func=partial(SGD, mom=.9), cbs=probe)
     if mode is not None: ALL_MODES[mode](learn, fused=fused)
     learn.create_opt()
     learn.opt.set_hyper('mom', HYPERS['mom'])
@@ -133,7 +118,7 @@ def test_skip_counts_control():
 
 def stream_fit(fused, steps:int=20) -> list:
     "Two ramps in two groups (two buckets), each weight brought down 1e-3 a step from 1.0, stochastically rounded"
-    learn = ramps_learner(steps=steps, k=2, opt_func=partial(SGD, mom=0.), lr=1e-3, wd=0.)
+    learn = ramp_learner(steps=steps, k=2)
     learn.to_bf16(pure=True, update='stochastic', fused=fused)
     fit_quiet(learn)
     return [(1 - w.weight.detach().double().flatten()) / 2.**-8 for w in learn.model.ws]  # the ulps each came down
@@ -163,7 +148,7 @@ def test_the_stream_control(fused):
 def test_a_checkpoint_resumes_the_stream(fused):
     "Saved mid-run and loaded into a fresh learner, the stream goes on with the bits the run would have drawn"
     def mk():
-        learn = ramps_learner(steps=10, k=2, opt_func=partial(SGD, mom=0.), lr=1e-3, wd=0.)
+        learn = ramp_learner(steps=10, k=2)
         learn.path = path
         return learn.to_bf16(pure=True, update='stochastic', fused=fused)
     path = Path(tempfile.mkdtemp())
@@ -192,7 +177,7 @@ class UnscaledGrads(Callback):
 def unscaled(mode:str, fused) -> UnscaledGrads:
     "A ramp in dynamic fp16 whose scale grows every clean step (and overflows in turn): its gradients after the unscale"
     probe = UnscaledGrads()
-    learn = ramps_learner(steps=16, k=1, opt_func=partial(SGD, mom=0.), lr=1e-3, wd=0., cbs=probe)
+    learn = ramp_learner(steps=16, cbs=probe)
     if mode == 'amp_fp16': learn.to_fp16(init_scale=2.**10, growth_interval=1, fused=fused)
     else: learn.to_fp16(loss_scale=2.**10, dynamic=True, growth_interval=1, fused=fused)
     fit_quiet(learn)
