@@ -196,9 +196,10 @@ def _stepped_param(b:Bucket, k:int, x, g, i:int) -> Tensor:
 
 # %% ../nbs/01f_eager.ipynb #ea0018
 def _as_before(b:Bucket, i:int, d:dict):
-    "Parameter `i`'s dict as `d`, but with its state tensors as now"
+    "Parameter `i`'s dict as `d`, but with its state tensors as now: those `d` had (a state new to this step: new in each piece)"
     now = b.dicts[i]
-    held = {k: now[k] for k in b.state_bufs if k in now}
+    # a state the step began without is zeros in each piece: the store's elements past the first piece are a cleared state's
+    held = {k: now[k] for k in b.state_bufs if k in now and k in d}
     now.clear()
     now.update(d)
     now.update(held)
