@@ -5,8 +5,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.mpx-installed
 BENCH_STAMP := $(VENV)/.bench-installed
+APPS := .venv-apps
+APPS_STAMP := $(APPS)/.mpx-installed
 
-.PHONY: demo test check-export check-clean nbtest pytest bench docs compat clean
+.PHONY: demo test check-export check-clean nbtest pytest apptest bench docs compat clean
 
 $(STAMP): settings.ini setup.py pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,7 +24,7 @@ demo:
 	  $(MAKE) --no-print-directory $(STAMP) > $(VENV)/setup.log 2>&1 || { cat $(VENV)/setup.log; exit 1; }; }
 	@$(BIN)/python demo/digits.py $(ARGS)
 
-test: $(STAMP) check-export check-clean nbtest pytest
+test: $(STAMP) check-export check-clean nbtest pytest apptest
 
 # Fails when the notebooks export something other than what is in mpx/ (export, then commit both).
 # nbdev-export rewrites pyproject.toml; an unchanged one gets its time back, so .venv is not set up again after it.
@@ -44,8 +46,10 @@ nbtest: $(STAMP)
 # tests/test_docs.py checks the site in Chromium and skips those tests where it is missing: say so last, whatever pytest's
 # outcome, so that a run without it does not read as a full pass. .ci/run installs it.
 CHROMIUM ?= $(or $(MPX_CHROMIUM),/usr/bin/chromium)
+# A worker on each core, a test file each (the cases of a file share their fixtures and files); XDIST= runs in one process
+XDIST ?= -n 2 --dist loadfile
 pytest: $(STAMP)
-	@MPX_CHROMIUM=$(CHROMIUM) $(BIN)/python -m pytest -ra tests; rc=$$?; \
+	@MPX_CHROMIUM=$(CHROMIUM) $(BIN)/python -m pytest -ra $(XDIST) tests --ignore=tests/apps; rc=$$?; \
 	if [ ! -x "$(CHROMIUM)" ]; then echo; \
 	  echo "NOT TESTED: the docs site in a browser (tests/test_docs.py's browser tests were skipped): $(CHROMIUM) is missing."; \
 	  echo "  Install Chromium (Debian/Ubuntu: sudo apt-get install chromium, as .ci/run does) and run make test again."; fi; \
@@ -55,6 +59,20 @@ pytest: $(STAMP)
 $(BENCH_STAMP): $(STAMP) constraints.txt
 	$(BIN)/python -m pip install -q --no-deps -c constraints.txt torch-optimi
 	touch $@
+
+# fastai's applications where users train (tests/apps: vision_learner on a resnet and an xresnet, Hugging Face's GPT-2
+# and a BERT classifier) on the apps' stack, a second environment: constraints-apps.txt's torch 2.14.1 + torchvision
+# 0.29.1 (PyPI's torchvision does not import beside the CPU wheel 2.13.0) over constraints.txt's other pins. About two
+# minutes to set up, from this workplace's disk; DESIGN.md (Two stacks) says why not the whole project.
+$(APPS_STAMP): settings.ini setup.py pyproject.toml constraints.txt constraints-apps.txt
+	test -x $(APPS)/bin/python || $(PYTHON) -m venv $(APPS)
+	$(APPS)/bin/python -m pip install -q --upgrade pip
+	$(APPS)/bin/python -m pip install -q -c constraints-apps.txt -c <(grep -vE '^torch(vision)?==' constraints.txt) \
+	  -e . torchvision transformers pytest pytest-xdist hypothesis psutil
+	touch $@
+
+apptest: $(APPS_STAMP)
+	$(APPS)/bin/python -m pytest -ra $(XDIST) tests/apps
 
 bench: $(BENCH_STAMP)
 	@for f in bench/[!_]*.py; do echo "== $$f"; $(BIN)/python $$f || exit 1; done
@@ -85,4 +103,4 @@ compat: $(COMPAT)/.installed
 	cd $$(mktemp -d) && time $(CURDIR)/$(COMPAT)/bin/python $(CURDIR)/tests/smoke.py --full
 
 clean:
-	rm -rf $(VENV) $(COMPAT) _proc _docs .pytest_cache *.egg-info
+	rm -rf $(VENV) $(COMPAT) $(APPS) _proc _docs .pytest_cache *.egg-info

@@ -8,6 +8,8 @@ from mpx.test_utils import one_thread as _one_thread, KernelRuns
 from mpx.compiled import _failed as _fallbacks  # the engine's record of kernels that failed to compile: the one line naming it
 
 def pytest_configure(config):
+    # `make test` runs a worker on each core (pytest-xdist): one thread each, or OpenMP's spinning stalls both
+    if os.environ.get('PYTEST_XDIST_WORKER'): torch.set_num_threads(1)
     config.addinivalue_line('markers', "compiled: runs mpx's compiled step (`fused='compile'`) or inductor; skipped where torch.compile "
                                        "cannot build")
 
@@ -19,6 +21,16 @@ def why_not_compiled() -> str|None:
     return None if ok else 'a compiled function computed a wrong result'
 
 def compiles() -> bool: return why_not_compiled() is None
+
+@pytest.fixture(scope='session', autouse=True)
+def _temp_dirs(tmp_path_factory):
+    "`tempfile`'s folders (a test's `mkdtemp()`, a library's) under pytest's own, which pytest prunes: none left in /tmp after a run"
+    import getpass, tempfile
+    # inductor's cache stays where it was: a cache made anew each run costs minutes of compiles
+    os.environ.setdefault('TORCHINDUCTOR_CACHE_DIR', os.path.join(tempfile.gettempdir(), f'torchinductor_{getpass.getuser()}'))
+    tempfile.tempdir = str(tmp_path_factory.mktemp('tempfile'))
+    yield
+    tempfile.tempdir = None
 
 @pytest.fixture(scope='session', autouse=True)
 def _planted():

@@ -104,6 +104,11 @@ def lr_scaled(factor:float):
     with _lr_planted(lambda eng, i, lr: lr * factor): yield
 
 @contextmanager
+def group_lr_scaled(group:int=0, factor:float=2.):
+    "The step engine steps parameter group `group` with `factor` times the learning rate fastai's hypers hold, the others as they are"
+    with _lr_planted(lambda eng, i, lr: lr * factor if i == group else lr): yield
+
+@contextmanager
 def lr_frozen():
     "The step engine keeps stepping with the learning rates of a fit's first step: fastai's schedule (one-cycle, say) no longer reaches it"
     first,depth = {},[0]  # (optimizer, group) -> the lr of the outermost fit's first step

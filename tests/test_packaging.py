@@ -45,8 +45,8 @@ def _one(dist:Path, pat:str) -> Path:
 def test_sdist_holds_what_a_build_and_its_tests_need(dist):
     "The sdist has settings.ini (setup.py reads it), LICENSE, pytest.ini, and every test with its conftest and workers."
     with tarfile.open(_one(dist, 'mpx-*.tar.gz')) as t: names = {n.split('/', 1)[1] for n in t.getnames() if '/' in n}
-    need = {'settings.ini', 'setup.py', 'pyproject.toml', 'LICENSE', 'README.md', 'pytest.ini', 'constraints.txt', 'tests/conftest.py',
-            'tests/torchrun.py', 'mpx/__init__.py'} | {str(p.relative_to(ROOT)) for p in (ROOT/'tests').glob('*.py')}
+    need = {'settings.ini', 'setup.py', 'pyproject.toml', 'LICENSE', 'README.md', 'pytest.ini', 'constraints.txt', 'constraints-apps.txt',
+            'tests/conftest.py', 'tests/torchrun.py', 'mpx/__init__.py'} | {str(p.relative_to(ROOT)) for p in (ROOT/'tests').rglob('*.py')}
     assert not need - names, sorted(need - names)
     assert not [n for n in names if '__pycache__' in n or n.startswith(('.venv', '_docs', '_proc', 'bench/'))]
 
