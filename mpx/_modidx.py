@@ -1129,7 +1129,12 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                 'mpx.test_utils.tiny_model': ('test_utils.html#tiny_model', 'mpx/test_utils.py'),
                                 'mpx.test_utils.tiny_split': ('test_utils.html#tiny_split', 'mpx/test_utils.py'),
                                 'mpx.test_utils.weights': ('test_utils.html#weights', 'mpx/test_utils.py')},
-            'mpx.warn': { 'mpx.warn._bootstrap': ('warn.html#_bootstrap', 'mpx/warn.py'),
+            'mpx.warn': { 'mpx.warn.HeldLogs': ('warn.html#heldlogs', 'mpx/warn.py'),
+                          'mpx.warn.HeldLogs.__enter__': ('warn.html#heldlogs.__enter__', 'mpx/warn.py'),
+                          'mpx.warn.HeldLogs.__exit__': ('warn.html#heldlogs.__exit__', 'mpx/warn.py'),
+                          'mpx.warn.HeldLogs.__init__': ('warn.html#heldlogs.__init__', 'mpx/warn.py'),
+                          'mpx.warn.HeldLogs.filter': ('warn.html#heldlogs.filter', 'mpx/warn.py'),
+                          'mpx.warn._bootstrap': ('warn.html#_bootstrap', 'mpx/warn.py'),
                           'mpx.warn._internal': ('warn.html#_internal', 'mpx/warn.py'),
                           'mpx.warn._user_stacklevel': ('warn.html#_user_stacklevel', 'mpx/warn.py'),
                           'mpx.warn.warn_user': ('warn.html#warn_user', 'mpx/warn.py')}}}

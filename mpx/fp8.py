@@ -8,7 +8,7 @@ import dataclasses, functools, importlib.util, math, pickle, warnings
 from typing import NamedTuple
 from fastai.basics import *
 from .core import *
-from .warn import warn_user
+from .warn import warn_user, HeldLogs
 from .plumbing import FitState, Ledger
 from .callback import *
 import mpx.patches  # Learner._set_precision, which `to_fp8` ends with
@@ -20,14 +20,19 @@ __all__ = ['fp8_recipes', 'Fp8Layer', 'unwrapped', 'fp8_plan', 'layers_frame', '
 # %% ../nbs/05a_fp8.ipynb #f8000006
 _install = "fp8 training needs torchao: pip install 'mpx[fp8]' (or pip install 'torchao>=0.18')"
 
+# torchao's import logs each CUDA kernel library a CPU cannot load, and torch deprecates its pytree registration of an enum
+_IMPORT_LOGS = ('torchao', 'torch.utils._pytree')
+
 def _torchao_float8():
-    "torchao's float8 training module, imported on first use"
-    try: import torchao.float8 as f8
-    except ImportError as e:
-        if importlib.util.find_spec('torchao') is None: raise ImportError(_install) from e
-        raise ImportError(f"torchao is installed but does not import with torch {torch.__version__} ({e}). "
-                          "mpx's fp8 is tested with torchao 0.18 on torch 2.13: "
-                          "install the torchao release made for this torch, or a newer torch") from e
+    "torchao's float8 training module, imported on first use: what it logs while importing said only where the import fails"
+    with HeldLogs(*_IMPORT_LOGS) as held:
+        try: import torchao.float8 as f8
+        except ImportError as e:
+            if importlib.util.find_spec('torchao') is None: raise ImportError(_install) from e
+            said = ''.join(f'\n  torchao logged: {s}' for s in held.said)
+            raise ImportError(f"torchao is installed but does not import with torch {torch.__version__} ({e}). "
+                              "mpx's fp8 is tested with torchao 0.18 on torch 2.13: "
+                              f"install the torchao release made for this torch, or a newer torch{said}") from e
     return f8
 
 def fp8_recipes() -> list:

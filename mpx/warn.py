@@ -4,10 +4,10 @@
 
 # %% ../nbs/00b_warn.ipynb #c023ddf1
 from __future__ import annotations
-import sys, warnings
+import logging, sys, warnings
 
 # %% auto #0
-__all__ = ['warn_user']
+__all__ = ['warn_user', 'HeldLogs']
 
 # %% ../nbs/00b_warn.ipynb #fa39d9c2
 _passed_over = {'mpx', 'fastai', 'fastcore', 'fastprogress', 'torch', 'contextlib', 'functools'}  # top-level modules
@@ -37,3 +37,16 @@ def warn_user(
 ):
     "`warnings.warn` `msg`, naming the user's line, not mpx's"
     warnings.warn(msg, category, stacklevel=_user_stacklevel())
+
+# %% ../nbs/00b_warn.ipynb #hl000002
+class HeldLogs(logging.Filter):
+    "Context manager: the records of loggers `names` held back inside, their text kept in `said`"
+    def __init__(self, *names:str): super().__init__(); self.names,self.said = names,[]
+    def filter(self, r) -> bool:
+        self.said.append(r.getMessage())
+        return False
+    def __enter__(self):
+        for n in self.names: logging.getLogger(n).addFilter(self)
+        return self
+    def __exit__(self, *exc):
+        for n in self.names: logging.getLogger(n).removeFilter(self)

@@ -226,6 +226,12 @@ def test_nothing_hidden_leaks(pages):
         lines = {l.strip() for h in hidden for l in h.splitlines() if len(l.strip()) > 10 and not l.strip().startswith('#')}
         assert not [l for l in lines if l in page['text']], (rel, [l for l in lines if l in page['text']])
 
+def test_no_machine_text_in_pages(site):
+    "No built page holds the build machine's paths (its checkout, its home, a venv's site-packages) or a library's load noise"
+    machine = [str(ROOT), str(Path.home()), 'site-packages', 'Failed to load']
+    bad = [(f.name, m) for f in sorted(site.glob('*.html')) for m in machine if m in re.sub(r'<[^>]+>', '', f.read_text())]
+    assert not bad, bad
+
 def test_search_finds_mixed_precision(browser, base_url):
     "Sphinx's search, in the browser, finds `MixedPrecision` on the AMP page."
     page = browser.new_page()

@@ -26,6 +26,30 @@ def fp8_learner(recipe='tensorwise', **kwargs):
 
 def linear_types(model) -> list: return [type(m).__name__ for m in unwrapped(model).modules() if isinstance(m, nn.Linear)]
 
+# ---- torchao's import
+
+def test_torchao_import_is_quiet():
+    """torchao's import logs each CUDA kernel library a CPU cannot load, and torch its deprecation of an enum registered as a pytree
+    constant: mpx's import of it holds those back (they reached the user and the built docs), said only in the error of an import
+    that fails"""
+    import subprocess
+    code = 'from mpx.fp8 import _torchao_float8; _torchao_float8(); import logging; logging.getLogger("torchao").warning("after it")'
+    res = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stderr.strip() == 'after it', res.stderr  # held while importing; torchao's logger speaks again after
+
+def test_torchao_failed_import_says_what_it_logged(monkeypatch):
+    "An import of torchao that fails says what torchao logged on the way (the held records), and what to install"
+    import builtins, logging
+    real = builtins.__import__
+    def failing(name, *args, **kwargs):
+        if name == 'torchao.float8':
+            logging.getLogger('torchao').warning('Failed to load _C.so')
+            raise ImportError('undefined symbol')
+        return real(name, *args, **kwargs)
+    monkeypatch.setattr(builtins, '__import__', failing)
+    with pytest.raises(ImportError, match=r"does not import with torch(.|\n)*torchao logged: Failed to load _C.so"): _torchao_float8()
+
 # ---- numerics of one layer
 
 def _rel(a, b) -> float: return ((a.float() - b.float()).norm() / b.float().norm()).item()
