@@ -595,6 +595,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                              'mpx.learner.Learner.to_bf16': ('learner.html#learner.to_bf16', 'mpx/learner.py'),
                              'mpx.learner.Learner.to_fp16': ('learner.html#learner.to_fp16', 'mpx/learner.py'),
                              'mpx.learner.Learner.to_fp32': ('learner.html#learner.to_fp32', 'mpx/learner.py'),
+                             'mpx.learner._check_bf16_scaling': ('learner.html#_check_bf16_scaling', 'mpx/learner.py'),
                              'mpx.learner._check_known': ('learner.html#_check_known', 'mpx/learner.py'),
                              'mpx.learner._check_pure_mode': ('learner.html#_check_pure_mode', 'mpx/learner.py'),
                              'mpx.learner._mpx_cb': ('learner.html#_mpx_cb', 'mpx/learner.py'),

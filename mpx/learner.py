@@ -4,6 +4,7 @@
 
 # %% ../nbs/07_learner.ipynb #f136417a
 from __future__ import annotations
+import difflib
 from fastai.basics import *
 from .core import *
 from .scaler import *
@@ -25,10 +26,27 @@ def _only(cb:str, kwargs:dict) -> list:
     "The arguments in `kwargs` that only callback `cb` takes (`MODE_ARGS`)"
     return sorted(k for k in kwargs if list(MODE_ARGS[k]) == [cb])
 
+# fp16's loss scaling: no bf16 callback has a use for these
+_SCALING = [k for k,takes in MODE_ARGS.items() if set(takes.values()) <= {'fp16', 'dynamic'}]
+
 def _check_known(mode:AMPMode, kwargs:dict):
-    "Raise a `TypeError` naming a keyword no precision callback takes"
-    known = [k for k,takes in MODE_ARGS.items() if mode is AMPMode.BF16 or set(takes) != {'pure'}]
-    check_known(f'to_{mode}', kwargs, known, f"master, {'pure, ' * (mode is AMPMode.BF16)}and ")
+    "Raise a `TypeError` naming a keyword no precision callback takes in `mode` (bf16: fp16's loss scaling not listed)"
+    bf16 = mode is AMPMode.BF16
+    known = [k for k,takes in MODE_ARGS.items() if (bf16 or set(takes) != {'pure'}) and not (bf16 and k in _SCALING)]
+    for k in kwargs:
+        near = difflib.get_close_matches(k, _SCALING, n=1) if bf16 and k not in known + _SCALING else []
+        if near and not difflib.get_close_matches(k, known, n=1):  # a misspelt loss-scaling argument
+            raise TypeError(f"to_bf16() got an unexpected keyword argument {k!r} (did you mean learn.to_fp16({near[0]}=...)? bf16 "
+                            f"needs no loss scaling): it takes master, pure, and {sorted(known)}")
+    check_known(f'to_{mode}', {k: v for k,v in kwargs.items() if not (bf16 and k in _SCALING)}, known,
+                f"master, {'pure, ' * bf16}and ")
+
+def _check_bf16_scaling(mode:AMPMode, kwargs:dict):
+    "Raise a `ValueError` for fp16's loss scaling asked of `to_bf16`, pointing at the `to_fp16` call that has it"
+    k = first(k for k in kwargs if k in _SCALING)
+    if mode is AMPMode.FP16 or k is None: return
+    raise ValueError(f"{k}={kwargs[k]!r} has no effect in bf16: bf16 has fp32's range and needs no loss scaling. "
+                     f"Drop {k}, or train in fp16: learn.to_fp16({k}={kwargs[k]!r})")
 
 def _check_pure_mode(mode:AMPMode, pure:bool, kwargs:dict):
     "Raise a `ValueError` where fp16 is asked for pure training"
@@ -45,7 +63,8 @@ def precision_callback(mode:str|AMPMode, master:bool=False, pure:bool=False, **k
     check_args(master=master, pure=pure)
     _check_pure_mode(mode, pure, kwargs)
     _check_known(mode, kwargs)
-    if pure: return _pure_cb(master, kwargs)
+    if pure: return _pure_cb(master, kwargs)  # which says what pure bf16 has no use for
+    _check_bf16_scaling(mode, kwargs)
     amp,legacy,pure_only = _only('amp', kwargs),_only('master', kwargs),_only('pure', kwargs)
     if pure_only:
         k = pure_only[0]

@@ -76,7 +76,8 @@ PATCH_BAD = [
     ('to_bf16', dict(pure=True, fused='Compile'), ValueError, "fused='Compile' is not allowed"),
     ('to_fp16', dict(hysteresis=0), ValueError, 'hysteresis=0 is out of range: hysteresis must be an integer from 1 to 2**31-1'),
     ('to_fp16', dict(hysteresis=2.), TypeError, 'hysteresis=2.0 is a float: hysteresis must be an integer from 1'),
-    ('to_bf16', dict(hysteresis=2), ValueError, "hysteresis=2 has no effect with amp_mode='bf16'"),
+    ('to_bf16', dict(hysteresis=2), ValueError, "hysteresis=2 has no effect in bf16: bf16 has fp32's range and needs no loss scaling. "
+                                                "Drop hysteresis, or train in fp16: learn.to_fp16(hysteresis=2)"),
     ('to_fp16', dict(loss_scale=512, hysteresis=2), ValueError, 'hysteresis=2 has no effect with a static loss scale: pass dynamic=True'),
     ('to_fp16', dict(enabled=False, hysteresis=2), ValueError, 'hysteresis=2 has no effect with enabled=False'),
     ('to_bf16', dict(schedule_skips='no'), TypeError, "schedule_skips='no' is a str"),
