@@ -735,9 +735,21 @@ def precision_report(self:Learner, time:bool=False, **kwargs) -> PrecisionReport
     return _report(self, time=time, **kwargs)
 
 @patch
-def to_auto_precision(self:Learner, time:bool=False, **kwargs):
-    "Train in the precision `precision_report` recommends"
+def to_auto_precision(self:Learner, time:bool=False,
+                      report:PrecisionReport|None=None, # a report already read: its pick (else a new report's, with these arguments)
+                      **kwargs):
+    "Train in the precision `precision_report` recommends, and say which in one line, with the callback it replaced"
     import mpx.learner  # patches those three; it imports this module, so it is imported here, not at the top
-    return getattr(self, f'to_{self.precision_report(time=time, **kwargs).recommended}')()
+    from mpx.patches import is_mpx_precision, _fastai_types
+    if report is not None and (time or kwargs):
+        raise ValueError(f"to_auto_precision(report, {'time=True, ' * time}{', '.join(kwargs)}): pass the report read, or the "
+                         "arguments of a new one, not both")
+    r = report if report is not None else self.precision_report(time=time, **kwargs)
+    old = [c for c in self.cbs if is_mpx_precision(c) or isinstance(c, _fastai_types)]
+    getattr(self, f'to_{r.recommended}')()
+    src = 'the report passed' if report is not None else f"precision_report({'time=True' * time})"
+    gone = f"; it replaced {', '.join(map(repr, old))}" if old else ''
+    print(f"to_auto_precision: {r.recommended}, as {src} recommends ({r.reasons[0]}){gone}")
+    return self
 
 precision_report = _report
