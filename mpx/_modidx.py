@@ -294,6 +294,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                               'mpx.compiled._WeightDecay.update': ('compiled.html#_weightdecay.update', 'mpx/compiled.py'),
                               'mpx.compiled._compiled_as': ('compiled.html#_compiled_as', 'mpx/compiled.py'),
                               'mpx.compiled._damped': ('compiled.html#_damped', 'mpx/compiled.py'),
+                              'mpx.compiled._failure_key': ('compiled.html#_failure_key', 'mpx/compiled.py'),
                               'mpx.compiled._hyper_names': ('compiled.html#_hyper_names', 'mpx/compiled.py'),
                               'mpx.compiled._hypers': ('compiled.html#_hypers', 'mpx/compiled.py'),
                               'mpx.compiled._kernel': ('compiled.html#_kernel', 'mpx/compiled.py'),

@@ -167,6 +167,10 @@ def _kernel_body(kind, store, chain:tuple, keys:list, t:dict, hyper:dict, run:di
 
 _kernels,_failed,_warned = {},{},set()
 
+def _failure_key(b) -> tuple:
+    "What a kernel that failed to build is remembered by: its kind and its store (another pair's kernels still compile)"
+    return type(b.kind),type(b.store)
+
 def _known_options(options:dict) -> dict:
     "The inductor `options` this torch knows (the others said once)"
     import torch._inductor.config as inductor  # imported with `torch.compile`, never at mpx's import
@@ -316,7 +320,7 @@ class CompiledSteps:
             return "a dispatch mode is active (an op counter), and torch.compile refuses to run under one"
         if not b.flat: return "a parameter cannot take a slot in a flat buffer (a DTensor, a non-dense tensor)"
         if b.loose: return "a gradient is sparse: its parameter is stepped by fastai's loop"
-        return _failed.get(type(b.kind))
+        return _failed.get(_failure_key(b))
 
     def bucket(self, eng, b:Bucket, hyper:dict):
         ds = self._steps(b)
@@ -333,9 +337,9 @@ class CompiledSteps:
             for k,(a,c) in enumerate(runs):
                 if self._run(eng, b, a, c, chain, scal, phase): continue
                 if k:
-                    why = _failed[type(b.kind)]
+                    why = _failed[_failure_key(b)]
                     raise RuntimeError(f"mpx: a compiled kernel failed after another of the same bucket ran: {why}")
-                why = _failed[type(b.kind)]
+                why = _failed[_failure_key(b)]
                 break
             else: return True
         self.to_host(eng, b)
@@ -390,7 +394,8 @@ class CompiledSteps:
         except Exception as e:
             if torch._C._len_torch_dispatch_stack(): raise
             first_line = str(e).strip().splitlines()[0][:200]
-            _failed[type(b.kind)] = f"torch.compile failed on this machine ({type(e).__name__}: {first_line})"
+            _failed[_failure_key(b)] = (f"torch.compile failed for {type(b.kind).__name__} with {type(b.store).__name__} "
+                                        f"({type(e).__name__}: {first_line})")
             return False  # nothing changed
         return True
 
