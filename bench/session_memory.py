@@ -9,7 +9,9 @@ memory is reset (`/proc/self/clear_refs`), so each call's peak is its own. Figur
 before the model was built (the user's fp32 model included): each call's peak, and what stays resident after it.
 Run: `PYTHONPATH=. .venv/bin/python bench/session_memory.py` (`--arms a,b` picks arms by name, `--small` a 1M-parameter
 model for a quick look; `--one NAME` runs one arm in this process and prints its row as JSON). `--model gpt2`, a random
-GPT-2 with tied embeddings, needs transformers: `.venv/bin/python -m pip install -c constraints.txt transformers`."""
+GPT-2 with tied embeddings, needs transformers: `.venv/bin/python -m pip install -c constraints.txt transformers`;
+`--model resnet`, fastai's `vision_learner` on a resnet18, needs torchvision: run both in the apps' stack
+(`.venv-apps/bin/python`, which `make apptest` builds). An arm whose optimizer package is missing is left out, said so."""
 import argparse, json, os, subprocess, sys, tempfile, time
 from pathlib import Path
 
@@ -74,11 +76,23 @@ MODELS = {  # name: its description, the widths of the MLP (None: the text model
     'deep': ("bench/memory.py's 'deep': MLP 1024-1024x20-10 (21.0M parameters, none over 1.05M)", [1024] * 21 + [10]),
     'text': ("fastai's AWD_LSTM classifier (pretrained=False, one LSTM layer of 1536, WeightDropout), 12-word vocabulary, "
              "sequences of 8", None),
+    'resnet': ("fastai's vision_learner(resnet18, pretrained=False) (fastai's head, 10 classes: 11.7M parameters), random "
+               "64x64 images, two validation batches", None),
     'gpt2': ("transformers' GPT2LMHeadModel (random init, tied embeddings, 4 layers of 256, 32k vocabulary: 11.4M "
              "parameters, 8.2M in the embedding), random tokens, sequences of 32, one validation batch of 4", None),
 }
 GPT2 = dict(vocab_size=32000, n_positions=32, n_embd=256, n_layer=4, n_head=4, tie_word_embeddings=True)
-NEEDS = {'gpt2': 'transformers'}  # the models that need a package beside the project's own
+RESNET = dict(px=64, n_out=10)
+NEEDS = {'gpt2': 'transformers', 'resnet': 'torchvision'}  # the models that need a package beside the project's own
+ARM_NEEDS = {'fastai + optimi kahan AdamW (bf16 model)': 'optimi', 'fastai + torchao AdamW8bit': 'torchao'}
+
+def _image_data(px:int, n_out:int, bs:int, n:int):
+    "Random images and classes that `export` can empty: `n` training batches of `bs`, two validation ones"
+    from fastai.basics import torch
+    from mpx.test_utils import _ExportableDS
+    from fastai.data.core import TfmdDL, DataLoaders
+    def ds(k): return _ExportableDS(torch.randn(bs*k, 3, px, px), torch.randint(0, n_out, (bs*k,)))
+    return DataLoaders(TfmdDL(ds(n), bs=bs, shuffle=True), TfmdDL(ds(2), bs=bs))
 
 def _gpt2_classes() -> tuple:
     "transformers' `GPT2Config` and `GPT2LMHeadModel`, a torchvision that cannot load kept out"
@@ -97,14 +111,14 @@ def _gpt2_data(vocab:int, seq:int, bs:int, n:int):
         return _ExportableDS(x[:, :-1], x[:, 1:])
     return DataLoaders(TfmdDL(ds(bs*n), bs=bs, shuffle=True), TfmdDL(ds(4), bs=bs))  # 4: get_preds' logits stay small
 
-def _gpt2_lm():
-    "A module whose forward gives a random GPT-2's logits (no download: `GPT2Config` only)"
+def _gpt2_lm(**config):
+    "A module whose forward gives a random GPT-2's logits (no download: `GPT2Config` only); `config` changes `GPT2`'s"
     from fastai.basics import nn
     Config,LMHead = _gpt2_classes()
     class LM(nn.Module):
         def __init__(self, m): super().__init__(); self.m = m
         def forward(self, x): return self.m(input_ids=x).logits
-    return LM(LMHead(Config(**GPT2)))
+    return LM(LMHead(Config(**{**GPT2, **config})))
 
 def _learner(model:str, bs:int=16, n:int=8):
     "The arm's learner, and the process's resident bytes once its data is made (before the model)"
@@ -117,6 +131,13 @@ def _learner(model:str, bs:int=16, n:int=8):
         dls = _gpt2_data(GPT2['vocab_size'], GPT2['n_positions'], bs, n)
         base = _status('VmRSS')
         return _quiet(Learner(dls, _gpt2_lm(), loss_func=CrossEntropyLossFlat(), opt_func=Adam, lr=1e-3)),base
+    if model == 'resnet':
+        from fastai.vision.learner import vision_learner
+        from torchvision.models import resnet18
+        dls = _image_data(RESNET['px'], RESNET['n_out'], bs, n)
+        base = _status('VmRSS')
+        return _quiet(vision_learner(dls, resnet18, n_out=RESNET['n_out'], pretrained=False, loss_func=CrossEntropyLossFlat(),
+                                     opt_func=Adam, lr=1e-3)),base
     if sizes is None:  # the text model: its data made with a tiny model first, then the model measured on that data
         from fastai.text.all import AWD_LSTM, text_classifier_learner
         dls = text_app_learner(n=bs*(n+1), bs=bs, emb_sz=8).dls
@@ -176,12 +197,14 @@ def run_one(name:str, model:str) -> dict:
     return res
 
 def predict(model:str) -> dict:
-    "`precision_report()`'s predicted session peak of each mode, in bytes a parameter above the process before the model"
+    "`precision_report()`'s prediction for each mode's call, in bytes a parameter: its session peak, held in a fit, the peak's moment"
     import torch
     torch.set_num_threads(1)
     import mpx.all  # noqa: F401
     learn,_ = _learner(model)
-    return {call: round(b, 2) for call,b in learn.precision_report().memory['B/param'].items()}
+    mem = learn.precision_report().memory
+    n = sum(p.numel() for p in learn.model.parameters() if p.requires_grad)
+    return {call: dict(peak=round(r['B/param'], 2), fit=round(r['fit'] / n, 2), at=r['at']) for call,r in mem.iterrows()}
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -192,18 +215,22 @@ def main():
     ap.add_argument('--predict', action='store_true', help=argparse.SUPPRESS)
     a = ap.parse_args()
     model = 'small' if a.small else a.model
-    import importlib.util
-    if model in NEEDS and importlib.util.find_spec(NEEDS[model]) is None:
-        sys.exit(f"--model {model} needs {NEEDS[model]}, which is missing: "
-                 f".venv/bin/python -m pip install -c constraints.txt {NEEDS[model]}")
+    import importlib, importlib.util
+    if model in NEEDS:
+        try: importlib.import_module(NEEDS[model])  # imported, not only found: torchvision beside torch's CPU wheel fails to load
+        except Exception as e: sys.exit(f"--model {model} needs {NEEDS[model]}, which does not import here ({type(e).__name__}: {e}): "
+                                        f"run it with .venv-apps/bin/python (make apptest builds it)")
     if a.one: return print(json.dumps(run_one(a.one, model)))
     if a.predict: return print(json.dumps(predict(model)))
     names = [n for n in ARMS if not a.arms or any(s.strip() in n for s in a.arms.split(','))]
+    missing = [n for n in names if n in ARM_NEEDS and importlib.util.find_spec(ARM_NEEDS[n]) is None]
+    names = [n for n in names if n not in missing]
     env = {**os.environ, 'MALLOC_MMAP_THRESHOLD_': '65536', 'PYTHONWARNINGS': 'ignore'}
     run = lambda *args: subprocess.run([sys.executable, __file__, '--model', model, *args], env=env, capture_output=True, text=True)
     import torch, fastai
     print(f"# Memory over a session (bench/session_memory.py): torch {torch.__version__}, fastai {fastai.__version__}, "
           f"{MODELS[model][0]}, Adam, batch 16, 8 batches an epoch; bytes a parameter above the process before the model\n")
+    for n in missing: print(f"# left out: {n} (needs {ARM_NEEDS[n]}, which is missing here)")
     out = run('--predict')
     pred = json.loads(out.stdout.strip().splitlines()[-1]) if not out.returncode else {}
     if out.returncode: print(f"precision_report's prediction failed\n{out.stderr[-2000:]}")
@@ -222,11 +249,19 @@ def main():
     for r in rows:
         ratio = f"{train_peak(r) / train_peak(base):.2f}" if base else ''
         p,af = r['peak'],r['after']
-        pr = pred.get(PREDICTED.get(r['arm']))
+        pr = pred.get(PREDICTED.get(r['arm']), {}).get('peak')
         said = f"{pr:.1f} | {pr / train_peak(r):.2f}" if pr else ' | '
         print(f"| {r['arm']} | {train_peak(r):.1f} | {ratio} | {said} | {af['fit_one_cycle']:.1f} | {af['fit 3']:.1f} | "
               f"{af['fit 3'] - af['fit_one_cycle']:+.1f} | {p['save']:.1f} | {p['export']:.1f} | {af['export']:.1f} | "
               f"{r['after del']:.1f} |")
+    print("\nThe prediction's two parts beside the measure: held in a fit (measured: resident after fit 1, which for the master "
+          "mode is its layout between fits), and the peak above it:")
+    print('| arm | predicted held in a fit | resident after fit 1 | predicted peak above it | measured peak above it | predicted at |')
+    print('|---|---:|---:|---:|---:|---|')
+    for r in rows:
+        pr = pred.get(PREDICTED.get(r['arm']))
+        if pr: print(f"| {r['arm']} | {pr['fit']:.1f} | {r['after']['fit_one_cycle']:.1f} | {pr['peak'] - pr['fit']:.1f} | "
+                     f"{train_peak(r) - r['after']['fit_one_cycle']:.1f} | {pr['at']} |")
     print('\nEach call, peak / after:')
     print('| arm | ' + ' | '.join(CALLS) + ' |')
     print('|---|' + '---:|' * len(CALLS))

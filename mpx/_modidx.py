@@ -56,6 +56,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                              'mpx.advisor._put_back': ('advisor.html#_put_back', 'mpx/advisor.py'),
                              'mpx.advisor._restored': ('advisor.html#_restored', 'mpx/advisor.py'),
                              'mpx.advisor._rng_states': ('advisor.html#_rng_states', 'mpx/advisor.py'),
+                             'mpx.advisor._runtime_cpu': ('advisor.html#_runtime_cpu', 'mpx/advisor.py'),
                              'mpx.advisor._set_rng_states': ('advisor.html#_set_rng_states', 'mpx/advisor.py'),
                              'mpx.advisor._state_bytes': ('advisor.html#_state_bytes', 'mpx/advisor.py'),
                              'mpx.advisor._step': ('advisor.html#_step', 'mpx/advisor.py'),

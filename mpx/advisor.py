@@ -429,8 +429,12 @@ def _timing_reasons(timings:dict, rec:str) -> list:
 def _ms(t:float) -> str: return f'{t*1e3:.3g} ms' if t < 1 else f'{t:.3g} s'
 
 # %% ../nbs/06_advisor.ipynb #2106befc
-_COMPILER_CPU_BYTES = 64 * 2**20  # inductor's code and caches in a CPU process (bench/session_memory.py): no tensor
+# inductor's code and caches in a CPU process (bench/session_memory.py: 67-84 MB above the eager twin, cache warm): no tensor
+_COMPILER_CPU_BYTES = 80 * 2**20
 _RUNTIME_CPU_BYTES = 32 * 2**20  # what a CPU process training with fastai holds beside the learner's tensors
+# the convolution kernels' code a CPU process pages in: libtorch's resident code after a resnet18's first step, 42 MB against
+# an MLP's 18 (bench/session_memory.py --model resnet)
+_CONV_CPU_BYTES = 24 * 2**20
 
 class MemoryTerms(NamedTuple):
     "What a model brings to each mode's memory"
@@ -497,7 +501,9 @@ def _step_bytes(model:nn.Module, xb:tuple, yb:tuple, loss_func, how:str='fp32') 
         xb = tuple(x.to(half) if isinstance(x, Tensor) and x.is_floating_point() else x for x in xb)
     ctx = torch.autocast(dev.type, dtype=half) if how == 'autocast' else _no_autocast(dev.type)
     def step():
-        with ctx: loss = loss_func(to_float32(model(*xb)), *yb)
+        with ctx:
+            pred = to_float32(model(*xb))  # held through the backward, as fastai's `learn.pred` is (a GPT-2's logits: 5.8 B/param)
+            loss = loss_func(pred, *yb)
         torch.clear_autocast_cache()  # as a fit's outermost autocast does on exit (the report's is inside another)
         loss.backward()
     for p in ps: p.grad = torch.zeros_like(p)  # a fit holds them between steps: the backward adds to them
@@ -522,7 +528,11 @@ def memory_terms(
     dev = model_device(model)
     return MemoryTerms(sum(p.numel() for p in ps), sum(p.numel() for p in ps if p.numel() >= MIN_LOWBIT),
                        max((p.numel() for p in ps), default=0), fixed, _n_state(opt_func), *map(int, steps),
-                       default_chunk(dev), *(_COMPILER_CPU_BYTES, _RUNTIME_CPU_BYTES) if dev.type == 'cpu' else (0, 0))
+                       default_chunk(dev), *(_COMPILER_CPU_BYTES, _runtime_cpu(model)) if dev.type == 'cpu' else (0, 0))
+
+def _runtime_cpu(model:nn.Module) -> int:
+    "What a CPU process training `model` holds beside its tensors: the convolution kernels' code too where it has any"
+    return _RUNTIME_CPU_BYTES + (_CONV_CPU_BYTES if any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules()) else 0)
 
 # %% ../nbs/06_advisor.ipynb #95919c5e
 def _kept_between_fits(mode:str, opt_state:str) -> bool:
