@@ -2,7 +2,7 @@
 the test writes, through the sequence a user runs: channels last, `lr_find`, `fine_tune` with MixUp (a frozen phase that trains
 BatchNorm, `train_bn`, then discriminative `slice` learning rates), a progressive resize with CutMix, `save`/`load` with the
 optimizer, `tta`, `predict`, `show_results`, `export`/`load_learner`; AMP, master and pure modes, eager and compiled, fp32 and
-8-bit state. Each parameter group's weights and the BatchNorm statistics are held against the same sequence in fp32, within
+8-bit state. The weights, each parameter group's move and BatchNorm's statistics are held against the same sequence in fp32, within
 limits set from the measured differences; a wrong learning rate in one group (planted) is caught."""
 import pytest, torch
 import matplotlib
@@ -46,7 +46,9 @@ class FrozenEnd(Callback):
         if self.w is not None: return
         with suspended(self.learn): self.w = weights(self.learn)  # as the fit leaves them (a pure layout: with compensation)
 
-def bn_stats(learn) -> list: return [b.clone() for m in learn.model.modules() if isinstance(m, nn.BatchNorm2d) for b in (m.running_mean, m.running_var)]
+def bn_stats(learn) -> list:
+    "Copies of every BatchNorm's running mean and variance"
+    return [b.clone() for m in learn.model.modules() if isinstance(m, nn.BatchNorm2d) for b in (m.running_mean, m.running_var)]
 
 def groups(learn) -> list:
     "Each parameter group's places in `learn.model.parameters()`"
@@ -82,9 +84,10 @@ def run(arch:str, mode:str|None, images, tmp_path, seed:int=1) -> dict:
         assert all(map(torch.equal, w, weights(learn)))
         # an 8-bit second moment's block scale can come back an ulp smaller (3 of 40,960 blocks measured): a relative 1e-7
         rtol = 1e-6 if mode and '8bit' in mode else 0
-        bad = [(i, k, a.dtype, a.shape, (a.float()-b.float()).abs().max().item()) for i,(s,t) in enumerate(zip(ws['state'], learn.opt.state_dict()['state']))
-                   for (k,a),b in zip(s.items(), t.values()) if torch.is_tensor(a) and not torch.allclose(a, b, rtol=rtol, atol=0)]
-        assert not bad, bad[:4]
+        now = learn.opt.state_dict()['state']
+        bad = [(i, k, (a.float() - b.float()).abs().max().item()) for i,(s,t) in enumerate(zip(ws['state'], now))
+               for (k,a),b in zip(s.items(), t.values()) if torch.is_tensor(a) and not torch.allclose(a, b, rtol=rtol, atol=0)]
+        assert not bad, bad[:4]  # (parameter, state, largest difference)
         preds,_ = learn.tta(n=2)
         assert preds.shape == (16, 2) and torch.allclose(preds.sum(1), torch.ones(16))
         label,_,probs = learn.predict(PILImage.create(images/'valid'/'left'/'0.png'))
@@ -95,7 +98,8 @@ def run(arch:str, mode:str|None, images, tmp_path, seed:int=1) -> dict:
         loaded = load_learner(tmp_path/'model.pkl')
         assert all(map(torch.equal, w, weights(loaded)))
         assert loaded.predict(PILImage.create(images/'valid'/'right'/'0.png'))[0] in loaded.dls.vocab
-    return dict(start=start, end=w, stats0=stats, stats=bn_stats(learn), groups=groups(learn), frozen_moved=[m and f for m,f in zip(moved, frozen)])
+    return dict(start=start, end=w, stats0=stats, stats=bn_stats(learn), groups=groups(learn),
+                frozen_moved=[m and f for m,f in zip(moved, frozen)])
 
 def along(got:dict, ref:dict, ix:list) -> float:
     "How far `got`'s parameters `ix` moved along the way `ref`'s moved, x `ref`'s (stochastic rounding's noise is across it)"
