@@ -373,7 +373,6 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                            'mpx.eager.ParamItems.arg': ('eager.html#paramitems.arg', 'mpx/eager.py'),
                            'mpx.eager.ParamItems.hp': ('eager.html#paramitems.hp', 'mpx/eager.py'),
                            'mpx.eager.ParamItems.put': ('eager.html#paramitems.put', 'mpx/eager.py'),
-                           'mpx.eager.ParamItems.zeros': ('eager.html#paramitems.zeros', 'mpx/eager.py'),
                            'mpx.eager.RunSteps': ('eager.html#runsteps', 'mpx/eager.py'),
                            'mpx.eager.RunSteps.__init__': ('eager.html#runsteps.__init__', 'mpx/eager.py'),
                            'mpx.eager.RunSteps._params': ('eager.html#runsteps._params', 'mpx/eager.py'),

@@ -88,9 +88,9 @@ def put_state(b:Bucket, a:int, c:int, new:dict|None, sw:StateWindow, shaped:bool
 # %% ../nbs/01f_eager.ipynb #ea0011
 class ParamItems:
     "A window's live parameters as lists, with the group's `hyper`"
-    def __init__(self, data:list, grads:list, states:list, hyper:dict, zeros:Callable, tensors:Callable|None=None):
+    def __init__(self, data:list, grads:list, states:list, hyper:dict, tensors:Callable|None=None):
         self.data,self.grads,self.states,self.hyper,self.n,self.memo = data,grads,states,hyper,len(data),{}
-        self._zeros,self._tensors = zeros,tensors
+        self._tensors = tensors
     def arg(self, k, kw:dict, default=None) -> list:
         "Argument `k` for each item, as fastai's loop passes it"
         if k in self.hyper: return [self.hyper[k]]*self.n
@@ -102,9 +102,6 @@ class ParamItems:
         return self.hyper[k] if k in self.hyper else kw.get(k, default)
     def put(self, k, vals):
         for s,v in zip(self.states, vals): s[k] = v
-    def zeros(self, k:str) -> list:
-        "State tensor `k` of each item, zeros where missing"
-        return [self._zeros(i, k) for i in range(self.n)]  # missing on a parameter's first step
 
 def _scal(vals:list):
     "One scalar where all `vals` are equal, else the list"
@@ -249,13 +246,6 @@ class RunSteps(LoopSteps):
 
     def _params(self, b:Bucket, x, g, rs:list, lo:int, hyper:dict, sw:StateWindow) -> ParamItems:
         ks = [k for a,c in rs for k in range(a, c)]
-        def zeros(n, key):
-            d = b.dicts[ks[n]]
-            sw.make(key, b.kind.state_dtype(b))
-            if key not in d:
-                sw.slot(key, ks[n]).zero_()
-                d[key] = b.state_held[key][ks[n]]
-            return sw.slot(key, ks[n])
         def tensors(key): return [sw.slot(key, k) if key in b.dicts[k] else None for k in ks] if key in sw.x else None
         xs,gs = [b.slot(x, k, lo) for k in ks],[b.slot(g, k, lo) for k in ks]
-        return ParamItems(xs, gs, [b.dicts[k] for k in ks], hyper, zeros, tensors)
+        return ParamItems(xs, gs, [b.dicts[k] for k in ks], hyper, tensors)
