@@ -105,9 +105,9 @@ class CudaTimer(Callback):
         if self.training and self.iter == SKIP: sync(); self.t0 = time.perf_counter()
     def after_train(self): sync(); self.per_step = (time.perf_counter() - self.t0) / (self.n_iter - SKIP)
 
-def raw_loop(model, batches, loss_func, dtype=None) -> callable:
-    "A function running the raw PyTorch AMP loop (autocast to `dtype`, a `GradScaler` for fp16) for one epoch; seconds per step"
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+def raw_loop(model, batches, loss_func, dtype=None, fused=False) -> callable:
+    "A function running the raw PyTorch AMP loop (autocast to `dtype`, a `GradScaler` for fp16, torch's AdamW, `fused` or not)"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused or None)
     scaler = torch.amp.GradScaler(DEV, enabled=dtype == torch.float16)
     def run():
         for i,(xb,yb) in enumerate(batches):
@@ -118,15 +118,21 @@ def raw_loop(model, batches, loss_func, dtype=None) -> callable:
     return run
 
 adamw = partial(OptimWrapper, opt=torch.optim.AdamW)
-MODES = {  # name: (what makes a learner's precision, or the raw loop's autocast dtype), TF32 on
+MODES = {  # name: (what makes a learner's precision, or the raw loop's autocast dtype), TF32 on[, the learner's optimizer]
+    # the learners step torch's AdamW (wrapped) unless a third entry says otherwise: the 'Adam' modes step fastai's Adam, which
+    # mpx's engine steps over flat buffers (eagerly, or in one compiled kernel)
     'fp32': (lambda l: l, False), 'tf32': (lambda l: l, True),
     'mpx bf16': (lambda l: l.to_bf16(), False), 'mpx bf16 check_finite=False': (lambda l: l.to_bf16(check_finite=False), False),
     'mpx fp16': (lambda l: l.to_fp16(), False),
     'mpx pure bf16 kahan': (lambda l: l.to_bf16(pure=True, update='kahan'), False),
     'mpx pure bf16 stochastic': (lambda l: l.to_bf16(pure=True, update='stochastic'), False),
     'fastai fp16': (lambda l: l.add_cb(ffp16.MixedPrecision()), False), 'fastai bf16': (lambda l: l.add_cb(ffp16.MixedPrecision(amp_mode='bf16')), False),
+    'mpx bf16 Adam': (lambda l: l.to_bf16(), False, Adam), 'mpx bf16 Adam compile': (lambda l: l.to_bf16(fused='compile'), False, Adam),
+    'mpx pure kahan Adam compile': (lambda l: l.to_bf16(pure=True, fused='compile'), False, Adam),
     'raw AMP bf16 loop': (torch.bfloat16, False), 'raw AMP fp16 loop': (torch.float16, False),
+    'raw AMP bf16 loop fused AdamW': ((torch.bfloat16, True), False),
 }
+KEEP = ('fp32', 'raw AMP bf16 loop', 'raw AMP fp16 loop')  # the references of the ratios: kept by every `--modes`
 
 def set_tf32(on):
     "Let fp32 matmuls and convolutions use TF32 tensor cores, or not"
@@ -134,11 +140,12 @@ def set_tf32(on):
 
 def build(name, model, batches, loss_func):
     "Mode `name` on its own copy of `model`: a function timing one epoch (seconds per step) and its learner, if any"
-    how,tf32 = MODES[name]
+    how,tf32,*opt = MODES[name]
     m = deepcopy(model).to(DEV)
-    if isinstance(how, torch.dtype): learn,run = None,raw_loop(m, batches, loss_func, how)
+    if isinstance(how, tuple): learn,run = None,raw_loop(m, batches, loss_func, *how)
+    elif isinstance(how, torch.dtype): learn,run = None,raw_loop(m, batches, loss_func, how)
     else:
-        learn = how(learner(m, batches, cbs=CudaTimer(), opt_func=adamw, lr=1e-4, loss_func=loss_func, device=DEV))
+        learn = how(learner(m, batches, cbs=CudaTimer(), opt_func=opt[0] if opt else adamw, lr=1e-4, loss_func=loss_func, device=DEV))
         run = lambda: fit_quiet(learn).cuda_timer.per_step
     def timed(): set_tf32(tf32); return run()
     return timed, learn
@@ -173,15 +180,15 @@ def failure(e) -> str:
     lines = [l.strip() for l in str(e).splitlines() if l.strip() and not l.startswith('Exception occured in')]
     return f"{type(e).__name__}: {(lines or [''])[0][:200]}"
 
-def measure(case, bs, smoke, rounds) -> tuple:
+def measure(case, bs, smoke, rounds, modes=tuple(MODES)) -> tuple:
     "Every mode's peak memory (a mode whose fit fails is left out, its error kept), then their interleaved timings, for one model"
     model,cpu_batches,unit,label = case(bs, smoke)
     batches,loss_func = [(x.to(DEV), y.to(DEV)) for x,y in cpu_batches],CrossEntropyLossFlat()
     flops,mem,failed = step_flops(model, batches, loss_func),{},{}
-    for k in MODES:
+    for k in modes:
         try: mem[k] = peak_memory(k, model, batches, loss_func)
         except Exception as e: failed[k] = failure(e); gc.collect()
-    built = {k: build(k, model, batches, loss_func) for k in MODES if k not in failed}
+    built = {k: build(k, model, batches, loss_func) for k in modes if k not in failed}
     t = interleaved({k: run for k,(run,_) in built.items()}, rounds)
     skips = {k: skipped(l) for k,(_,l) in built.items()}
     return label, dict(t=t, mem=mem, flops=flops, samples=batches[0][1].numel(), unit=unit, skipped=skips, failed=failed)
@@ -197,6 +204,8 @@ def summary(name, t) -> list:
     r = lambda a,b,fmt: format(ratio(t[a], t[b]), fmt) if a in t and b in t else 'failed'
     return [name, r('raw AMP bf16 loop', 'mpx bf16', '.1%'), r('raw AMP bf16 loop', 'mpx bf16 check_finite=False', '.1%'),
             r('raw AMP fp16 loop', 'mpx fp16', '.1%'),
+            r('raw AMP bf16 loop fused AdamW', 'mpx bf16 Adam compile', '.1%'),
+            r('mpx bf16 Adam compile', 'mpx pure kahan Adam compile', '.2f')+'x',
             r('fp32', 'mpx bf16', '.2f')+'x', r('tf32', 'mpx bf16', '.2f')+'x',
             r('mpx bf16', 'mpx pure bf16 kahan', '.2f')+'x'*('mpx pure bf16 kahan' in t)]
 
@@ -441,8 +450,8 @@ def profile_gap(bs, smoke) -> list:
 
 def plot(res, out, gpu_name):
     plt = plt_agg()
-    fig,axs = plt.subplots(1, len(res), figsize=(8*len(res), 4.2))
-    for ax,(name,r) in zip(axs, res.items()):
+    fig,axs = plt.subplots(1, len(res), figsize=(8*len(res), 4.2), squeeze=False)
+    for ax,(name,r) in zip(axs[0], res.items()):
         f = r['t']['fp32']
         colors = ['C2' if 'raw' in k else 'C1' if 'fastai' in k else 'C0' if 'mpx' in k else 'C7' for k in r['t']]
         bars = ax.bar(range(len(r['t'])), [ratio(f, t) for t in r['t'].values()], color=colors)
@@ -496,7 +505,8 @@ def main(args):
         print(f"# optimizer state in fp32, bf16, 8 and 4 bits (`opt_state`), fastai's Adam (lr 1e-4), compiled steps (`fused='compile'`) "
               f"and eager 8-bit, {args.rounds} rounds; speed against the same mode with fp32 state (paired), which issue 35 wants "
               "at 0.9x or more for 8 bits; peak GiB of one fit run alone")
-        rws,fails = lowbit_rows(((gpt_case, args.gpt_bs), (mlp_case, args.lowbit_mlp_bs)), args.rounds)
+        cases = {'gpt': (gpt_case, args.gpt_bs), 'mlp': (mlp_case, args.lowbit_mlp_bs)}
+        rws,fails = lowbit_rows([c for k,c in cases.items() if k in args.models.split(',')], args.rounds)
         table(['model', 'mode', 'opt_state', 'steps', 'ms/step:', 'vs fp32 state:', 'peak GiB:'], rws)
         for f in fails: print(f"# failed: {f}")
         done('lowbit')
@@ -523,15 +533,18 @@ def main(args):
         print(f"speed-up of fused=True (median of paired ratios): {s:.2f}x; target (issue 48) >= 1.5x: {'yes' if s >= 1.5 else 'no'}")
         done('chain')
     res = {}
+    modes = [k for k in MODES if k in KEEP or not args.modes or any(m.strip() == k for m in args.modes.split(','))]
     if 'main' in only:
-        for case,bs in ((gpt_case, args.gpt_bs), (cnn_case, args.cnn_bs)):  # each model's table as soon as it is measured
-            n,r = measure(case, bs, smoke, args.rounds); res[n] = r
+        cases = {'gpt': (gpt_case, args.gpt_bs), 'cnn': (cnn_case, args.cnn_bs)}
+        for case,bs in [c for k,c in cases.items() if k in args.models.split(',')]:  # each model's table as soon as it is measured
+            n,r = measure(case, bs, smoke, args.rounds, modes); res[n] = r
             table(['model', 'mode', 'ms/step:', 'throughput:', 'vs fp32:', 'TFLOP/s:', 'MFU:', 'peak GiB:', 'fp16 skipped/steps:'],
                   rows(n, r, peak))
             for k,e in r['failed'].items(): print(f"# {n}: {k} failed: {e}")
             done(n)
         table(['model', 'mpx bf16 / raw bf16 loop speed:', 'mpx bf16 check_finite=False / raw bf16 loop:',
-               'mpx fp16 / raw fp16 loop speed:',
+               'mpx fp16 / raw fp16 loop speed:', 'mpx bf16 Adam compile / raw loop fused AdamW (>= 95%):',
+               'pure kahan Adam compile vs mpx bf16 Adam compile (>= 1.0x):',
                'mpx bf16 vs fp32:', 'mpx bf16 vs tf32:', 'pure kahan vs mpx bf16:'],
               [summary(n, r['t']) for n,r in res.items()])
         plot(res, args.plots, name)
@@ -550,6 +563,8 @@ def parse():
     p.add_argument('--lowbit-mlp-bs', type=int, default=1024)
     p.add_argument('--rounds', type=int, default=5); p.add_argument('--plots', default=str(PLOTS), help='folder for gpu_speedup.png')
     p.add_argument('--only', default=','.join(SECTIONS), help=f"comma-separated sections to run, of {SECTIONS}")
+    p.add_argument('--modes', default='', help=f"main's modes, comma-separated names of {list(MODES)} (default: all; {KEEP} always)")
+    p.add_argument('--models', default='gpt,cnn,mlp', help="main's and lowbit's models, comma-separated: gpt, cnn (main), mlp (lowbit)")
     p.add_argument('--smoke', action='store_true', help='a miniature run on the CPU, to check the code paths')
     return p.parse_args()
 

@@ -16,7 +16,16 @@ DEST=${DEST:-bench/wheels}
 TORCHAO=${TORCHAO-0.18.0}
 PKGS="fastai fastcore fastprogress fasttransform fastdownload plum-dispatch beartype python-fasthtml starlette itsdangerous python-multipart"
 PKGS="$PKGS torch-optimi"  # gpu.py's optimi section, not mpx
-pins=$($PY -c "import importlib.metadata as m, sys; print(' '.join(f'{p}=={m.version(p)}' for p in sys.argv[1:]))" $PKGS)
+# each at the .venv's version, or constraints.txt's pin where the .venv lacks it (torch-optimi: `make bench` installs it)
+pins=$($PY - $PKGS <<'PY'
+import importlib.metadata as m, re, sys
+pinned = dict(re.findall(r'^([\w.-]+)==(\S+)', open('constraints.txt').read(), re.M))
+def version(p):
+    try: return m.version(p)
+    except m.PackageNotFoundError: return pinned[p]
+print(' '.join(f'{p}=={version(p)}' for p in sys.argv[1:]))
+PY
+)
 pins="$pins${TORCHAO:+ torchao==$TORCHAO}"
 mkdir -p "$DEST" && echo '*' > "$DEST/.gitignore"
 rm -f "$DEST"/*.whl

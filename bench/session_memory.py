@@ -11,7 +11,10 @@ Run: `PYTHONPATH=. .venv/bin/python bench/session_memory.py` (`--arms a,b` picks
 model for a quick look; `--one NAME` runs one arm in this process and prints its row as JSON). `--model gpt2`, a random
 GPT-2 with tied embeddings, needs transformers: `.venv/bin/python -m pip install -c constraints.txt transformers`;
 `--model resnet`, fastai's `vision_learner` on a resnet18, needs torchvision: run both in the apps' stack
-(`.venv-apps/bin/python`, which `make apptest` builds). An arm whose optimizer package is missing is left out, said so."""
+(`.venv-apps/bin/python`, which `make apptest` builds). An arm whose optimizer package is missing is left out, said so.
+`--device cuda` measures the GPU's memory instead, on a machine with one: `torch.cuda.max_memory_allocated()` reset before
+each call and `memory_allocated()` after it, above what was allocated before the model was built (the model is moved to the
+device before the mode is set, so 'built' is the fp32 model's 4 B a parameter)."""
 import argparse, json, os, subprocess, sys, tempfile, time
 from pathlib import Path
 
@@ -48,13 +51,32 @@ PREDICTED = {  # arm -> the call in `precision_report().memory` that predicts it
     'mpx pure kahan 8bit compile': "to_bf16(pure=True, opt_state='8bit', fused='compile')",
 }
 
+DEVICE = 'cpu'  # `--device`: where the arms train and whose memory is measured
+
 def _status(key:str) -> int:
     "`VmHWM` or `VmRSS` of this process, in bytes"
     for l in open('/proc/self/status'):
         if l.startswith(key + ':'): return int(l.split()[1]) * 1024
     raise KeyError(key)
 
-def _reset_peak(): open('/proc/self/clear_refs', 'w').write('5')  # the peak resident set starts again from the current one
+def _reset_peak():
+    "Start the peak again from the current memory: the kernel's peak resident set, or the CUDA allocator's peak"
+    if DEVICE == 'cuda':
+        import torch
+        torch.cuda.reset_peak_memory_stats()
+    else: open('/proc/self/clear_refs', 'w').write('5')
+
+def _now() -> int:
+    "The memory now: resident bytes, or the bytes the CUDA allocator has handed out"
+    if DEVICE != 'cuda': return _status('VmRSS')
+    import torch
+    return torch.cuda.memory_allocated()
+
+def _peak() -> int:
+    "The memory's peak since `_reset_peak`"
+    if DEVICE != 'cuda': return _status('VmHWM')
+    import torch
+    return torch.cuda.max_memory_allocated()
 
 def _mlp_data(n_in:int, n_out:int, bs:int, n:int):
     "Synthetic regression data that `export` can empty: `n` training batches of `bs`, two validation ones"
@@ -129,24 +151,24 @@ def _learner(model:str, bs:int=16, n:int=8):
     if model == 'gpt2':
         _gpt2_classes()  # transformers imported before the measure
         dls = _gpt2_data(GPT2['vocab_size'], GPT2['n_positions'], bs, n)
-        base = _status('VmRSS')
+        base = _now()
         return _quiet(Learner(dls, _gpt2_lm(), loss_func=CrossEntropyLossFlat(), opt_func=Adam, lr=1e-3)),base
     if model == 'resnet':
         from fastai.vision.learner import vision_learner
         from torchvision.models import resnet18
         dls = _image_data(RESNET['px'], RESNET['n_out'], bs, n)
-        base = _status('VmRSS')
+        base = _now()
         return _quiet(vision_learner(dls, resnet18, n_out=RESNET['n_out'], pretrained=False, loss_func=CrossEntropyLossFlat(),
                                      opt_func=Adam, lr=1e-3)),base
     if sizes is None:  # the text model: its data made with a tiny model first, then the model measured on that data
         from fastai.text.all import AWD_LSTM, text_classifier_learner
         dls = text_app_learner(n=bs*(n+1), bs=bs, emb_sz=8).dls
-        base = _status('VmRSS')
+        base = _now()
         cfg = dict(emb_sz=1536, n_hid=1536, n_layers=1)
         return _quiet(text_classifier_learner(dls, AWD_LSTM, pretrained=False, config=cfg, seq_len=8, max_len=80, lin_ftrs=[64],
                                               opt_func=Adam, lr=1e-3)),base
     dls = _mlp_data(sizes[0], sizes[-1], bs, n)
-    base = _status('VmRSS')  # the data made: what the model, the optimizer and the mode take is measured from here
+    base = _now()  # the data made: what the model, the optimizer and the mode take is measured from here
     return _quiet(Learner(dls, _mlp(sizes), loss_func=MSELossFlat(), opt_func=Adam, lr=1e-3)),base
 
 def _other(l, which:str):
@@ -176,6 +198,7 @@ def run_one(name:str, model:str) -> dict:
     import fastai.callback.schedule, mpx.all  # noqa: F401 (lr_find, fit_one_cycle; mpx patches Learner)
     learn,base = _learner(model)
     make = ARMS[name]
+    if DEVICE == 'cuda': learn.model.cuda()  # fastai moves it at the first fit: 'built' counts the fp32 model, as on the CPU
     learn = _other(learn, make) if isinstance(make, str) else make(learn)
     n = sum(p.numel() for p in learn.model.parameters())
     per = lambda b: round((b - base) / n, 2)
@@ -185,15 +208,15 @@ def run_one(name:str, model:str) -> dict:
              'fit 2': lambda: learn.fit(1), 'fit 3': lambda: learn.fit(1), 'validate': learn.validate, 'get_preds': learn.get_preds,
              'save': lambda: learn.save('s', with_opt=True), 'load': lambda: learn.load('s', with_opt=True),
              'export': lambda: learn.export(tmp/'e.pkl')}
-    res = dict(arm=name, params=n, built=per(_status('VmRSS')), peak={}, after={})
+    res = dict(arm=name, params=n, built=per(_now()), peak={}, after={})
     for c in CALLS:
         _reset_peak()
         with learn.no_bar(), learn.no_logging(): calls[c]()
-        res['peak'][c],res['after'][c] = per(_status('VmHWM')),per(_status('VmRSS'))
+        res['peak'][c],res['after'][c] = per(_peak()),per(_now())
     del learn, calls  # `calls` holds bound methods of the learner (`learn.validate`)
     import gc
     gc.collect()  # fastai's learner and its callbacks point at each other: `del learn` alone waits for the collector
-    res['after del'] = per(_status('VmRSS'))
+    res['after del'] = per(_now())
     return res
 
 def predict(model:str) -> dict:
@@ -202,6 +225,7 @@ def predict(model:str) -> dict:
     torch.set_num_threads(1)
     import mpx.all  # noqa: F401
     learn,_ = _learner(model)
+    if DEVICE == 'cuda': learn.model.cuda()
     mem = learn.precision_report().memory
     n = sum(p.numel() for p in learn.model.parameters() if p.requires_grad)
     return {call: dict(peak=round(r['B/param'], 2), fit=round(r['fit'] / n, 2), at=r['at']) for call,r in mem.iterrows()}
@@ -211,9 +235,12 @@ def main():
     ap.add_argument('--arms', default='', help='comma-separated substrings of arm names (default: every arm)')
     ap.add_argument('--model', default='issue', choices=list(MODELS), help="the model ('issue': the issue's session)")
     ap.add_argument('--small', action='store_true', help="the 'small' model, for a quick look")
+    ap.add_argument('--device', default='cpu', choices=['cpu', 'cuda'], help="whose memory: the process's resident set, or the GPU's")
     ap.add_argument('--one', default='', help=argparse.SUPPRESS)
     ap.add_argument('--predict', action='store_true', help=argparse.SUPPRESS)
     a = ap.parse_args()
+    global DEVICE
+    DEVICE = a.device
     model = 'small' if a.small else a.model
     import importlib, importlib.util
     if model in NEEDS:
@@ -226,10 +253,11 @@ def main():
     missing = [n for n in names if n in ARM_NEEDS and importlib.util.find_spec(ARM_NEEDS[n]) is None]
     names = [n for n in names if n not in missing]
     env = {**os.environ, 'MALLOC_MMAP_THRESHOLD_': '65536', 'PYTHONWARNINGS': 'ignore'}
-    run = lambda *args: subprocess.run([sys.executable, __file__, '--model', model, *args], env=env, capture_output=True, text=True)
+    run = lambda *args: subprocess.run([sys.executable, __file__, '--model', model, '--device', DEVICE, *args], env=env, capture_output=True, text=True)
     import torch, fastai
     print(f"# Memory over a session (bench/session_memory.py): torch {torch.__version__}, fastai {fastai.__version__}, "
-          f"{MODELS[model][0]}, Adam, batch 16, 8 batches an epoch; bytes a parameter above the process before the model\n")
+          f"{MODELS[model][0]}, Adam, batch 16, 8 batches an epoch; bytes a parameter above the process before the model"
+          + (f", on {torch.cuda.get_device_name()} (torch.cuda's allocated bytes)" if DEVICE == 'cuda' else '') + "\n")
     for n in missing: print(f"# left out: {n} (needs {ARM_NEEDS[n]}, which is missing here)")
     out = run('--predict')
     pred = json.loads(out.stdout.strip().splitlines()[-1]) if not out.returncode else {}

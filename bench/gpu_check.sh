@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Issue 61's one call on a lent GPU machine (an H100/H200 image with PyTorch, no fastai, no network), within about 9 minutes,
+# each part's log under $OUT as it runs, so that a run cut off still returns what it measured:
+#   A, side by side (correctness and memory, not timings): the tests that skip without CUDA and the engine's tests on the
+#      device (fastai puts a learner where CUDA is: every mode, compiled steps, low-bit state, kept layouts, saves,
+#      checkpoints) -> tests.log; tests/apps/test_vision.py (resnet18 and xresnet18 fine-tuned in every mode beside fp32)
+#      -> vision.log; bench/session_memory.py --device cuda (max_memory_allocated per call, per mode, with the advisor's
+#      predicted peaks) -> session.log
+#   B, alone (timings): bench/gpu.py's host syncs and main table (GPT, then the CNN: mpx eager and compiled beside raw loops,
+#      torch's fused AdamW among them) -> gpu_main.log; its low-bit state section -> gpu_lowbit.log
+# Here first: `bash bench/gpu_wheels.sh` (bench/wheels: fastai and what it needs that the image lacks); carry bench/wheels.
+# `bash bench/gpu_check.sh --smoke` runs it in miniature on this machine's CPU with the .venv (OUT=/tmp/gpu_check by default).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+SMOKE=$([ "${1:-}" = --smoke ] && echo 1 || echo)
+OUT=${OUT:-/tmp/gpu_check}; mkdir -p "$OUT"
+TA=${TA:-170} TB1=${TB1:-230} TB2=${TB2:-130}  # seconds for part A, and B's two sections
+export PYTHONUNBUFFERED=1
+if [ -z "$SMOKE" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site bench/wheels/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD; PY=python3; DEVICE=cuda
+  TESTS="tests/test_gpu.py tests/test_syncs.py tests/test_fp8.py tests/test_engine.py tests/test_compiled_steps.py
+         tests/test_lowbit.py tests/test_kept_layout.py tests/test_checkpoints.py tests/test_one_truth.py tests/test_pure.py
+         tests/test_master.py tests/test_fused_modes.py tests/test_wrong_steps.py tests/test_visible_state.py
+         tests/test_amp_integration.py tests/test_leaks.py"
+  SESSION=(); GPU=(); WORKERS=8
+else
+  export PYTHONPATH=$PWD; PY=${PY:-$PWD/.venv/bin/python}; DEVICE=cpu
+  TESTS="tests/test_gpu.py tests/test_syncs.py"; SESSION=(--small --arms 'fastai fp32,mpx pure kahan 8bit'); GPU=(--smoke); WORKERS=2
+fi
+{ nvidia-smi -L 2>&1; $PY -c "import sys, torch, fastai, mpx; print('python', sys.version.split()[0], 'torch', torch.__version__,
+'cuda', torch.version.cuda, 'fastai', fastai.__version__, 'mpx', mpx.__version__)"; } > "$OUT/env.log" 2>&1
+cat "$OUT/env.log"
+
+echo "# A: tests, vision, session memory (side by side, $TA s at most) at $SECONDS s"
+timeout $TA $PY -m pytest -p no:cacheprovider -v -rfEs --tb=short -n $WORKERS --dist loadfile $TESTS > "$OUT/tests.log" 2>&1 &
+if [ -z "$SMOKE" ]; then
+  timeout $TA $PY -m pytest -p no:cacheprovider -v -rfEs --tb=short -n 4 tests/apps/test_vision.py > "$OUT/vision.log" 2>&1 &
+fi
+timeout $TA $PY bench/session_memory.py --device $DEVICE "${SESSION[@]}" > "$OUT/session.log" 2>&1 &
+wait
+tail -n 4 "$OUT/tests.log"; [ -z "$SMOKE" ] && tail -n 4 "$OUT/vision.log"; sed -n '1,/^$/p;/^| arm | training/,/^$/p' "$OUT/session.log" | head -30
+
+echo "# B: bench/gpu.py alone at $SECONDS s"
+MODES="mpx bf16,mpx bf16 Adam,mpx bf16 Adam compile,mpx pure kahan Adam compile,mpx pure bf16 kahan,mpx fp16,fastai bf16"
+MODES="$MODES,raw AMP bf16 loop fused AdamW"
+(cd bench && timeout $TB1 $PY gpu.py "${GPU[@]}" --rounds 3 --only syncs,main --models gpt,cnn --modes "$MODES" \
+  --plots /tmp/gpu_plots > "$OUT/gpu_main.log" 2>&1)
+grep -A12 "^| model | mpx bf16 / raw" "$OUT/gpu_main.log" | head -6
+(cd bench && timeout $TB2 $PY gpu.py "${GPU[@]}" --rounds 3 --only lowbit --models gpt > "$OUT/gpu_lowbit.log" 2>&1)
+grep "^| GPT" "$OUT/gpu_lowbit.log" | head -12
+echo "# done at $SECONDS s"
