@@ -19,14 +19,14 @@ export PYTHONUNBUFFERED=1
 if [ -z "$SMOKE" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site bench/wheels/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD; PY=python3; DEVICE=cuda
-  TESTS="tests/test_gpu.py tests/test_syncs.py tests/test_fp8.py tests/test_engine.py tests/test_compiled_steps.py
+  TESTS=${TESTS:-"tests/test_gpu.py tests/test_syncs.py tests/test_fp8.py tests/test_engine.py tests/test_compiled_steps.py
          tests/test_lowbit.py tests/test_kept_layout.py tests/test_checkpoints.py tests/test_one_truth.py tests/test_pure.py
          tests/test_master.py tests/test_fused_modes.py tests/test_wrong_steps.py tests/test_visible_state.py
-         tests/test_amp_integration.py tests/test_leaks.py"
-  SESSION=(); GPU=(); WORKERS=8
+         tests/test_amp_integration.py tests/test_leaks.py"}
+  SESSION=(${ARMS:+--arms "$ARMS"}); GPU=(); WORKERS=8
 else
   export PYTHONPATH=$PWD; PY=${PY:-$PWD/.venv/bin/python}; DEVICE=cpu
-  TESTS="tests/test_gpu.py tests/test_syncs.py"; SESSION=(--small --arms 'fastai fp32,mpx pure kahan 8bit'); GPU=(--smoke); WORKERS=2
+  TESTS=${TESTS:-"tests/test_gpu.py tests/test_syncs.py"}; SESSION=(--small --arms 'fastai fp32,mpx pure kahan 8bit'); GPU=(--smoke); WORKERS=2
 fi
 { nvidia-smi -L 2>&1; $PY -c "import sys, torch, fastai, mpx; print('python', sys.version.split()[0], 'torch', torch.__version__,
 'cuda', torch.version.cuda, 'fastai', fastai.__version__, 'mpx', mpx.__version__)"; } > "$OUT/env.log" 2>&1
@@ -41,6 +41,7 @@ timeout $TA $PY bench/session_memory.py --device $DEVICE "${SESSION[@]}" > "$OUT
 wait
 tail -n 4 "$OUT/tests.log"; [ -z "$SMOKE" ] && tail -n 4 "$OUT/vision.log"; sed -n '1,/^$/p;/^| arm | training/,/^$/p' "$OUT/session.log" | head -30
 
+[ -n "${NO_B:-}" ] && exit 0  # NO_B=1: part A alone (a second call, say)
 echo "# B: bench/gpu.py alone at $SECONDS s"
 MODES="mpx bf16,mpx bf16 Adam,mpx bf16 Adam compile,mpx pure kahan Adam compile,mpx pure bf16 kahan,mpx fp16,fastai bf16"
 MODES="$MODES,raw AMP bf16 loop fused AdamW"

@@ -84,7 +84,7 @@ def _mlp_data(n_in:int, n_out:int, bs:int, n:int):
     from mpx.test_utils import _ExportableDS
     from fastai.data.core import TfmdDL, DataLoaders
     def ds(k): x = torch.randn(bs*k, n_in); return _ExportableDS(x, x[:, :n_out] * 2 + .1 * torch.randn(bs*k, n_out))
-    return DataLoaders(TfmdDL(ds(n), bs=bs, shuffle=True), TfmdDL(ds(2), bs=bs))
+    return DataLoaders(TfmdDL(ds(n), bs=bs, shuffle=True), TfmdDL(ds(2), bs=bs), device=DEVICE)
 
 def _mlp(sizes:list):
     from fastai.basics import nn
@@ -114,7 +114,7 @@ def _image_data(px:int, n_out:int, bs:int, n:int):
     from mpx.test_utils import _ExportableDS
     from fastai.data.core import TfmdDL, DataLoaders
     def ds(k): return _ExportableDS(torch.randn(bs*k, 3, px, px), torch.randint(0, n_out, (bs*k,)))
-    return DataLoaders(TfmdDL(ds(n), bs=bs, shuffle=True), TfmdDL(ds(2), bs=bs))
+    return DataLoaders(TfmdDL(ds(n), bs=bs, shuffle=True), TfmdDL(ds(2), bs=bs), device=DEVICE)
 
 def _gpt2_classes() -> tuple:
     "transformers' `GPT2Config` and `GPT2LMHeadModel`, a torchvision that cannot load kept out"
@@ -131,7 +131,7 @@ def _gpt2_data(vocab:int, seq:int, bs:int, n:int):
     def ds(k):
         x = torch.randint(0, vocab, (k, seq + 1))
         return _ExportableDS(x[:, :-1], x[:, 1:])
-    return DataLoaders(TfmdDL(ds(bs*n), bs=bs, shuffle=True), TfmdDL(ds(4), bs=bs))  # 4: get_preds' logits stay small
+    return DataLoaders(TfmdDL(ds(bs*n), bs=bs, shuffle=True), TfmdDL(ds(4), bs=bs), device=DEVICE)  # 4: get_preds' logits stay small
 
 def _gpt2_lm(**config):
     "A module whose forward gives a random GPT-2's logits (no download: `GPT2Config` only); `config` changes `GPT2`'s"
@@ -232,7 +232,7 @@ def predict(model:str) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument('--arms', default='', help='comma-separated substrings of arm names (default: every arm)')
+    ap.add_argument('--arms', default='', help='comma-separated arm names, or parts of names (default: every arm)')
     ap.add_argument('--model', default='issue', choices=list(MODELS), help="the model ('issue': the issue's session)")
     ap.add_argument('--small', action='store_true', help="the 'small' model, for a quick look")
     ap.add_argument('--device', default='cpu', choices=['cpu', 'cuda'], help="whose memory: the process's resident set, or the GPU's")
@@ -249,7 +249,8 @@ def main():
                                         f"run it with .venv-apps/bin/python (make apptest builds it)")
     if a.one: return print(json.dumps(run_one(a.one, model)))
     if a.predict: return print(json.dumps(predict(model)))
-    names = [n for n in ARMS if not a.arms or any(s.strip() in n for s in a.arms.split(','))]
+    picks = [s.strip() for s in a.arms.split(',') if s.strip()]  # an arm's exact name picks it alone, else a part of names
+    names = [n for n in ARMS if not picks or any(s == n or (s not in ARMS and s in n) for s in picks)]
     missing = [n for n in names if n in ARM_NEEDS and importlib.util.find_spec(ARM_NEEDS[n]) is None]
     names = [n for n in names if n not in missing]
     env = {**os.environ, 'MALLOC_MMAP_THRESHOLD_': '65536', 'PYTHONWARNINGS': 'ignore'}

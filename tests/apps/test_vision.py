@@ -59,6 +59,7 @@ def run(arch:str, mode:str|None, images, tmp_path, seed:int=1) -> dict:
     "The user's sequence in `mode` (None: fp32); what it checks on the way raises, what is compared with fp32 is returned"
     set_seed(0, reproducible=True)
     learn = vision_learner(image_dls(images, 32), ARCHS[arch], pretrained=False, metrics=accuracy, path=tmp_path)
+    learn.model.to(learn.dls.device)  # where its first fit puts it (a GPU's, where there is one): every weight compared on one device
     if mode: MODES[mode](learn)
     learn.to_channelslast(use_amp=False)  # after the mode: fastai's own AMP is not added beside mpx's
     start,stats = weights(learn),bn_stats(learn)
