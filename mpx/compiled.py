@@ -10,7 +10,7 @@ from fastai.torch_basics import *
 from fastai.optimizer import *
 from .flat import *
 from .eager import base_fn, fn_name, RunSteps, LoopSteps
-from .lowbit import kept
+from .lowbit import kept, probe_casts
 from .warn import warn_user
 
 # %% auto #0
@@ -389,6 +389,7 @@ class CompiledSteps:
         found = eng.found if eng.found is not None else self._scalars(b.device, {'nothing_found': 0.})['nothing_found']
         hyper['found'] = found.reshape(())  # a view: the finite check's flag may come as one element of rank 1
         try:
+            if b.store.kernel_options.get('emulate_precision_casts'): probe_casts(b.device)  # before the kernel's trace reads it
             scalars,step = _kernel(b.kind, b.store, chain, _signature(t, hyper))
             step(t, hyper, scalars(hyper, t.get('steps')))
         except Exception as e:

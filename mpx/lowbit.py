@@ -9,8 +9,8 @@ from fastai.torch_basics import *
 
 # %% auto #0
 __all__ = ['MIN_LOWBIT', 'MODE_BYTES', 'dynamic_map', 'root_map', 'quantize', 'dequantize', 'pack4', 'unpack4', 'LowBitState',
-           'flat_part', 'Store', 'DenseStore', 'BF16Store', 'kernel_name', 'kept', 'bf16_nearest', 'Float8Codes',
-           'MapCodes', 'static_rows', 'QuantStore', 'make_store', 'state_bytes', 'param_bytes']
+           'flat_part', 'Store', 'DenseStore', 'BF16Store', 'probe_casts', 'kernel_name', 'kept', 'bf16_nearest',
+           'Float8Codes', 'MapCodes', 'static_rows', 'QuantStore', 'make_store', 'state_bytes', 'param_bytes']
 
 # %% ../nbs/01i_lowbit.ipynb #lb0006
 def dynamic_map(signed:bool=True, exp_bits:int=7, bits:int=8) -> Tensor:
@@ -172,7 +172,7 @@ class Store:
     def kernel_nearest(self, x:Tensor) -> Tensor:
         "fp32 `x` rounded to bf16, still fp32, in a kernel over this store (a kind's fold)"
         # through a conversion only where this store's own options keep its round trip: inductor folds it otherwise
-        if self.kernel_options.get('emulate_precision_casts') and _casts_kept(): return x.to(torch.bfloat16).float()
+        if self.kernel_options.get('emulate_precision_casts') and _casts_kept(x.device.type): return x.to(torch.bfloat16).float()
         return bf16_nearest(x)  # on the bits
 
 class DenseStore(Store):
@@ -212,10 +212,26 @@ class BF16Store(DenseStore):
     # the kernel keeps its conversions (inductor drops a round trip otherwise) and rounds through them
     kernel_options = {'emulate_precision_casts': True}  # `kernel_nearest` rounds through conversions
 
-def _casts_kept() -> bool:
-    "Whether this torch's inductor can keep a kernel's round trips through bf16 (`emulate_precision_casts`)"
-    import torch._inductor.config as inductor  # in a kernel: imported with `torch.compile`
-    return hasattr(inductor, 'emulate_precision_casts')
+_casts = {}  # device type: whether inductor keeps a kernel's round trip through bf16 there, as `probe_casts` found
+
+def probe_casts(device) -> bool:
+    "Whether inductor keeps a kernel's round trip through bf16 on `device` with `emulate_precision_casts`: run once a device type, eagerly"
+    # torch 2.11 knows the option and still drops the trip (a kernel's Kahan compensations came out all zero): probed, not read
+    dev = torch.device(device).type
+    if dev in _casts: return _casts[dev]
+    if torch._C._len_torch_dispatch_stack(): return False  # under a dispatch mode (an op count): probed later, outside it
+    import torch._inductor.config as inductor  # imported with `torch.compile`, never at mpx's import
+    try:
+        trip = torch.compile(_round_trip, dynamic=False, options={'emulate_precision_casts': True})
+        _casts[dev] = hasattr(inductor, 'emulate_precision_casts') and bool(trip(torch.full((8,), 1 + 2**-10, device=device)).ne(0).all())
+    except Exception: _casts[dev] = False  # no kernel builds here: the compiled steps fall back and say why
+    return _casts[dev]
+
+def _round_trip(x:Tensor) -> Tensor: return x.to(torch.bfloat16).float() - x  # zero where inductor drops the trip
+
+def _casts_kept(device_type:str) -> bool:
+    "What `probe_casts` found for `device_type`; False where it has not run (a kernel then rounds on the bits, always right)"
+    return _casts.get(device_type, False)
 
 def kernel_name(k:str, part:str) -> str:
     "The name of state `k`'s `part` among a kernel's tensors"

@@ -165,7 +165,7 @@ class KahanKind(BF16Kind):
     @staticmethod
     def kernel_fold(t, s, x, nearest=None):
         "`fold_kahan` in a kernel, rounding to bf16 by `nearest` (the store's; else on the bits)"
-        nearest = nearest or bf16_nearest
+        nearest = bf16_nearest if nearest is None else nearest  # not `or`: torch 2.11's dynamo cannot take a bound method's truth
         w = nearest(x)
         v = w + nearest(x - w)
         w = nearest(v)

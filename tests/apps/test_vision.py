@@ -96,8 +96,8 @@ def run(arch:str, mode:str|None, images, tmp_path, seed:int=1) -> dict:
         learn.show_results(max_n=2)
         plt.close('all')
         learn.export('model.pkl')
-        loaded = load_learner(tmp_path/'model.pkl')
-        assert all(map(torch.equal, w, weights(loaded)))
+        loaded = load_learner(tmp_path/'model.pkl')  # on the CPU (fastai's default), where the learner trained on a GPU too
+        assert all(torch.equal(a.cpu(), b) for a,b in zip(w, weights(loaded)))
         assert loaded.predict(PILImage.create(images/'valid'/'right'/'0.png'))[0] in loaded.dls.vocab
     return dict(start=start, end=w, stats0=stats, stats=bn_stats(learn), groups=groups(learn),
                 frozen_moved=[m and f for m,f in zip(moved, frozen)])
