@@ -17,7 +17,7 @@ from .hardware import *
 from .warn import warn_user
 from .callback import _no_kernel
 from .fp8 import fp8_table, linear_rows, real_fp8
-from .lowbit import param_bytes, state_bytes, MIN_LOWBIT, MODE_BYTES
+from .lowbit import param_bytes, state_bytes, make_store, MIN_LOWBIT, MODE_BYTES
 from .plumbing import state_owners, halvable
 from .fused import default_chunk
 
@@ -536,7 +536,7 @@ def _runtime_cpu(model:nn.Module) -> int:
 
 # %% ../nbs/06_advisor.ipynb #95919c5e
 def _kept_between_fits(mode:str, opt_state:str) -> bool:
-    return mode in ('kahan', 'stochastic') or (mode == 'amp' and opt_state != 'fp32')
+    return mode in ('kahan', 'stochastic') or (mode == 'amp' and not make_store(opt_state).views)
 
 def _state_bytes(t:MemoryTerms, opt_state:str) -> float:
     "Bytes of optimizer state under `opt_state`"

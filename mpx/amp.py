@@ -27,7 +27,7 @@ class MixedPrecision(PrecisionCallback):
         check_finite:bool=True, # Skip a step whose gradients hold inf/nan (fp16 always checks)
         fused:bool|str=True, # How the step engine steps (`Fused`): True, False or 'compile'
         schedule_skips:bool=True, # False: a skipped step does not advance fastai's schedules
-        opt_state:str='fp32', # The optimizer's state: 'fp32', 'bf16', '8bit' or '4bit' (`mpx.lowbit`)
+        opt_state='fp32', # The optimizer's state: 'fp32', 'bf16', '8bit', '4bit', a `register_store` name or a `Store` (`mpx.lowbit`)
         comm:str|None=None, # Under DDP: all-reduce the gradients in 'bf16' or 'fp16' (needs the loss scale)
     ):
         super().__init__(amp_mode, check_finite, fused, schedule_skips, opt_state)

@@ -12,7 +12,7 @@ from .core import *
 from .scaler import *
 from .fused import FusedSteps, why_not_lowbit
 from .compiled import find_nonfinite
-from .lowbit import param_bytes, flat_part
+from .lowbit import param_bytes, flat_part, make_store, store_name
 from .plumbing import Ledger, LazyTensor, Stored, opt_params, pieces, read_stored
 from .flat import overlapping
 from .patches import *
@@ -138,7 +138,7 @@ _not_pickled = ('ledger', 'fit_state', 'fused_steps', '_autocast', '_loss_autoca
 
 def _check_opt_state(opt_state:str, fused:Fused) -> str:
     "`opt_state`, or a `ValueError` where `fused` cannot hold it"
-    if opt_state == 'fp32' or fused is not Fused.LOOP: return opt_state
+    if fused is not Fused.LOOP or make_store(opt_state).views: return opt_state
     raise ValueError(f"opt_state={opt_state!r} needs the step engine's own steps, and fused=False steps fastai's loop, "
                      "which keeps each parameter's state tensors in fp32: pass fused=True or fused='compile' with it, "
                      "or opt_state='fp32'")
@@ -201,7 +201,7 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         check_finite:bool=True, # Skip a step whose gradients hold inf/nan (one host sync a step), as fp16 always does
         fused:bool|str=True, # How the step engine steps (`Fused`): True, False or 'compile'
         schedule_skips:bool=True, # False: a skipped step, which makes no update, does not advance fastai's schedules
-        opt_state:str='fp32', # The optimizer's state in 'fp32', 'bf16', '8bit' or '4bit' (`mpx.lowbit`)
+        opt_state='fp32', # The optimizer's state: 'fp32', 'bf16', '8bit', '4bit', a `register_store` name or a `Store` (`mpx.lowbit`)
     ):
         check_args(check_finite=check_finite, schedule_skips=schedule_skips, opt_state=opt_state)
         self.opt_state = _check_opt_state(opt_state, Fused.of(fused))
@@ -253,14 +253,14 @@ class PrecisionCallback(Callback, ScaleTelemetry):
     @property
     def resident(self) -> bool:
         "Whether a fit's layout stays between fits, until `to_fp32()`"
-        keeps = self.opt_state != 'fp32' if self.keeps_layout is None else self.keeps_layout
+        keeps = not make_store(self.opt_state).views if self.keeps_layout is None else self.keeps_layout
         return keeps and not (torch.distributed.is_available() and torch.distributed.is_initialized())
     def param_bytes(self, n_state:int=2) -> float:
         "Bytes a parameter holds between steps, with `n_state` state tensors"
         return param_bytes(self.memory_mode, self.opt_state, n_state)
     def _repr_state(self) -> str:
-        if self.opt_state == 'fp32': return ''
-        return f"opt_state='{self.opt_state}' ({self.param_bytes():.3g} B/param with Adam), "
+        if make_store(self.opt_state).views: return ''
+        return f"opt_state={store_name(self.opt_state)!r} ({self.param_bytes():.3g} B/param with Adam), "
 
     # ---- hooks a mode overrides
     def _check_model(self, model:nn.Module):

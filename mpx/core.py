@@ -10,6 +10,7 @@ from enum import Enum
 import torch
 from fastcore.basics import *
 from fastai.torch_core import apply
+from .lowbit import Store, is_opt_state, opt_states  # `opt_state`'s registry (lowbit imports nothing of mpx)
 
 # %% auto #0
 __all__ = ['MODE_ARGS', 'AMPMode', 'model_device', 'training_device', 'autocast_device_type', 'check_amp_support', 'to_float32',
@@ -143,7 +144,7 @@ _arg_rules = dict(
     schedule_skips  = (bool, lambda v: True,                'True or False'),
     update          = (str, lambda v: v in ('kahan', 'stochastic'), "'kahan' or 'stochastic'"),
     comm            = (str, lambda v: v in ('fp16', 'bf16'), "'fp16' or 'bf16'"),
-    opt_state       = (str, lambda v: v in ('fp32', 'bf16', '8bit', '4bit'), "'fp32', 'bf16', '8bit' or '4bit'"),
+    opt_state       = ((str, Store, type), is_opt_state, opt_states),  # `mpx.lowbit`'s registry: what it holds now
 )
 
 # %% ../nbs/00_core.ipynb #d19bb1e4
@@ -151,10 +152,11 @@ def check_args(**kwargs) -> None:
     "Raise an error naming the first invalid argument and what is allowed"
     for k,v in kwargs.items():
         typ,ok,allowed = _arg_rules[k]
+        allowed = allowed() if callable(allowed) else allowed  # a registry's names: read when said
         typs = typ if isinstance(typ, tuple) else (typ,)
         if not isinstance(v, typ) or (isinstance(v, bool) and bool not in typs):
             raise TypeError(f"{k}={v!r} is a {type(v).__name__}: {k} must be {allowed}")
-        why = 'not allowed' if isinstance(v, str) else 'out of range'
+        why = 'out of range' if isinstance(v, numbers.Number) else 'not allowed'
         if not ok(v): raise ValueError(f"{k}={v!r} is {why}: {k} must be {allowed}")
     lo,hi = kwargs.get('min_scale', 0),kwargs.get('max_scale', math.inf)
     if lo > hi: raise ValueError(f"min_scale={lo!r} > max_scale={hi!r}: min_scale must be <= max_scale")

@@ -24,6 +24,7 @@ from .amp import MixedPrecision
 from .master import MasterPrecision
 from .fused import why_not_fused
 from .core import Fused
+from .lowbit import make_store
 from .plumbing import unwrap
 from .parallel import *
 
@@ -46,7 +47,7 @@ _lowbit = ("mpx's low-bit optimizer state is not built for DTensor shards, which
 def fsdp_policy(cb:Callback|None) -> MixedPrecisionPolicy:
     "FSDP2's `MixedPrecisionPolicy` for precision callback `cb`"
     name = type(cb).__name__
-    if getattr(cb, 'opt_state', 'fp32') != 'fp32':
+    if not make_store(getattr(cb, 'opt_state', 'fp32')).views:
         raise ValueError(f"{name}(opt_state={cb.opt_state!r}) cannot train a model sharded with FSDP2: {_lowbit}")
     if cb is None or (isinstance(cb, MixedPrecision) and not cb.enabled): return _fp32
     if isinstance(cb, (MixedPrecision, MasterPrecision)):

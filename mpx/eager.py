@@ -52,7 +52,7 @@ class StateWindow:
         for k in b.state_bufs: self._open(k)
     def _open(self, k:str):
         b = self.b
-        scratch = None if b.store.bits is None else b.workspace(b.device, b.end(self.j) - self.lo, ('state', k))
+        scratch = None if b.store.views else b.workspace(b.device, b.end(self.j) - self.lo, ('state', k))
         self.x[k] = b.store.load_window(b, k, self.i, self.j, scratch)
     def part(self, k:str, a:int, c:int) -> Tensor: return self.b.part(self.x[k], a, c, self.lo)
     def slot(self, k:str, i:int) -> Tensor: return self.b.slot(self.x[k], i, self.lo)

@@ -387,7 +387,7 @@ class Bucket:
         same = same and self._seen is not None  # `same`: no dict replaced since the last adoption
         ds = self.dicts if same else [state[p] for p in self.params]
         if self._states_same(ds, same): return
-        if self.flat and self.store.bits is None: self._adopt_packed(ds, state_dtype)
+        if self.flat and self.store.views: self._adopt_packed(ds, state_dtype)
         for i,(p,d) in enumerate(zip(self.params, ds)):
             self.dicts[i] = d
             if not self.flat: continue

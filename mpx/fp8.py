@@ -210,7 +210,7 @@ class FP8Precision(PrecisionCallback):
         check_finite:bool=True, # Skip a step whose gradients hold inf/nan (one host sync a step)
         fused:bool|str=True, # How the step engine steps (`Fused`): True, False or 'compile'
         schedule_skips:bool=True, # False: a skipped step does not advance fastai's schedules
-        opt_state:str='fp32', # The optimizer's state: 'fp32', 'bf16', '8bit' or '4bit' (`mpx.lowbit`)
+        opt_state='fp32', # The optimizer's state: 'fp32', 'bf16', '8bit', '4bit', a `register_store` name or a `Store` (`mpx.lowbit`)
     ):
         super().__init__(AMPMode.BF16, check_finite, fused, schedule_skips, opt_state)
         self._check_schedule_skips()

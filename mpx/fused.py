@@ -35,7 +35,7 @@ def why_not_fused(opt) -> str|None:
 
 def why_not_lowbit(opt, fused, opt_state:str) -> str|None:
     "Why `opt_state` cannot hold `opt`'s state (None where it can)"
-    if opt_state == 'fp32' or opt is None: return None
+    if opt is None or make_store(opt_state).views: return None
     why = why_not_fused(opt)
     if why: why = f"{why}, and it keeps its own state in fp32"
     elif Fused.of(fused) is Fused.LOOP:
@@ -76,7 +76,7 @@ class FusedSteps:
         fused:bool|str|Fused=True, # How it steps (see `Fused`): True, False or 'compile'
         ledger:Ledger|None=None, # The fit's ledger, where the engine's undo is recorded (None: its own)
         chunk:int|None=None, # Most elements a window holds (None: `default_chunk` of the device)
-        opt_state:str='fp32', # How the optimizer's state is held: 'fp32', 'bf16', '8bit' or '4bit' (`mpx.lowbit`)
+        opt_state='fp32', # The optimizer's state: 'fp32', 'bf16', '8bit', '4bit', a `register_store` name or a `Store` (`mpx.lowbit`)
     ):
         self.opt,self.path,self.chunk,self.opt_state = opt,Fused.of(fused),chunk,opt_state
         self.ledger,self.done = Ledger(),False
@@ -176,7 +176,7 @@ class FusedSteps:
             if self.path is Fused.COMPILE: self.say(self.reason)
             if widened: self.foreign.install(self, led)
             return
-        if self.path is Fused.COMPILE or self.opt_state != 'fp32': led.set(o, 'state_dict', self._state_dict)
+        if self.path is Fused.COMPILE or not self.low.views: led.set(o, 'state_dict', self._state_dict)
         if not self.lookaheads: led.set(o, 'load_state_dict', self.load_state)  # each loaded state tensor into its store
         if self.path is Fused.LOOP and not widened: return  # fastai's own loop on the parameters themselves
         led.set(o, 'step', self.step)
@@ -248,7 +248,7 @@ class FusedSteps:
         "fastai's `state_dict`, in fastai's layout"
         self.steps_to_host()  # the step counts from the device
         sd = type(self.inner).state_dict(self.inner)
-        if self.opt_state == 'fp32': return sd
+        if self.low.views: return sd
         if self.lazy: wide = lambda v: LazyTensor(v.float, torch.float32, v.shape) if isinstance(v, LowBitState) else v
         else: wide = lambda v: v.float() if isinstance(v, LowBitState) else v  # low-bit state dequantised (fp32)
         return {**sd, 'state': [{k: wide(v) for k,v in s.items()} for s in sd['state']]}
@@ -342,7 +342,7 @@ class FusedSteps:
             if b.committed: b.kind.finish(b)
             else: b.uncommit()  # a set-up that failed: each parameter's fp32 value as it was, exact
             # so does dense state: each dict's tensor is already fastai's, in its slot
-            if b.store.bits is None: continue
+            if b.store.views: continue
             # a dict replaced since the last step too
             ds = [self.inner.state.get(p) for p in b.params] if self.native else b.dicts
             for i,d in enumerate(ds):

@@ -198,7 +198,7 @@ class MasterPrecision(PrecisionCallback):
         check_finite:bool=True, # bf16: skip a step whose gradients hold inf/nan (fp16 always checks)
         fused:bool|str=True, # How the step engine steps (`Fused`): True, False or 'compile'
         schedule_skips:bool=True, # False: a skipped step does not advance fastai's schedules
-        opt_state:str='fp32', # The optimizer's state: 'fp32', 'bf16', '8bit' or '4bit' (`mpx.lowbit`)
+        opt_state='fp32', # The optimizer's state: 'fp32', 'bf16', '8bit', '4bit', a `register_store` name or a `Store` (`mpx.lowbit`)
     ):
         super().__init__(amp_mode, check_finite, fused, schedule_skips, opt_state)
         check_args(dynamic=dynamic, **({} if flat_master is None else dict(flat_master=flat_master)))

@@ -2,10 +2,14 @@
 them as its own, eagerly bit for bit as fastai's loop, compiled within its tolerance."""
 import pytest, torch
 from fastai.optimizer import Adam, SGD
+from fastai.callback.core import Callback
 from mpx.flat import Kind
-from mpx.lowbit import Store, DenseStore, kept
+from torch import nn
+from mpx.all import *
+from mpx.flat import Kind
+from mpx.lowbit import Store, DenseStore, LowBitState, kept, flat_part, register_store, STORES, make_store
 from mpx.fused import FusedSteps
-from mpx.test_utils import stepped_opt, opt_diffs
+from mpx.test_utils import stepped_opt, opt_diffs, tiny_learner, fit_quiet, weights, precision_cb, precision_cbs
 from conftest import compiles
 
 pytestmark = pytest.mark.filterwarnings('ignore::UserWarning')
@@ -92,14 +96,12 @@ def _stepped_linear(engine, n:int=4) -> list:
     fs.undo()
     return [p.detach().clone() for p in m.parameters()]
 
-def test_new_store(monkeypatch):
-    "A store written as one subclass of `Store` keeps the state as `DenseStore` does: the same steps, bit for bit."
-    from mpx import fused
+def test_new_store():
+    "A store written as one subclass of `Store`, passed as `opt_state`, keeps the state as `DenseStore` does: the same steps, bit for bit."
     ref = _stepped_linear(lambda o: FusedSteps(o))
-    monkeypatch.setattr(fused, 'make_store', lambda s: Cloned())
     stores = []
     def engine(o):
-        fs = FusedSteps(o, opt_state='bf16')
+        fs = FusedSteps(o, opt_state=Cloned())
         stores.extend(type(b.store) for b in fs.buckets)
         return fs
     assert all(map(torch.equal, ref, _stepped_linear(engine))) and Cloned in stores  # the weight's state in it (the bias's: fp32)
@@ -113,18 +115,78 @@ class Unbuildable(Cloned):
 def test_failed_kernel_stays_its_own(monkeypatch):
     """A store whose kernel fails to build steps eagerly, named in the reason; the engine's own stores still compile after it (the
     failure was once remembered by the kind alone: every store's kernels went eager for the rest of the process)"""
-    from mpx import fused, compiled
+    from mpx import compiled
     from conftest import KernelRuns
     monkeypatch.setattr(compiled, '_failed', {})  # the planted store's failure: this case's own
-    with monkeypatch.context() as m:
-        m.setattr(fused, 'make_store', lambda s: Unbuildable())
-        with KernelRuns() as runs: got = _stepped_linear(lambda o: FusedSteps(o, fused='compile', opt_state='bf16'))
-        eager = _stepped_linear(lambda o: FusedSteps(o, opt_state='bf16'))
+    with KernelRuns() as runs: got = _stepped_linear(lambda o: FusedSteps(o, fused='compile', opt_state=Unbuildable))
+    eager = _stepped_linear(lambda o: FusedSteps(o, opt_state=Unbuildable))
     # the weight in the store stepped eagerly, the bias (64 elements: fp32 state) compiled in the same engine: within its tolerance
     assert runs.n > 0 and all(torch.allclose(a, b, atol=1e-5) for a,b in zip(got, eager))
     assert list(compiled._failed.values()) == [f"torch.compile failed for Kind with Unbuildable (Unsupported: Observed exception)"]
     with KernelRuns() as runs: _stepped_linear(lambda o: FusedSteps(o, fused='compile', opt_state='8bit'))
     assert runs.n > 0
+
+class BitsState(Store):
+    "A user's store, written outside mpx: bf16 state kept as its bits in int16 buffers (`BF16Store`'s values, another layout)"
+    name,bits = 'bf16-bits',16
+    def bytes(self, dtype) -> float: return 2.
+    def new(self, b, k, dtype):
+        b.state_bufs[k] = b.zeros(torch.int16)
+        b.state_held[k] = [LowBitState(b, k, i) for i in range(len(b.params))]
+    def put(self, b, k, i, v, at=None): flat_part(b.slot(b.state_bufs[k], i), at, v.numel()).copy_(_bits(v))
+    def value(self, b, k, i): return b.slot(b.state_bufs[k], i).view(torch.bfloat16).float()
+    def zero(self, b, k, a, c): b.part(b.state_bufs[k], a, c).zero_()
+    def load_window(self, b, k, i, j, scratch=None): return scratch.copy_(b.part(b.state_bufs[k], i, j).view(torch.bfloat16))
+    def store_window(self, b, k, i, j, x): b.part(b.state_bufs[k], i, j).copy_(_bits(x))
+    def kernel_io(self, b, k, a, c): return {k: b.part(b.state_bufs[k], a, c)}
+    def kernel_load(self, t, k): return t[k].view(torch.bfloat16).float()
+    def kernel_store(self, t, k, x, keep): return {k: kept(keep, t[k].view(torch.bfloat16), x).view(torch.int16)}
+
+def _bits(x): return x.to(torch.bfloat16).view(torch.int16)
+
+USER_MODES = {'amp': {}, 'master': dict(master=True), 'pure_kahan': dict(pure=True)}
+
+class StoresSeen(Callback):
+    "The stores of the engine's buckets, as a step leaves them"
+    def after_step(self): self.seen = {type(b.store) for b in precision_cb(self.learn).fused_steps.buckets}
+
+def _users_fit(mode:str, opt_state, fused) -> tuple:
+    "A tiny Adam learner (a 4,096-weight layer: in the store) fitted in `mode` with `opt_state`: it, its weights, its stores in a step"
+    model = lambda: nn.Sequential(nn.Linear(1, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+    learn = tiny_learner(model=model, opt_func=Adam, lr=1e-2, n_trn=4).to_bf16(opt_state=opt_state, fused=fused, **USER_MODES[mode])
+    fit_quiet(learn, 2, cbs=(seen := StoresSeen()))
+    return learn,weights(learn),seen.seen
+
+@pytest.mark.parametrize('fused', [True, pytest.param('compile', marks=pytest.mark.compiled)])
+@pytest.mark.parametrize('mode', USER_MODES)
+def test_users_store_by_name(mode, fused):
+    """A store registered by name (`register_store`), no patch of mpx: `to_bf16(opt_state='bf16-bits')` fits with it in AMP,
+    master and pure kahan, eagerly and compiled; the state dicts hold its handles, and the fit is `opt_state='bf16'`'s, bit for bit"""
+    if fused == 'compile' and not compiles(): pytest.skip('torch.compile cannot build a kernel here (no C++ compiler)')
+    register_store('bf16-bits', BitsState)
+    try:
+        learn,got,seen = _users_fit(mode, 'bf16-bits', fused)
+        _,ref,_ = _users_fit(mode, 'bf16', fused)
+        assert BitsState in seen  # the 4,096-weight layer's state (the smaller tensors': fp32)
+        held = [v for s in learn.opt.state.values() for v in s.values() if isinstance(v, LowBitState)]  # kept between fits
+        assert all(isinstance(h.b.store, BitsState) for h in held) and (len(held) == 2 or mode == 'master')
+        if mode == 'amp': assert "opt_state='bf16-bits' (12 B/param with Adam)" in repr(precision_cb(learn))  # 8 + 2 states x 2
+        assert all(map(torch.equal, got, ref))
+    finally: STORES.pop('bf16-bits')
+
+def test_users_store_refused_where_it_cannot_go():
+    "An unregistered name and a class that is no store are refused before any state changes, naming what `opt_state` takes"
+    learn = tiny_learner()
+    with pytest.raises(ValueError, match=r"opt_state='half' is not allowed: opt_state must be one of 'fp32', 'bf16', '8bit', '4bit'"):
+        learn.to_bf16(opt_state='half')
+    with pytest.raises(ValueError, match="opt_state=<class 'int'> is not allowed"): learn.to_bf16(opt_state=int)
+    with pytest.raises(TypeError, match='opt_state=8 is a int'): learn.to_bf16(opt_state=8)
+    with pytest.raises(ValueError, match='needs the step engine'): learn.to_bf16(opt_state=BitsState(), fused=False)
+    assert precision_cbs(learn) == []
+    with pytest.raises(TypeError, match='is not a Store'):
+        register_store('bad', dict)
+        try: make_store('bad')
+        finally: STORES.pop('bad')
 
 def test_contracts_declared():
     "Every method the engine calls on a kind or a store is declared on the base, with a one-line docstring."

@@ -212,7 +212,7 @@ def test_loop_refused_at_the_call():
         assert precision_cb(learn) is cb and cb.state_dict() == sd
     assert precision_cb(fit_quiet(learn)).total_steps == 4
 
-@pytest.mark.parametrize('bad,exc,msg', [('3bit', ValueError, "opt_state='3bit' is not allowed: opt_state must be 'fp32', 'bf16', '8bit' or '4bit'"),
+@pytest.mark.parametrize('bad,exc,msg', [('3bit', ValueError, "opt_state='3bit' is not allowed: opt_state must be one of 'fp32', 'bf16', '8bit', '4bit'"),
                                          (8, TypeError, "opt_state=8 is a int: opt_state must be")])
 def test_bad_values(bad, exc, msg):
     "A bad `opt_state` is refused at the call, naming the argument and what is allowed."
