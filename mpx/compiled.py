@@ -167,9 +167,13 @@ def _kernel_body(kind, store, chain:tuple, keys:list, t:dict, hyper:dict, run:di
 
 _kernels,_failed,_warned = {},{},set()
 
-def _failure_key(b) -> tuple:
-    "What a kernel that failed to build is remembered by: its kind and its store (another pair's kernels still compile)"
-    return type(b.kind),type(b.store)
+def _chain_key(chain:tuple) -> tuple:
+    "A step chain as a kernel is keyed: each function with its keywords"
+    return tuple((f, tuple(sorted(kw.items()))) for f,kw in chain)
+
+def _failure_key(b, chain:tuple) -> tuple:
+    "What a kernel that failed to build is remembered by, as kernels are: its kind, its store and its steps (the others compile)"
+    return type(b.kind),type(b.store),_chain_key(chain)
 
 def _known_options(options:dict) -> dict:
     "The inductor `options` this torch knows (the others said once)"
@@ -198,7 +202,7 @@ def _signature(t:dict, hyper:dict) -> tuple:
 
 def _kernel(kind, store, chain:tuple, sig:tuple=()) -> tuple:
     "The compiled scalars and step of `chain`, made once a process"
-    key = (type(kind), repr(store), tuple((f, tuple(sorted(kw.items()))) for f,kw in chain), sig)
+    key = (type(kind), repr(store), _chain_key(chain), sig)
     if key not in _kernels:
         name = f"mpx_{type(kind).__name__}_{store.name}_{'_'.join(f.__name__ for f,_ in chain)}"
         def scalars(hyper, steps): return _scalar_body(chain, hyper, steps)
@@ -314,13 +318,14 @@ class CompiledSteps:
     "One compiled kernel a run of a flat bucket, else eager (said once)"
     def __init__(self, eager): self.eager,self.dev,self.scal = eager,{},{}
 
-    def why_not(self, eng, b:Bucket) -> str|None:
-        "Why bucket `b` cannot step compiled now (None where it can)"
+    def why_not(self, eng, b:Bucket, chain:tuple|None=None) -> str|None:
+        "Why bucket `b` cannot step `chain` compiled now (None where it can; no `chain`: a failed kernel of its kind and store)"
         if torch._C._len_torch_dispatch_stack():
             return "a dispatch mode is active (an op counter), and torch.compile refuses to run under one"
         if not b.flat: return "a parameter cannot take a slot in a flat buffer (a DTensor, a non-dense tensor)"
         if b.loose: return "a gradient is sparse: its parameter is stepped by fastai's loop"
-        return _failed.get(_failure_key(b))
+        if chain is not None: return _failed.get(_failure_key(b, chain))
+        return next((why for k,why in _failed.items() if k[:2] == (type(b.kind), type(b.store))), None)
 
     def bucket(self, eng, b:Bucket, hyper:dict):
         ds = self._steps(b)
@@ -330,16 +335,14 @@ class CompiledSteps:
 
     def _step(self, eng, b:Bucket, hyper:dict, runs:list, phase:int) -> bool:
         "`runs` of `b` compiled (True), or eagerly (False)"
-        why = self.why_not(eng, b)
+        chain = _static_chain(eng.inner.cbs, hyper)
+        why = self.why_not(eng, b, chain)
         if why is None:
-            chain = _static_chain(eng.inner.cbs, hyper)
             scal = _hypers(chain, hyper)
             for k,(a,c) in enumerate(runs):
                 if self._run(eng, b, a, c, chain, scal, phase): continue
-                if k:
-                    why = _failed[_failure_key(b)]
-                    raise RuntimeError(f"mpx: a compiled kernel failed after another of the same bucket ran: {why}")
-                why = _failed[_failure_key(b)]
+                why = _failed[_failure_key(b, chain)]
+                if k: raise RuntimeError(f"mpx: a compiled kernel failed after another of the same bucket ran: {why}")
                 break
             else: return True
         self.to_host(eng, b)
@@ -395,8 +398,9 @@ class CompiledSteps:
         except Exception as e:
             if torch._C._len_torch_dispatch_stack(): raise
             first_line = str(e).strip().splitlines()[0][:200]
-            _failed[_failure_key(b)] = (f"torch.compile failed for {type(b.kind).__name__} with {type(b.store).__name__} "
-                                        f"({type(e).__name__}: {first_line})")
+            steps = ', '.join(f.__name__ for f,_ in chain)
+            _failed[_failure_key(b, chain)] = (f"torch.compile failed for {type(b.kind).__name__} with {type(b.store).__name__} "
+                                               f"stepping {steps} ({type(e).__name__}: {first_line})")
             return False  # nothing changed
         return True
 

@@ -10,12 +10,11 @@ from enum import Enum
 import torch
 from fastcore.basics import *
 from fastai.torch_core import apply
-from .lowbit import Store, is_opt_state, opt_states  # `opt_state`'s registry (lowbit imports nothing of mpx)
 
 # %% auto #0
 __all__ = ['MODE_ARGS', 'AMPMode', 'model_device', 'training_device', 'autocast_device_type', 'check_amp_support', 'to_float32',
-           'stored_values', 'unscale_and_find_inf_', 'has_inf_or_nan', 'check_args', 'check_known', 'Fused', 'default',
-           'passed', 'mode_args', 'check_mode_args']
+           'stored_values', 'unscale_and_find_inf_', 'has_inf_or_nan', 'register_store', 'store_maker', 'is_opt_state',
+           'opt_states', 'check_args', 'check_known', 'Fused', 'default', 'passed', 'mode_args', 'check_mode_args']
 
 # %% ../nbs/00_core.ipynb #9dc79e19
 _dtype2mode = {torch.float16: 'fp16', torch.bfloat16: 'bf16'}
@@ -118,6 +117,35 @@ def has_inf_or_nan(tensors) -> bool:
     return bool(unscale_and_find_inf_(tensors).item())
 
 # %% ../nbs/00_core.ipynb #b7f12928
+_stores = {}  # the names `opt_state` takes: name -> what makes the store (`mpx.lowbit` registers its four)
+
+def register_store(name:str, make) -> Callable:
+    "Let `opt_state=name` hold the optimizer's state in the store `make()` returns (a `mpx.lowbit.Store` subclass or a function)"
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"register_store(name={name!r}): the name must be a non-empty str, which opt_state= then takes")
+    if not callable(make):
+        raise TypeError(f"register_store({name!r}, {make!r}): make must be a Store subclass or a function returning a Store")
+    _stores[name] = make
+    return make
+
+def store_maker(name:str) -> Callable:
+    "What makes the store registered as `name`"
+    return _stores[name]
+
+class _StoreCheck(type):
+    def __instancecheck__(cls, v) -> bool: return getattr(v, 'is_store', False) is True
+
+class _StoreLike(metaclass=_StoreCheck):
+    "`isinstance(v, _StoreLike)`: `v` is a store or a store's class (`mpx.lowbit.Store` marks both; `core` imports nothing of mpx)"
+
+def is_opt_state(v) -> bool:
+    "Whether `opt_state=v` names a store: a registered name, a `Store`, or a `Store` subclass"
+    return (isinstance(v, str) and v in _stores) or isinstance(v, _StoreLike)
+
+def opt_states() -> str:
+    "What `opt_state` takes, as an error says it"
+    return f"one of {', '.join(map(repr, _stores))} (`register_store` adds a name), a Store or a Store subclass"
+
 _f32 = torch.finfo(torch.float32)
 _scale = lambda v: _f32.tiny <= v <= _f32.max  # a scale is an fp32 number in the kernels: a normal one, or steps die
 _in_fp32 = f'a finite number > 0 that fp32 holds (from {_f32.tiny:.4g} to {_f32.max:.4g})'
@@ -144,7 +172,7 @@ _arg_rules = dict(
     schedule_skips  = (bool, lambda v: True,                'True or False'),
     update          = (str, lambda v: v in ('kahan', 'stochastic'), "'kahan' or 'stochastic'"),
     comm            = (str, lambda v: v in ('fp16', 'bf16'), "'fp16' or 'bf16'"),
-    opt_state       = ((str, Store, type), is_opt_state, opt_states),  # `mpx.lowbit`'s registry: what it holds now
+    opt_state       = ((str, _StoreLike), is_opt_state, opt_states),  # the registry: what it holds when an error speaks
 )
 
 # %% ../nbs/00_core.ipynb #d19bb1e4

@@ -6,12 +6,13 @@
 from __future__ import annotations
 import weakref
 from fastai.torch_basics import *
+from .core import register_store, store_maker, is_opt_state, opt_states
 
 # %% auto #0
-__all__ = ['MIN_LOWBIT', 'STORES', 'MODE_BYTES', 'dynamic_map', 'root_map', 'quantize', 'dequantize', 'pack4', 'unpack4',
-           'LowBitState', 'flat_part', 'Store', 'DenseStore', 'BF16Store', 'probe_casts', 'kernel_name', 'kept',
-           'bf16_nearest', 'Float8Codes', 'MapCodes', 'static_rows', 'QuantStore', 'register_store', 'is_opt_state',
-           'opt_states', 'make_store', 'store_name', 'state_bytes', 'param_bytes']
+__all__ = ['MIN_LOWBIT', 'MODE_BYTES', 'dynamic_map', 'root_map', 'quantize', 'dequantize', 'pack4', 'unpack4', 'LowBitState',
+           'flat_part', 'Store', 'DenseStore', 'BF16Store', 'probe_casts', 'kernel_name', 'kept', 'bf16_nearest',
+           'Float8Codes', 'MapCodes', 'static_rows', 'QuantStore', 'make_store', 'store_name', 'state_bytes',
+           'param_bytes']
 
 # %% ../nbs/01i_lowbit.ipynb #lb0006
 def dynamic_map(signed:bool=True, exp_bits:int=7, bits:int=8) -> Tensor:
@@ -134,6 +135,7 @@ class Store:
     "How a bucket holds its optimizer state, a flat buffer a key"
     # `opt_state`'s name, bits an element, and the block slots align to
     name,bits,block = None,None,64
+    is_store = True  # what the argument check knows a store by (`mpx.core` imports nothing of mpx)
     # the state dicts hold views into the buffer, in the stepped dtype (fastai's own tensors: `DenseStore`): a window steps
     # the buffer itself, nothing is kept between fits and a `state_dict` takes the tensors as they are. Else the engine
     # hands `load_window` a scratch to step in, and the state dicts hold handles (`LowBitState`)
@@ -379,36 +381,17 @@ class QuantStore(BF16Store):
 # %% ../nbs/01i_lowbit.ipynb #lb0029
 MIN_LOWBIT = 4096  # elements: smaller tensors keep their state in fp32
 
-STORES = {}  # the names `opt_state` takes: name -> what makes its store (a `Store` subclass, or a function returning a `Store`)
-
-def register_store(name:str, make:Callable) -> Callable:
-    "Let `opt_state=name` hold the optimizer's state in the store `make()` returns (a `Store` subclass, or a function making one)"
-    if not isinstance(name, str) or not name.strip():
-        raise ValueError(f"register_store(name={name!r}): the name must be a non-empty str, which opt_state= then takes")
-    if not callable(make):
-        raise TypeError(f"register_store({name!r}, {make!r}): make must be a Store subclass or a function returning a Store")
-    STORES[name] = make
-    return make
-
 register_store('fp32', DenseStore)
 register_store('bf16', BF16Store)
 register_store('8bit', partial(QuantStore, 8))
 register_store('4bit', partial(QuantStore, 4))
-
-def is_opt_state(v) -> bool:
-    "Whether `opt_state=v` names a store: a registered name, a `Store`, or a `Store` subclass"
-    return (isinstance(v, str) and v in STORES) or isinstance(v, Store) or (isinstance(v, type) and issubclass(v, Store))
-
-def opt_states() -> str:
-    "What `opt_state` takes, as an error says it"
-    return f"one of {', '.join(map(repr, STORES))} (`register_store` adds a name), a Store or a Store subclass"
 
 def make_store(opt_state='fp32') -> Store:
     "The store `opt_state` names: a registered name's, a `Store` itself, or a new one of a `Store` subclass"
     if isinstance(opt_state, Store): return opt_state  # the user's own: every fit it is passed to uses it
     if isinstance(opt_state, type) and issubclass(opt_state, Store): return opt_state()
     if not is_opt_state(opt_state): raise ValueError(f"opt_state={opt_state!r} is not allowed: opt_state must be {opt_states()}")
-    store = STORES[opt_state]()
+    store = store_maker(opt_state)()
     if not isinstance(store, Store): raise TypeError(f"opt_state={opt_state!r} made {store!r}, which is not a Store")
     return store
 
