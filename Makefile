@@ -90,7 +90,7 @@ docs: $(STAMP)
 # on a CPU). Skipped notebooks, each for a reason that is not mpx's floor: 05a_fp8 and 99_test_utils (its fp8 cells) need
 # the fp8 extra, and torchao 0.18 does not import on torch 2.7; 08_progress's test drives fastprogress 1.1's
 # MasterBar.progress, and fastcore 1.8 gets fastprogress 1.0.5 (QuietProgress itself runs there: the smoke's fits use it).
-# BENCHMARKS.md (Compatibility) records what it ran and how long it took.
+# bench/HISTORY.md (Compatibility) records what it ran and how long it took.
 COMPAT := .venv-compat
 COMPAT_SKIP := ^(_|\.|05a_fp8|08_progress|99_test_utils)
 $(COMPAT)/.installed: constraints-min.txt settings.ini setup.py

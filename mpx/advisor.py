@@ -25,11 +25,12 @@ from .fused import default_chunk
 __all__ = ['precision_report', 'fp32_trial', 'ModuleStats', 'module_numerics', 'time_steps', 'ModeFailure', 'mode_failure',
            'assess_numerics', 'MemoryTerms', 'memory_terms', 'session_peaks', 'PrecisionReport', 'plain_text',
            'memory_line', 'device_free', 'memory_frame', 'Hardware', 'cpu_hardware', 'cuda_hardware', 'mps_hardware',
-           'detect_hardware', 'slow_reason', 'warn_if_slow', 'reset_slow_warnings']
+           'detect_hardware', 'slow_reason', 'warn_if_slow', 'reset_slow_warnings', 'layer_families', 'op_speed',
+           'measured']
 
 # %% ../nbs/06_advisor.ipynb #62e927f3
 _all_ = ['Hardware', 'cpu_hardware', 'cuda_hardware', 'mps_hardware', 'detect_hardware', 'slow_reason', 'warn_if_slow',
-         'reset_slow_warnings']
+         'reset_slow_warnings', 'layer_families', 'op_speed', 'measured']
 
 # %% ../nbs/06_advisor.ipynb #2540fca5
 _FP16_MAX,_BF16_MAX = torch.finfo(torch.float16).max,torch.finfo(torch.bfloat16).max
@@ -710,7 +711,7 @@ def precision_report(
 ) -> PrecisionReport:
     "The precision `learn` should train in, and why; changes nothing"
     dev = training_device(learn.dls, learn.model)
-    hw = detect_hardware(dev)
+    hw = measured(detect_hardware(dev), layer_families(learn.model))  # on a CPU: the dtypes timed on its layers' families
     # a caller's autocast would reach backward and the fp32 steps
     trial = fp32_trial(learn.model, dev)
     with _untouched(learn.dls.train), _no_autocast(dev.type), torch.enable_grad(), trial as model:

@@ -6,6 +6,7 @@
 from __future__ import annotations
 import difflib, itertools, math, numbers
 from collections import defaultdict
+from typing import Callable
 from enum import Enum
 import torch
 from fastcore.basics import *
@@ -117,10 +118,12 @@ def has_inf_or_nan(tensors) -> bool:
     return bool(unscale_and_find_inf_(tensors).item())
 
 # %% ../nbs/00_core.ipynb #b7f12928
-_stores = {}  # the names `opt_state` takes: name -> what makes the store (`mpx.lowbit` registers its four)
+# the names `opt_state` takes: name -> what makes the store (None: one of `mpx.lowbit`'s own, which it makes itself, so
+# that a second definition of its classes, a notebook's run say, never replaces them)
+_stores = dict.fromkeys(['fp32', 'bf16', '8bit', '4bit'])
 
 def register_store(name:str, make) -> Callable:
-    "Let `opt_state=name` hold the optimizer's state in the store `make()` returns (a `mpx.lowbit.Store` subclass or a function)"
+    "Let `opt_state=name` hold the optimizer's state in the store `make()` returns (a Store subclass of mpx.lowbit, or a function)"
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"register_store(name={name!r}): the name must be a non-empty str, which opt_state= then takes")
     if not callable(make):
@@ -136,10 +139,10 @@ class _StoreCheck(type):
     def __instancecheck__(cls, v) -> bool: return getattr(v, 'is_store', False) is True
 
 class _StoreLike(metaclass=_StoreCheck):
-    "`isinstance(v, _StoreLike)`: `v` is a store or a store's class (`mpx.lowbit.Store` marks both; `core` imports nothing of mpx)"
+    "`isinstance(v, _StoreLike)`: `v` is a store or a store's class (mpx.lowbit's Store marks both; core imports nothing of mpx)"
 
 def is_opt_state(v) -> bool:
-    "Whether `opt_state=v` names a store: a registered name, a `Store`, or a `Store` subclass"
+    "Whether `opt_state=v` names a store: a registered name, a Store, or a Store subclass (mpx.lowbit)"
     return (isinstance(v, str) and v in _stores) or isinstance(v, _StoreLike)
 
 def opt_states() -> str:

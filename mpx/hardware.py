@@ -4,7 +4,7 @@
 
 # %% ../nbs/00a_hardware.ipynb #94c13381
 from __future__ import annotations
-import platform, re
+import math, platform, re, time
 from pathlib import Path
 from typing import NamedTuple
 import torch
@@ -14,7 +14,7 @@ from .warn import warn_user
 
 # %% auto #0
 __all__ = ['Hardware', 'cpu_hardware', 'cuda_hardware', 'mps_hardware', 'detect_hardware', 'slow_reason', 'warn_if_slow',
-           'reset_slow_warnings']
+           'reset_slow_warnings', 'layer_families', 'op_speed', 'measured']
 
 # %% ../nbs/00a_hardware.ipynb #92143906
 class Hardware(NamedTuple):
@@ -160,9 +160,11 @@ _slow_warned = set()
 def warn_if_slow(
     device, # a torch device, its name, or a `Hardware`
     mode, # 'bf16' or 'fp16' (or an `AMPMode`)
+    model=None, # the model to train: on a CPU, its layers' operator families are timed (`measured`)
 ) -> bool:
-    "Warn once where `mode` is slow on `device`, saying why"
+    "Warn once where `mode` is slow on `device` (for `model`'s layers), saying why"
     hw = device if isinstance(device, Hardware) else detect_hardware(device)
+    if model is not None: hw = measured(hw, layer_families(model))
     key = (torch.device(hw.device).type, AMPMode(mode).value)
     if key in _slow_warned or (why := slow_reason(hw, mode)) is None: return False
     _slow_warned.add(key)
@@ -173,3 +175,73 @@ def warn_if_slow(
 def reset_slow_warnings():
     "Forget the warnings `warn_if_slow` gave, so it warns again"
     _slow_warned.clear()
+
+# %% ../nbs/00a_hardware.ipynb #hw0fam2
+# the layers of each operator family the probes time, and how a message names the family
+_FAMILIES = dict(matmul=(torch.nn.Linear,), conv=(torch.nn.modules.conv._ConvNd,), recurrent=(torch.nn.RNNBase,))
+_FAMILY_WORDS = dict(matmul='matmuls', conv='convolutions', recurrent='recurrent layers')
+_SLOW_RATIO = .5  # a family measured under this share of fp32's speed is slow
+
+def layer_families(model) -> dict:
+    "The operator families `model`'s layers run, each with the first layer kind found: {'conv': 'Conv2d', ...}"
+    res = {}
+    for m in model.modules():
+        for family,types in _FAMILIES.items():
+            if isinstance(m, types): res.setdefault(family, type(m).__name__)
+    return res
+
+def _probe(family:str, dtype):
+    "A function running a small forward and backward of `family` in `dtype` on the CPU (a millisecond or two in fp32)"
+    with torch.random.fork_rng(devices=[]):  # the layers' initialisation draws: the user's random state stays as it was
+        torch.manual_seed(0)
+        if family == 'matmul': m,x = torch.nn.Linear(256, 256),torch.randn(64, 256)
+        elif family == 'conv': m,x = torch.nn.Conv2d(16, 16, 3, padding=1),torch.randn(8, 16, 32, 32)
+        else: m,x = torch.nn.LSTM(64, 64),torch.randn(16, 8, 64)
+    m,x = m.to(dtype=dtype),x.to(dtype).requires_grad_()
+    def run():
+        with torch.enable_grad():  # `to_fp16()` called under `no_grad` times the same
+            out = m(x)
+            (out[0] if isinstance(out, tuple) else out).float().sum().backward()
+    return run
+
+def _best_time(run, reps:int=3, over:float=math.inf) -> float:
+    "The fastest of `reps` runs after a warm-up, in seconds (stopping once one takes over `over`)"
+    run()
+    best = math.inf
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - t0)
+        if best > over: break
+    return best
+
+_speeds = {}  # (dtype, family) -> its speed as a share of fp32's on this CPU, timed once a process
+
+def op_speed(family:str, mode) -> float:
+    "`family`'s speed in `mode`'s dtype as a share of fp32's on this CPU (0: no kernel), timed once a process in a few ms"
+    dtype = AMPMode(mode).dtype
+    if (dtype, family) not in _speeds:
+        f32 = _best_time(_probe(family, torch.float32))
+        try: _speeds[dtype, family] = f32 / _best_time(_probe(family, dtype), over=20 * f32)
+        except (RuntimeError, NotImplementedError): _speeds[dtype, family] = 0.  # no kernel for it here
+    return _speeds[dtype, family]
+
+def _family_words(speeds:dict, families:dict) -> str:
+    "'fast for matmuls (Linear: 3.1x), slow for convolutions (Conv2d: 0.04x)'"
+    def said(f): return f"{_FAMILY_WORDS[f]} ({families[f]}: {f'{speeds[f]:.2g}x' if speeds[f] else 'no kernel'})"
+    fast,slow = [said(f) for f in speeds if speeds[f] >= _SLOW_RATIO],[said(f) for f in speeds if speeds[f] < _SLOW_RATIO]
+    return ', '.join(([f"fast for {' and '.join(fast)}"] if fast else []) + [f"slow for {' and '.join(slow)}"])
+
+def measured(
+    hw:Hardware, # a device's `Hardware`: only a CPU's verdicts are checked
+    families:dict, # the model's operator families, `layer_families(model)`
+) -> Hardware:
+    "`hw` with each dtype its flags call fast timed on `families`: a dtype slow for one of them is slow, its note saying which"
+    if hw.device != 'cpu' or not families: return hw
+    fast,notes = dict(bf16=hw.bf16_fast, fp16=hw.fp16_fast),list(hw.notes)
+    for i,mode in enumerate(fast):
+        if not fast[mode]: continue
+        speeds = {f: op_speed(f, mode) for f in families}
+        if min(speeds.values()) >= _SLOW_RATIO: continue
+        fast[mode],notes[i] = False,f"{mode}: {_family_words(speeds, families)} against fp32, measured on this CPU"
+    return hw._replace(bf16_fast=fast['bf16'], fp16_fast=fast['fp16'], notes=tuple(notes))

@@ -103,7 +103,7 @@ def to_bf16(self:Learner,
 def _warn_if_slow(self:Learner):
     "Warn once if the precision's dtype is slow here (`mpx.hardware`)"
     cb = first(self.cbs, is_mpx_precision)
-    if cb is not None: warn_if_slow(training_device(self.dls, self.model), cb.amp_mode)
+    if cb is not None: warn_if_slow(training_device(self.dls, self.model), cb.amp_mode, self.model)
     return self
 
 @patch

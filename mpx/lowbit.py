@@ -381,17 +381,14 @@ class QuantStore(BF16Store):
 # %% ../nbs/01i_lowbit.ipynb #lb0029
 MIN_LOWBIT = 4096  # elements: smaller tensors keep their state in fp32
 
-register_store('fp32', DenseStore)
-register_store('bf16', BF16Store)
-register_store('8bit', partial(QuantStore, 8))
-register_store('4bit', partial(QuantStore, 4))
+_OWN = dict(fp32=DenseStore, bf16=BF16Store, **{'8bit': partial(QuantStore, 8), '4bit': partial(QuantStore, 4)})  # core names them
 
 def make_store(opt_state='fp32') -> Store:
     "The store `opt_state` names: a registered name's, a `Store` itself, or a new one of a `Store` subclass"
     if isinstance(opt_state, Store): return opt_state  # the user's own: every fit it is passed to uses it
     if isinstance(opt_state, type) and issubclass(opt_state, Store): return opt_state()
     if not is_opt_state(opt_state): raise ValueError(f"opt_state={opt_state!r} is not allowed: opt_state must be {opt_states()}")
-    store = store_maker(opt_state)()
+    store = (store_maker(opt_state) or _OWN[opt_state])()
     if not isinstance(store, Store): raise TypeError(f"opt_state={opt_state!r} made {store!r}, which is not a Store")
     return store
 

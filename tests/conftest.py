@@ -22,6 +22,24 @@ def why_not_compiled() -> str|None:
 
 def compiles() -> bool: return why_not_compiled() is None
 
+@pytest.fixture(scope='session')
+def _slow_advice():
+    "The slow-dtype advice of this machine (`warn_if_slow`'s keys), given once, unseen"
+    import warnings
+    from mpx.hardware import warn_if_slow, _slow_warned
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        for mode in ('bf16', 'fp16'): warn_if_slow('cpu', mode)
+    return set(_slow_warned)
+
+@pytest.fixture(autouse=True)
+def _slow_advice_given(_slow_advice):
+    """`to_fp16()`/`to_bf16()` advise once a process where a dtype is slow on this machine (fp16 on a CPU without fp16
+    arithmetic): counted as given before each test, so that it is not printed by whichever test first calls one. The tests
+    of that advice forget it first (`reset_slow_warnings`) and assert it."""
+    from mpx.hardware import _slow_warned
+    _slow_warned.update(_slow_advice)
+
 @pytest.fixture(scope='session', autouse=True)
 def _temp_dirs(tmp_path_factory):
     "`tempfile`'s folders (a test's `mkdtemp()`, a library's) under pytest's own, which pytest prunes: none left in /tmp after a run"

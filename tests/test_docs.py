@@ -265,16 +265,31 @@ _MODE_TABLE = '''() => {
           article: art.getBoundingClientRect().right, window: window.innerWidth};
 }'''
 
-def test_mode_table_fits_1280(site, base_url, browser):
-    "The home page's mode table is read whole in a 1280-pixel window: no sideways scrolling, nothing past the article's edge."
+def _at_1280(browser, url:str, script:str):
+    "What `script` gives on the page at `url` in a 1280x900 window"
     page = browser.new_page()
     try:
         page.set_viewport_size(dict(width=1280, height=900))
-        page.goto(f'{base_url}index.html', wait_until='networkidle')
-        t = page.evaluate(_MODE_TABLE)
+        page.goto(url, wait_until='networkidle')
+        return page.evaluate(script)
     finally: page.close()
+
+def test_mode_table_fits_1280(site, base_url, browser):
+    "The home page's mode table is read whole in a 1280-pixel window: no sideways scrolling, nothing past the article's edge."
+    t = _at_1280(browser, f'{base_url}index.html', _MODE_TABLE)
     assert t is not None, 'no table with "bytes a parameter" on the home page'
     assert t['window'] == 1280 and t['width'] <= t['room'] and t['right'] <= t['article'] + 1, t
+
+_TABLES = '''() => [...document.querySelectorAll('article table')].map(t => {
+  const box = t.closest('.pst-scrollable-table-container') || t.parentElement;
+  return {head: t.rows[0].textContent.trim().slice(0, 60), width: t.scrollWidth, room: box.clientWidth};
+})'''
+
+def test_benchmark_tables_fit_1280(site, base_url, browser):
+    "Every table of the benchmarks page is read whole in a 1280-pixel window: none wider than its column (no sideways scroll)."
+    tables = _at_1280(browser, f'{base_url}benchmarks.html', _TABLES)
+    wide = [t for t in tables if t['width'] > t['room']]
+    assert len(tables) >= 4 and not wide, wide
 
 # ---- saved outputs: what today's code prints (tests/test_first_day.py checks they hold no machine's path) -----------
 

@@ -97,3 +97,26 @@ def test_advisor_reexports():
     import mpx.advisor, mpx.hardware
     assert all(getattr(mpx.advisor, n) is getattr(mpx.hardware, n) for n in mpx.hardware.__all__)
     assert set(mpx.hardware.__all__) <= set(mpx.advisor.__all__)
+
+def test_to_fp16_warns_for_the_models_layers(monkeypatch):
+    """On a CPU whose flags call fp16 fast (AVX512-FP16 and AMX, faked), `to_fp16()` on a model whose convolutions measure slow
+    (faked: 0.04x fp32, as on such a Xeon) warns once at the user's line, naming the layer kind and both ratios; an MLP does not"""
+    import mpx.all, mpx.hardware
+    from fastai.basics import nn
+    from mpx.test_utils import tiny_learner
+    amx = cpu_hardware({'avx512f', 'avx512_fp16', 'amx_tile', 'amx_fp16', 'amx_bf16'}, name='A Xeon with AMX (faked)')
+    monkeypatch.setattr(mpx.hardware, 'detect_hardware', lambda device=None: amx)
+    monkeypatch.setattr(mpx.hardware, '_speeds', {(torch.float16, 'conv'): .04, (torch.float16, 'matmul'): 3.1})
+    reset_slow_warnings()
+    conv = lambda: nn.Sequential(nn.Unflatten(1, (1, 1)), nn.Conv2d(1, 4, 1), nn.Flatten(), nn.Linear(4, 1))
+    with warnings.catch_warnings(record=True) as ws:
+        warnings.simplefilter('always')
+        tiny_learner().to_fp16()  # an MLP: fp16 is fast for its matmuls
+        tiny_learner(model=conv).to_fp16()
+        tiny_learner(model=conv).to_fp16()  # once a process
+    said = [str(w.message) for w in ws if 'slow' in str(w.message)]
+    assert said == ["fp16 is slow on this cpu (A Xeon with AMX (faked)): fast for matmuls (Linear: 3.1x), slow for convolutions "
+                    "(Conv2d: 0.04x) against fp32, measured on this CPU. Training goes on; learn.precision_report(time=True) "
+                    "measures which mode suits this machine and model"], said
+    assert [w.filename for w in ws if 'slow' in str(w.message)] == [__file__]
+    reset_slow_warnings()
