@@ -522,3 +522,22 @@ def test_memory_terms_follow_the_learner():
     P = sum(p.numel() for p in learn.model.parameters())
     rt = advisor._RUNTIME_CPU_BYTES
     assert t0 == 16 * P + rt and df.loc['to_fp32()', 'fit'] == 12 * (P - n) + 4 * n + rt  # Adam's two states to one; a frozen weight
+
+def test_slow_family_is_not_tried(mock_hw, monkeypatch):
+    """On a CPU whose flags call fp16 fast (AVX512-FP16 and AMX, faked) and whose fp16 convolutions measure slow (faked: 0.04x),
+    the report on a model with convolutions counts fp16 slow and says why, runs no fp16 trial step (the step that took 19 s on
+    such a Xeon), and picks bf16; on an MLP the same measures leave fp16 fast and tried"""
+    import mpx.hardware
+    amx = cpu_hardware({'avx512f', 'avx512_fp16', 'amx_tile', 'amx_fp16', 'amx_bf16'}, name='A Xeon with AMX (faked)')
+    mock_hw(amx)
+    monkeypatch.setattr(mpx.hardware, '_speeds', {(torch.float16, 'conv'): .04, (torch.float16, 'matmul'): 3.1,
+                                                  (torch.bfloat16, 'conv'): 1.9, (torch.bfloat16, 'matmul'): 2.5})
+    tried = []
+    monkeypatch.setattr(advisor, 'mode_failure', lambda model, xb, yb, loss_func, mode: tried.append(mode))
+    conv = lambda: nn.Sequential(nn.Unflatten(1, (1, 1, 1)), nn.Conv2d(1, 4, 1), nn.Flatten(), nn.Linear(4, 1))
+    r = tiny_learner(model=conv).precision_report()
+    assert (r.hardware.fp16_fast, r.hardware.bf16_fast, tried, r.recommended) == (False, True, ['bf16'], 'bf16')
+    assert "fp16: fast for matmuls (Linear: 3.1x), slow for convolutions (Conv2d: 0.04x)" in ' '.join(r.reasons), r.reasons
+    tried.clear()
+    r = tiny_learner().precision_report()
+    assert r.hardware.fp16_fast and sorted(tried) == ['bf16', 'fp16']
