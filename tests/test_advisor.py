@@ -232,6 +232,17 @@ def lm_app_learner(seed:int=0, n:int=64, bs:int=8):
 APPS = dict(tabular=tabular_app_learner, collab=collab_app_learner, collab_nn=partial(collab_app_learner, use_nn=True),
             text=text_app_learner, lm=lm_app_learner)
 
+@pytest.mark.parametrize('app', ['tiny', 'tabular', 'collab', 'text'])
+def test_auto_is_the_reports_pick(app):
+    "to_auto_precision() applies what precision_report() with the same arguments recommends, on this machine, on fastai's applications."
+    learn = tiny_learner() if app == 'tiny' else APPS[app]()
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')  # 16-bit modes are slow on some CPUs: a warning
+        pick = learn.precision_report().recommended
+        learn.to_auto_precision()
+    applied = [str(c.amp_mode) for c in precision_cbs(learn)]
+    assert applied == ([] if pick == 'fp32' else [pick]), (pick, applied)
+
 def module_attrs(model):
     "Every module's attributes (the objects themselves) and the contents of its dicts and lists: what `fp32_trial` puts back"
     return [(k, v, list(v.items()) if isinstance(v, dict) else list(v) if isinstance(v, list) else None)
