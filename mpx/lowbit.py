@@ -158,10 +158,10 @@ class Store:
         "Zero state `k` of parameters `a` to `c`"
         raise NotImplementedError
     def load_window(self, b, k:str, i:int, j:int, scratch:Tensor|None=None) -> Tensor:
-        "State `k` of parameters `i` to `j` to step, in fp32"
+        "State `k` of parameters `i` to `j` to step, in fp32 (within `b.clipped`: a piece of one parameter, which `b.part` gives)"
         raise NotImplementedError
     def store_window(self, b, k:str, i:int, j:int, x:Tensor):
-        "What `load_window` gave, stepped, back into the store"
+        "What `load_window` gave, stepped, back into the store (the same piece: write through `b.part`)"
         raise NotImplementedError
     # ---- compiled (`mpx.compiled`): the kernel's tensors in, their new values out, in the same pass
     def kernel_io(self, b, k:str, a:int, c:int) -> dict:

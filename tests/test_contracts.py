@@ -240,3 +240,19 @@ def test_step_phase():
     fs.end_step()
     assert fs.phase is StepPhase.READY and fs.grads_in_flight() == {}
     fs.undo()
+
+class PiecesSeen(BitsState):
+    "`BitsState`, noting the element ranges its windows were confined to (`b.clip`: a piece of one parameter)"
+    def __init__(self): self.clips = set()
+    def load_window(self, b, k, i, j, scratch=None):
+        if b.clip is not None: self.clips.add(b.clip)
+        return super().load_window(b, k, i, j, scratch)
+
+def test_store_in_pieces():
+    """A window can be a piece of one parameter: with a small `chunk` the engine hands the store a 64x64 weight's state in
+    pieces (within `b.clipped`, which confines `b.part` to the piece), and a store that reads and writes through `b.part`
+    steps as the whole parameter does, bit for bit"""
+    store = PiecesSeen()
+    got = _stepped_linear(lambda o: FusedSteps(o, opt_state=store, chunk=1024))
+    whole = _stepped_linear(lambda o: FusedSteps(o, opt_state='bf16'))
+    assert len(store.clips) >= 4 and all(map(torch.equal, got, whole)), store.clips
