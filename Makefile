@@ -65,6 +65,8 @@ $(BENCH_STAMP): $(STAMP) constraints.txt
 # 0.29.1 (PyPI's torchvision does not import beside the CPU wheel 2.13.0) over constraints.txt's other pins. About two
 # minutes to set up, from this workplace's disk; DESIGN.md (Two stacks) says why not the whole project.
 $(APPS_STAMP): settings.ini setup.py pyproject.toml constraints.txt constraints-apps.txt
+	@free=$$(df -Pk . | awk 'NR==2 {print int($$4 / 1048576)}'); [ -x $(APPS)/bin/python ] || [ $$free -ge 8 ] || \
+	  { echo "$(APPS) needs ~7 GB of disk (torch's CUDA build and its nvidia packages): $$free GB free here"; exit 1; }
 	test -x $(APPS)/bin/python || $(PYTHON) -m venv $(APPS)
 	$(APPS)/bin/python -m pip install -q --upgrade pip
 	$(APPS)/bin/python -m pip install -q -c constraints-apps.txt -c <(grep -vE '^torch(vision)?==' constraints.txt) \

@@ -15,7 +15,7 @@ GPT-2 with tied embeddings, needs transformers: `.venv/bin/python -m pip install
 `--device cuda` measures the GPU's memory instead, on a machine with one: `torch.cuda.max_memory_allocated()` reset before
 each call and `memory_allocated()` after it, above what was allocated before the model was built (the model is moved to the
 device before the mode is set, so 'built' is the fp32 model's 4 B a parameter)."""
-import argparse, json, os, subprocess, sys, tempfile, time
+import argparse, json, os, shutil, subprocess, sys, tempfile, time
 from pathlib import Path
 
 ADAM_KW = dict(betas=(.9, .99), eps=1e-5, weight_decay=1e-2)  # fastai's Adam defaults (wd decoupled), for the other optimizers
@@ -202,7 +202,7 @@ def run_one(name:str, model:str) -> dict:
     learn = _other(learn, make) if isinstance(make, str) else make(learn)
     n = sum(p.numel() for p in learn.model.parameters())
     per = lambda b: round((b - base) / n, 2)
-    tmp = Path(tempfile.mkdtemp())
+    tmp = Path(tempfile.mkdtemp())  # the save's and the export's files, removed with the learner: ~10 bytes a parameter an arm
     learn.path = tmp
     calls = {'lr_find': lambda: learn.lr_find(num_it=8, show_plot=False), 'fit_one_cycle': lambda: learn.fit_one_cycle(1),
              'fit 2': lambda: learn.fit(1), 'fit 3': lambda: learn.fit(1), 'validate': learn.validate, 'get_preds': learn.get_preds,
@@ -214,6 +214,7 @@ def run_one(name:str, model:str) -> dict:
         with learn.no_bar(), learn.no_logging(): calls[c]()
         res['peak'][c],res['after'][c] = per(_peak()),per(_now())
     del learn, calls  # `calls` holds bound methods of the learner (`learn.validate`)
+    shutil.rmtree(tmp)
     import gc
     gc.collect()  # fastai's learner and its callbacks point at each other: `del learn` alone waits for the collector
     res['after del'] = per(_now())

@@ -47,8 +47,12 @@ def _temp_dirs(tmp_path_factory):
     # inductor's cache stays where it was: a cache made anew each run costs minutes of compiles
     os.environ.setdefault('TORCHINDUCTOR_CACHE_DIR', os.path.join(tempfile.gettempdir(), f'torchinductor_{getpass.getuser()}'))
     tempfile.tempdir = str(tmp_path_factory.mktemp('tempfile'))
+    was = os.environ.get('TMPDIR')
+    os.environ['TMPDIR'] = tempfile.tempdir  # and the subprocesses' (a fresh venv, a torchrun, a script's run)
     yield
     tempfile.tempdir = None
+    if was is None: os.environ.pop('TMPDIR')
+    else: os.environ['TMPDIR'] = was
 
 @pytest.fixture(scope='session', autouse=True)
 def _planted():
