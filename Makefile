@@ -40,8 +40,10 @@ check-clean: $(STAMP)
 	if diff -r $$tmp/nbs nbs >/dev/null; then rm -rf $$tmp; \
 	else rm -rf $$tmp; echo "nbs/ was not clean: nbdev-clean changed it; commit the cleaned notebooks"; exit 1; fi
 
+# The pages' temporary folders (a save, a checkpoint) in one that goes after the run; inductor's cache stays where it was
 nbtest: $(STAMP)
-	$(BIN)/nbdev-test --timing
+	@tmp=$$(mktemp -d) && export TORCHINDUCTOR_CACHE_DIR=$${TORCHINDUCTOR_CACHE_DIR:-$${TMPDIR:-/tmp}/torchinductor_$$(id -un)} && \
+	TMPDIR=$$tmp $(BIN)/nbdev-test --timing; rc=$$?; rm -rf $$tmp; exit $$rc
 
 # tests/test_docs.py checks the site in Chromium and skips those tests where it is missing: say so last, whatever pytest's
 # outcome, so that a run without it does not read as a full pass. .ci/run installs it.

@@ -5,138 +5,34 @@
 # %% ../nbs/06_advisor.ipynb #5287a32f
 from __future__ import annotations
 from fastai.basics import *
-import html, itertools, math, os, random, re, statistics, sys, warnings
-from contextlib import contextmanager, nullcontext
-from copy import copy
-from torch.autograd.grad_mode import _unsafe_preserve_version_counter
+import html, math, re
 from dataclasses import dataclass, field
-from time import perf_counter
 from typing import NamedTuple
 from .core import *
 from .hardware import *
-from .warn import warn_user
 from .callback import _no_kernel
 from .fp8 import fp8_table, linear_rows, real_fp8
-from .lowbit import param_bytes, state_bytes, make_store, MIN_LOWBIT, MODE_BYTES
-from .plumbing import state_owners, halvable
-from .fused import default_chunk
+from .lowbit import param_bytes
+from .trial import *
+from .trial import _FP16_SCALE, _untouched, _one_batch, _learner_loss, _no_autocast, _stepper, _restored
+from .memory import *
+from .memory import _MEMORY_MODES, _gb, _held
 
 # %% auto #0
-__all__ = ['precision_report', 'fp32_trial', 'ModuleStats', 'module_numerics', 'time_steps', 'ModeFailure', 'mode_failure',
-           'assess_numerics', 'MemoryTerms', 'memory_terms', 'session_peaks', 'PrecisionReport', 'plain_text',
-           'memory_line', 'device_free', 'memory_frame', 'Hardware', 'cpu_hardware', 'cuda_hardware', 'mps_hardware',
+__all__ = ['precision_report', 'ModuleStats', 'module_numerics', 'ModeFailure', 'mode_failure', 'assess_numerics',
+           'PrecisionReport', 'plain_text', 'memory_line', 'Hardware', 'cpu_hardware', 'cuda_hardware', 'mps_hardware',
            'detect_hardware', 'slow_reason', 'warn_if_slow', 'reset_slow_warnings', 'layer_families', 'op_speed',
-           'measured']
+           'measured', 'fp32_trial', 'time_steps', 'MemoryTerms', 'memory_terms', 'session_peaks', 'device_free',
+           'memory_frame']
 
 # %% ../nbs/06_advisor.ipynb #62e927f3
 _all_ = ['Hardware', 'cpu_hardware', 'cuda_hardware', 'mps_hardware', 'detect_hardware', 'slow_reason', 'warn_if_slow',
-         'reset_slow_warnings', 'layer_families', 'op_speed', 'measured']
+         'reset_slow_warnings', 'layer_families', 'op_speed', 'measured',  # mpx.hardware's
+         'fp32_trial', 'time_steps',  # mpx.trial's
+         'MemoryTerms', 'memory_terms', 'session_peaks', 'device_free', 'memory_frame']  # mpx.memory's
 
-# %% ../nbs/06_advisor.ipynb #2540fca5
+# %% ../nbs/06_advisor.ipynb #ad0002
 _FP16_MAX,_BF16_MAX = torch.finfo(torch.float16).max,torch.finfo(torch.bfloat16).max
-_FP16_SCALE = 2.**16  # the default `init_scale` of `GradScaler` and `LossScaler`
-
-def _rng_states() -> dict:
-    "The state of every RNG a batch or a forward may draw from"
-    s = dict(torch=torch.get_rng_state(), random=random.getstate(), numpy=np.random.get_state())
-    if torch.cuda.is_available() and torch.cuda.is_initialized(): s['cuda'] = torch.cuda.get_rng_state_all()
-    return s
-
-def _set_rng_states(s:dict):
-    torch.set_rng_state(s['torch'])
-    random.setstate(s['random'])
-    np.random.set_state(s['numpy'])
-    if 'cuda' in s: torch.cuda.set_rng_state_all(s['cuda'])
-
-@contextmanager
-def _untouched(dl):
-    "Draw batches from `dl` inside; on exit its RNGs and attributes are as before"
-    rngs,attrs = _rng_states(),dict(vars(dl))
-    own = {k: v.getstate() for k,v in attrs.items() if isinstance(v, random.Random)}
-    try: yield
-    finally:
-        _set_rng_states(rngs)
-        vars(dl).clear()
-        vars(dl).update(attrs)
-        for k,s in own.items(): attrs[k].setstate(s)
-
-# %% ../nbs/06_advisor.ipynb #dfb69590
-def _one_batch(learn:Learner) -> tuple:
-    "A training batch of `learn` as (inputs, targets)"
-    b,i = learn.dls.train.one_batch(),getattr(learn.dls, 'n_inp', 1)
-    return tuple(b[:i]), tuple(b[i:])
-
-_post_hooks = ('_forward_hooks', '_forward_hooks_with_kwargs', '_forward_hooks_always_called', '_backward_hooks',
-               '_backward_pre_hooks')
-
-def _fp32_copies(o, device, memo:dict):
-    "`o`'s tensors, parameters aside, copied to `device` (floats in fp32)"
-    if isinstance(o, torch.Tensor) and not isinstance(o, nn.Parameter):
-        dtype = torch.float32 if o.is_floating_point() else o.dtype
-        if id(o) not in memo: memo[id(o)] = o.detach().to(device, dtype, copy=True)
-        return memo[id(o)]
-    return type(o)(_fp32_copies(x, device, memo) for x in o) if type(o) in (list, tuple) else o
-
-def _kept(o) -> tuple[dict, dict]:
-    "`o`'s attributes, and a shallow copy of each dict and list among them"
-    attrs = dict(vars(o))
-    return attrs, {k: copy(v) for k,v in attrs.items() if isinstance(v, (dict, list))}
-
-def _put_back(o, attrs:dict, contents:dict):
-    "Give `o` back what `_kept` returned, in the same objects"
-    for k,c in contents.items():
-        if isinstance(c, dict):
-            attrs[k].clear()
-            attrs[k].update(c)
-        else: attrs[k][:] = c
-    vars(o).clear()
-    vars(o).update(attrs)
-
-@contextmanager
-def fp32_trial(
-    model:nn.Module, # run as it is, on copies of its tensors: any module, whether or not `copy.deepcopy` can copy it
-    device=None, # where the copies go; `None`: `model`'s device
-):
-    "Inside, `model` trains in fp32 on copies of its tensors; put back on exit"
-    dev,mods,memo = device or model_device(model),list(model.modules()),{}
-    kept,params = [_kept(m) for m in mods],[(p, p.data, p.grad) for p in model.parameters()]
-    # a trial step writes the copies in place, which moves the version counters: they are put back
-    versions = [_unsafe_preserve_version_counter(p) for p,_,_ in params]
-    try:
-        for p,data,_ in params:
-            p.grad = None
-            p.data = _fp32_copies(data, dev, memo)
-        for m,(attrs,_) in zip(mods, kept):
-            for k,v in attrs.items():
-                # tensor attributes: an RNN's hidden state
-                if k not in ('_parameters', '_modules'): vars(m)[k] = _fp32_copies(v, dev, memo)
-            for k,b in m._buffers.items(): m._buffers[k] = _fp32_copies(b, dev, memo)
-            # forward pre-hooks (weight norm, pruning) are part of the model: kept
-            for h in _post_hooks: getattr(m, h, {}).clear()
-        yield model.train()
-    finally:
-        for p,data,grad in params:
-            p.grad = None  # a gradient of the copy's dtype cannot stay while the data changes back
-            p.data,p.grad = data,grad
-        for v in versions: v.__exit__(None, None, None)  # each counter as it was
-        for m,(attrs,contents) in zip(mods, kept): _put_back(m, attrs, contents)
-
-# %% ../nbs/06_advisor.ipynb #cec42e8c
-def _learner_loss(learn:Learner) -> callable:
-    "`f(pred, *yb)`: the loss of what `learn`'s `after_pred` makes of `pred`"
-    cbs = [cb for cb in learn.cbs.sorted('order') if getattr(type(cb), 'after_pred', None) is not None]
-    def loss(pred, *yb):
-        attrs,kept = dict(vars(learn)),[_kept(cb) for cb in cbs]
-        try:
-            learn.pred = pred
-            for cb in cbs: cb('after_pred')
-            pred = learn.pred
-        finally:
-            vars(learn).clear()
-            vars(learn).update(attrs)
-            for cb,(cb_attrs,contents) in zip(cbs, kept): _put_back(cb, cb_attrs, contents)
-        return learn.loss_func(pred, *yb)
-    return loss
 
 # %% ../nbs/06_advisor.ipynb #7ea24c4d
 class ModuleStats(NamedTuple):
@@ -195,9 +91,6 @@ class _Probe:
         for h in self.handles: h.remove()
 
 # %% ../nbs/06_advisor.ipynb #0016b4e4
-def _no_autocast(dt:str):
-    return torch.autocast(dt, enabled=False) if torch.amp.is_autocast_available(dt) else nullcontext()
-
 def module_numerics(
     model:nn.Module, # an fp32 model, run here (inside `fp32_trial`)
     xb:tuple, # the inputs of one batch
@@ -215,77 +108,6 @@ def module_numerics(
     n_grad,n_under = sum(r['n_grad'] for r in probe.recs.values()),sum(r['n_under'] for r in probe.recs.values())
     mods = [probe.stats('(input)', 'batch', ids)] + [probe.stats(n, k, i) for n,(k,i) in probe.mods.items()]
     return mods, n_under/n_grad if n_grad else 0.
-
-# %% ../nbs/06_advisor.ipynb #60f85a0e
-def _sync(dt:str):
-    if dt == 'cuda': torch.cuda.synchronize()
-    elif dt == 'mps': torch.mps.synchronize()
-
-def _step(model, xb, yb, loss_func, opt, ctx, scaler):
-    "One training step: forward and loss under `ctx`, backward, optimizer step"
-    with ctx: loss = loss_func(to_float32(model(*xb)), *yb)
-    if scaler is None:
-        loss.backward()
-        opt.step()
-    else:
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-    opt.zero_grad()
-
-def _stepper(model:nn.Module, mode:str) -> callable:
-    "`f(xb, yb, loss_func)` running one training step of `model` in `mode`"
-    dt = model_device(model).type
-    # no autocast cache: a nested autocast keeps it, and an fp16 step would get a bf16 step's weights
-    ctx = nullcontext() if mode == 'fp32' else torch.autocast(dt, dtype=AMPMode(mode).dtype, cache_enabled=False)
-    scaler = torch.amp.GradScaler(dt, init_scale=_FP16_SCALE) if mode == 'fp16' else None
-    opt = torch.optim.SGD(model.parameters(), lr=0.)  # lr=0: every step does the same work on the same weights
-    return partial(_step, model, opt=opt, ctx=ctx, scaler=scaler)
-
-@contextmanager
-def _restored(model:nn.Module):
-    "Inside, `f()` puts `model`'s module attributes back as they are now; so does the exit"
-    kept = [(m, *_kept(m)) for m in model.modules()]
-    def restore():
-        for m,attrs,contents in kept: _put_back(m, attrs, contents)
-    try: yield restore
-    finally: restore()
-
-def _timed(f, dt:str, *args) -> float:
-    _sync(dt)
-    t0 = perf_counter()
-    f(*args)
-    _sync(dt)
-    return perf_counter()-t0
-
-# %% ../nbs/06_advisor.ipynb #41cdc760
-def time_steps(
-    model:nn.Module, # an fp32 model, trained here (inside `fp32_trial`)
-    xb:tuple, yb:tuple, loss_func:callable, # a batch and the loss, as for `module_numerics`
-    modes:tuple=('fp32', 'bf16', 'fp16'), # 'fp32'; 'bf16': autocast; 'fp16': autocast and a `GradScaler` from 2**16
-    n:int=5, # timed steps per mode at least, after a warm-up step each
-    min_time:float=.2, # seconds: short steps are repeated (up to `10*n`) until they took this long
-    budget:float=10., # seconds: stop after fewer than `n` once the steps took this long (very slow modes)
-) -> dict:
-    "Median seconds of a training step in each of `modes`, interleaved. Syncs each step"
-    dt,run = model_device(model).type,{}
-    # each step starts from the same state: a bf16 step's hidden state would reach the fp32 step
-    with _restored(model) as restore:
-        for m in modes:
-            try:
-                f = _stepper(model, m)
-                restore()
-                _timed(f, dt, xb, yb, loss_func)  # a warm-up step
-                run[m] = f
-            except Exception as e: warn_user(f"{m} could not run here, so it is not timed: {e}")
-        times,t0 = {m: [] for m in run},perf_counter()
-        while run:  # one step of each mode per round: a burst of load elsewhere hits every mode alike
-            for m,f in run.items():
-                restore()
-                times[m].append(_timed(f, dt, xb, yb, loss_func))
-            k,spent = len(times[first(run)]),perf_counter()-t0
-            if k >= 10*n or spent > budget or (k >= n and spent >= min_time): break
-    return {m: statistics.median(ts) for m,ts in times.items()}
 
 # %% ../nbs/06_advisor.ipynb #c28a986c
 _device_names = dict(cpu='CPU', cuda='GPU', mps='Apple GPU')
@@ -429,144 +251,6 @@ def _timing_reasons(timings:dict, rec:str) -> list:
 
 def _ms(t:float) -> str: return f'{t*1e3:.3g} ms' if t < 1 else f'{t:.3g} s'
 
-# %% ../nbs/06_advisor.ipynb #2106befc
-# inductor's code and caches in a CPU process (bench/session_memory.py: 67-84 MB above the eager twin, cache warm): no tensor
-_COMPILER_CPU_BYTES = 80 * 2**20
-_RUNTIME_CPU_BYTES = 32 * 2**20  # what a CPU process training with fastai holds beside the learner's tensors
-# the convolution kernels' code a CPU process pages in: libtorch's resident code after a resnet18's first step, 42 MB against
-# an MLP's 18 (bench/session_memory.py --model resnet)
-_CONV_CPU_BYTES = 24 * 2**20
-
-class MemoryTerms(NamedTuple):
-    "What a model brings to each mode's memory"
-    params:int # trainable elements
-    lowbit:int # of them, those in tensors large enough for low-bit state (`MIN_LOWBIT` elements or more)
-    largest:int # elements of the largest trainable tensor
-    fixed:int # bytes every mode keeps as they are: frozen parameters and buffers
-    n_state:int # state tensors the optimizer keeps a parameter (Adam: 2)
-    step_fp32:int # bytes an fp32 training forward and backward allocate at their peak, the gradients aside
-    step_autocast:int # the same under autocast (bf16; fp16 where bf16 has none)
-    step_half:int # the same of the model in bf16 (BatchNorm fp32), as the master and pure modes train it
-    chunk:int # elements of the step engine's eager window on the device
-    compiler:int # bytes `torch.compile`'s own code and caches hold in the device's memory (a CPU's: the process's)
-    runtime:int # bytes the process holds in the device's memory to train, beside the tensors (a CPU's; a GPU's: none)
-
-def _n_state(opt_func) -> int:
-    "State tensors a parameter's size that `opt_func`'s optimizer keeps"
-    p = nn.Parameter(torch.ones(MIN_LOWBIT))
-    p.grad = torch.ones_like(p)
-    try:
-        opt = opt_func([p], lr=1e-3)
-        opt.step()
-    except Exception: return 2  # an optimizer that cannot take a lone parameter: Adam's count
-    return sum(1 for o in state_owners(opt) for v in getattr(o, 'state', {}).get(p, {}).values()
-               if isinstance(v, Tensor) and v.shape == p.shape)
-
-# %% ../nbs/06_advisor.ipynb #mem00002
-@contextmanager
-def _no_stderr():
-    "File descriptor 2 to the null device inside: kineto writes a line there as a profile starts and stops"
-    sys.stderr.flush()
-    saved,null = os.dup(2),os.open(os.devnull, os.O_WRONLY)
-    os.dup2(null, 2)
-    os.close(null)
-    try: yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-
-def _peak_bytes(f:callable, device) -> int|None:
-    "The most bytes `f()` holds allocated at once on `device`, above what was there before; None where none can say"
-    device = torch.device(device)
-    if device.type not in ('cpu', 'cuda'): return None
-    from torch.profiler import profile, ProfilerActivity
-    # the profiler's memory events, not CUDA's peak statistics: resetting those would change the user's
-    acts = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if device.type == 'cuda' else [])]
-    prof = profile(activities=acts, profile_memory=True)
-    with _no_stderr(): prof.start()
-    try: f()
-    finally:
-        with _no_stderr(): prof.stop()
-    kind = getattr(torch.autograd.DeviceType, device.type.upper())
-    mem = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                 if e.name() == '[memory]' and e.device_type() == kind)
-    return max(itertools.accumulate(n for _,n in mem), default=0) if mem else None
-
-def _step_bytes(model:nn.Module, xb:tuple, yb:tuple, loss_func, how:str='fp32') -> int|None:
-    "Peak bytes of one forward and backward of `model` in `how` ('fp32', 'autocast', 'half'); None if it cannot run"
-    dev = model_device(model)
-    half = torch.bfloat16 if dev.type != 'cuda' or torch.cuda.is_bf16_supported() else torch.float16
-    ps = [p for p in model.parameters() if p.requires_grad]
-    if how == 'half':  # the model's own tensors in 16 bits (BatchNorm's aside), as the master and pure modes hold them
-        for t in halvable(model): t.data = t.data.to(half)
-        xb = tuple(x.to(half) if isinstance(x, Tensor) and x.is_floating_point() else x for x in xb)
-    ctx = torch.autocast(dev.type, dtype=half) if how == 'autocast' else _no_autocast(dev.type)
-    def step():
-        with ctx:
-            pred = to_float32(model(*xb))  # held through the backward, as fastai's `learn.pred` is (a GPT-2's logits: 5.8 B/param)
-            loss = loss_func(pred, *yb)
-        torch.clear_autocast_cache()  # as a fit's outermost autocast does on exit (the report's is inside another)
-        loss.backward()
-    for p in ps: p.grad = torch.zeros_like(p)  # a fit holds them between steps: the backward adds to them
-    try: return _peak_bytes(step, dev)
-    except Exception:
-        if how != 'fp32': return None  # no 16-bit kernel for one of its ops here (`mode_failure` says which)
-        raise
-    finally:
-        for p in ps: p.grad = None
-
-def memory_terms(
-    model:nn.Module, # an fp32 model of the advisor's `fp32_trial`: left in bf16 ('half')
-    xb:tuple, yb:tuple, loss_func, # one training batch and the learner's loss
-    opt_func=Adam, # the learner's optimizer function
-) -> MemoryTerms:
-    "The `MemoryTerms` of `model` training on batches like `xb`: three profiled steps"
-    ps = [p for p in model.parameters() if p.requires_grad]
-    fixed = sum(t.nbytes for t in [*model.buffers(), *(p for p in model.parameters() if not p.requires_grad)])
-    with _restored(model):  # a module's attributes as they were: an RNN's hidden state would reach the next forward
-        steps = [_step_bytes(model, xb, yb, loss_func, how) for how in ('fp32', 'autocast', 'half')]
-    steps = [steps[0] or 0 if s is None else s for s in steps]  # a mode that cannot run here: as fp32
-    dev = model_device(model)
-    return MemoryTerms(sum(p.numel() for p in ps), sum(p.numel() for p in ps if p.numel() >= MIN_LOWBIT),
-                       max((p.numel() for p in ps), default=0), fixed, _n_state(opt_func), *map(int, steps),
-                       default_chunk(dev), *(_COMPILER_CPU_BYTES, _runtime_cpu(model)) if dev.type == 'cpu' else (0, 0))
-
-def _runtime_cpu(model:nn.Module) -> int:
-    "What a CPU process training `model` holds beside its tensors: the convolution kernels' code too where it has any"
-    return _RUNTIME_CPU_BYTES + (_CONV_CPU_BYTES if any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules()) else 0)
-
-# %% ../nbs/06_advisor.ipynb #95919c5e
-def _kept_between_fits(mode:str, opt_state:str) -> bool:
-    return mode in ('kahan', 'stochastic') or (mode == 'amp' and not make_store(opt_state).views)
-
-def _state_bytes(t:MemoryTerms, opt_state:str) -> float:
-    "Bytes of optimizer state under `opt_state`"
-    return t.n_state * (state_bytes(opt_state) * t.lowbit + 4 * (t.params - t.lowbit))
-
-def session_peaks(
-    t:MemoryTerms, # the model's terms
-    mode:str='amp', # 'fp32' (fastai's loop), 'amp', 'master', 'kahan' or 'stochastic' (`MODE_BYTES`)
-    opt_state:str='fp32', # the optimizer state's kind
-    fused:bool|str=True, # the engine's setting: True, or 'compile'
-) -> dict:
-    "Bytes `mode` holds in a fit, between fits, and at its session's peak"
-    P,L = t.params,t.largest
-    fastai_layout = 8 * P + _state_bytes(t, 'fp32') + t.fixed  # fp32 weights, gradients and state, as fastai holds them
-    held = t.runtime + (t.compiler if fused == 'compile' else 0)  # the compiler's kept from the first compiled step on
-    fit = MODE_BYTES[mode] * P + _state_bytes(t, opt_state) + t.fixed + held
-    kept = _kept_between_fits(mode, opt_state)
-    backward = dict(fp32=t.step_fp32, amp=t.step_autocast).get(mode, t.step_half)
-    # fastai's Adam's temporaries, or the engine's windows
-    step = 8 * L if mode == 'fp32' else 0 if fused == 'compile' else 16 * min(t.chunk, P)
-    moments = {'a training step': fit + max(backward, step),
-               "lr_find's load": fit + 4 * L if kept else fastai_layout + held + 4 * P}
-    # half weights and gradients made; the fp32 gradients taken as the master gradients, in place (`MasterKind.finish`)
-    if mode == 'master': moments['a set-up'] = fastai_layout + held + 4 * P
-    if mode in ('kahan', 'stochastic'):  # the fp32 model, the bf16 buffers made, a tensor's split
-        moments['a set-up'] = (2 + MODE_BYTES[mode]) * P + 4 * L + t.fixed + t.runtime
-    at = max(moments, key=moments.get)
-    return dict(fit=fit, between=fit if kept else fastai_layout + held, peak=moments[at], at=at)
-
 # %% ../nbs/06_advisor.ipynb #cc5a01a7
 @dataclass
 class PrecisionReport:
@@ -647,45 +331,6 @@ def _repr_html_(self:PrecisionReport):
             + '<br>'.join(_html(l) for l in self._head()) + "</p>" + self.to_frame().to_html(**_table))
 
 # %% ../nbs/06_advisor.ipynb #7c64d2d6
-_MEMORY_MODES = {  # a mode's call: (its short name, then `session_peaks`'s mode, opt_state and fused)
-    'to_fp32()': ('fp32', 'fp32', 'fp32', False),
-    'to_bf16()': ('AMP', 'amp', 'fp32', True),
-    "to_bf16(opt_state='8bit')": ('AMP 8-bit state', 'amp', '8bit', True),
-    'to_bf16(master=True)': ('master', 'master', 'fp32', True),
-    'to_bf16(pure=True)': ('pure kahan', 'kahan', 'fp32', True),
-    "to_bf16(pure=True, opt_state='8bit')": ('pure kahan 8-bit state', 'kahan', '8bit', True),
-    "to_bf16(pure=True, update='stochastic', opt_state='8bit')": ('pure stochastic 8-bit state', 'stochastic', '8bit', True),
-    "to_bf16(fused='compile')": ('AMP compiled', 'amp', 'fp32', 'compile'),
-    "to_bf16(master=True, fused='compile')": ('master compiled', 'master', 'fp32', 'compile'),
-    "to_bf16(pure=True, opt_state='8bit', fused='compile')": ('pure kahan 8-bit state compiled', 'kahan', '8bit', 'compile'),
-}
-
-def device_free(device) -> int|None:
-    "Bytes free on `device` now, where it says"
-    device = torch.device(device)
-    if device.type == 'cuda': return torch.cuda.mem_get_info(device)[0]
-    if device.type != 'cpu': return None
-    try: return next(int(l.split()[1]) * 1024 for l in open('/proc/meminfo') if l.startswith('MemAvailable:'))
-    except (OSError, StopIteration): return None
-
-def _held(learn:Learner) -> int:
-    "Bytes the learner's model and optimizer state hold now"
-    ps = list(learn.model.parameters())
-    ts = [*ps, *(p.grad for p in ps if p.grad is not None), *learn.model.buffers()]
-    if learn.opt is not None: ts += [v for o in state_owners(learn.opt) for s in o.state.values() for v in s.values()]
-    ts = [t for t in ts if isinstance(t, Tensor)]
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in ts}.values())
-
-def memory_frame(t:MemoryTerms, room:int|None=None) -> pd.DataFrame:
-    "Each call's `session_peaks`, and whether it fits in `room`"
-    rows = {call: session_peaks(t, *args) for call,(_,*args) in _MEMORY_MODES.items()}
-    df = pd.DataFrame.from_dict(rows, orient='index')[['fit', 'between', 'peak', 'at']]
-    df['B/param'] = df['peak'] / max(t.params, 1)
-    df['fits'] = [None if room is None else p <= room for p in df['peak']]
-    return df
-
-def _gb(b:float) -> str: return f'{b / 2**30:.3g} GiB' if b >= 2**30 else f'{b / 2**20:.3g} MiB'
-
 @patch
 def _memory_line(self:PrecisionReport) -> str:
     "Each eager mode's predicted peak, and which do not fit"

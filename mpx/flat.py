@@ -198,7 +198,7 @@ class Bucket:
         self.c,self.cv = None,None  # Kahan compensations, flat, and their slots
         self.ms,self.handed,self.seen,self.shown = None,None,None,None  # masters as parameters, and versions seen
         self.state_bufs,self.state_held = {},{}  # state buffers by key, and what each state dict holds for a key
-        self.scales = {}  # block scales of quantised state, by key
+        self.store_meta = {}  # the store's own tensors beside its buffers, by key (`QuantStore`'s block scales)
         self.stepper = None  # how the engine steps it (`mpx.eager`, `mpx.compiled`)
         self.dicts = [None]*len(params)  # each parameter's state dict, as last adopted
         self.live = [False]*len(params)  # each parameter has a gradient now
@@ -234,7 +234,7 @@ class Bucket:
     def _note_slots(self):
         "Where each gradient and weight lies as the set-up leaves it"
         if self.flat and self.g is not None:
-            self.gv = [g if _same_slot(g, v) else v for g,v in zip(self._own_grads(), self.views(self.g))]
+            self.gv = [g if _same_slot(g, v) else v for g,v in zip(self.own_grads(), self.views(self.g))]
         self.gptrs = [g.data_ptr() for g in self.gv] if self.gv is not None else None  # where each slot lies
         self.ptrs = [p.data_ptr() for p in self.params] if self.flat else None
         self.versions = [p._version for p in self.params]
@@ -284,10 +284,12 @@ class Bucket:
             v.copy_(p.data)
             set_data(p, v)  # each old tensor freed as it is copied
         return buf
-    def _own_grads(self) -> list: return [p.grad for p in self.params]
+    def own_grads(self) -> list:
+        "Each parameter's gradient as the model holds it now"
+        return [p.grad for p in self.params]
     def grad_buffer(self, dtype=None) -> Tensor:
         "The flat gradient buffer: the gradients' already, else zeros"
-        gs = self._own_grads()
+        gs = self.own_grads()
         buf = self.packed(gs, dtype)
         if buf is None: return self.zeros(dtype or self.dtype)
         return self.zero_missing(buf, gs)
@@ -363,6 +365,9 @@ class Bucket:
             self.loose = {i for i,g in enumerate(gs) if g is not None and g.layout is not torch.strided}
         else: self._adopt_flat(gs)  # a flat bucket copies new dense ones into their slots
         self._grads = [id(p.grad) for p in self.params]
+    def forget_grads(self):
+        "The next `adopt_grads` takes the model's gradients as new"
+        self._grads = None
     def _adopt_flat(self, gs:list):
         src,dst = [],[]
         for i,(p,gr,v) in enumerate(zip(self.params, gs, self.gv)):

@@ -146,7 +146,7 @@ class Store:
         "Bytes an element of state takes, stepped in `dtype`"
         raise NotImplementedError
     def new(self, b, k:str, dtype):
-        "Fill `b.state_bufs[k]` (zeros) and `b.state_held[k]`"
+        "Fill `b.state_bufs[k]` (zeros) and `b.state_held[k]`; what else the store keeps for the bucket goes in `b.store_meta[k]`"
         raise NotImplementedError
     def put(self, b, k:str, i:int, v:Tensor, at:int|None=None):
         "Parameter `i`'s state `k` takes tensor `v` (`at`: flat `v` is its elements from `at`, a multiple of `block`)"
@@ -321,7 +321,7 @@ class QuantStore(BF16Store):
         return self.maps[key]
     def new(self, b, k, dtype):
         b.state_bufs[k] = torch.zeros(b.n * self.bits // 8, dtype=torch.uint8, device=b.device)
-        b.scales[k] = torch.zeros(b.n // self.block, device=b.device)
+        b.store_meta[k] = torch.zeros(b.n // self.block, device=b.device)
         self.zero(b, k, 0, len(b.params))
         b.state_held[k] = [LowBitState(b, k, i) for i in range(len(b.params))]
     def _span(self, k, lo:int, hi:int) -> slice: return slice(lo, hi) if self.bits == 8 else slice(lo//2, hi//2)
@@ -331,16 +331,16 @@ class QuantStore(BF16Store):
         "Code fp32 `x` into elements `lo` to `hi` (block-aligned)"
         codes,scale = self.codes.encode(self._enc(k, x), self.qmap(k, x.device))
         b.state_bufs[k][self._span(k, lo, hi)].copy_(codes)
-        b.scales[k][lo // self.block:hi // self.block].copy_(scale)
+        b.store_meta[k][lo // self.block:hi // self.block].copy_(scale)
     def _load(self, b, k, lo:int, hi:int) -> Tensor:
-        s = b.scales[k][lo // self.block:hi // self.block]
+        s = b.store_meta[k][lo // self.block:hi // self.block]
         return self._dec(k, self.codes.decode(b.state_bufs[k][self._span(k, lo, hi)], s, self.qmap(k, b.device)))
     def zero(self, b, k, a, c):
         "Zeros' codes and scales filled in, with no fp32 tensor"
         lo,hi = b.lo(a),b.end(c)
         codes,scale = self.codes.encode(self._enc(k, torch.zeros(self.block, device=b.device)), self.qmap(k, b.device))
         b.state_bufs[k][self._span(k, lo, hi)].fill_(codes[0])
-        b.scales[k][lo // self.block:hi // self.block].fill_(scale[0])
+        b.store_meta[k][lo // self.block:hi // self.block].fill_(scale[0])
     def put(self, b, k, i, v, at=None):
         if at is None:
             lo,hi = b.lo(i),b.end(i+1)
@@ -365,7 +365,7 @@ class QuantStore(BF16Store):
         lo,hi = b.lo(a),b.end(c)
         codes = self.codes.typed(b.state_bufs[k][self._span(k, lo, hi)])
         codes = static_rows(codes.view(-1, self.block * self.bits // 8))
-        t = {kernel_name(k, 'codes'): codes, kernel_name(k, 'scale'): b.scales[k][lo // self.block:hi // self.block]}
+        t = {kernel_name(k, 'codes'): codes, kernel_name(k, 'scale'): b.store_meta[k][lo // self.block:hi // self.block]}
         return {**t, kernel_name(k, 'map'): self.qmap(k, b.device)} if self.bits == 4 else t
     def kernel_shape(self, t):
         "The kind's flat tensors as rows of a block, of static length"

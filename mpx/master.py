@@ -31,7 +31,7 @@ class MasterKind(Kind):
         b.x = b.hold_weights(torch.float32)
         b.w,b.g = b.zeros(self.half),b.zeros(self.half)
         b.w.copy_(b.x)
-        grads = b._own_grads()
+        grads = b.own_grads()
         gx = b.packed(grads, torch.float32)  # the last fit's gradients, handed back in their slots (`finish`)
         if gx is not None: b.g.copy_(b.zero_missing(gx, grads))  # no second fp32 copy of them while the layout is made
         b.gx = b.zeros(torch.float32) if gx is None else gx
@@ -92,7 +92,7 @@ class MasterKind(Kind):
                 b.slot(b.g, i).copy_(b.gxv[i])  # shown in the model too
                 b.live[i] = True
             m.grad = b.shown[i] = b.gxv[i] if b.live[i] else None
-            b._grads = None  # the next step asks the model's gradients again
+            b.forget_grads()  # the next step asks the model's gradients again
     def _show_handed(self, b):
         "Masters or gradients written through `learn.parameters()`, shown"
         now = [(m._version, g._version) for m,g in zip(b.ms, b.gxv)]
@@ -128,7 +128,8 @@ class MasterKind(Kind):
             b.gv[i].copy_(g)
             p.grad = b.gv[i]
             b.live[i] = True
-        b._grads,b.seen = None,[g._version for g in b.gv]
+        b.forget_grads()
+        b.seen = [g._version for g in b.gv]
     def kernel_io(self, b, a, c, phase=0):
         return dict(x=b.part(b.x, a, c), gx=b.part(b.gx, a, c), w=b.part(b.w, a, c)),{}
     @staticmethod

@@ -9,7 +9,7 @@ from fastai.basics import Learner, Adam, first, set_seed, partial, pd, noop
 from fastai.callback.progress import ProgressCallback
 from fastai.test_utils import synth_learner
 from mpx.all import *
-import mpx.advisor as advisor
+import mpx.advisor as advisor, mpx.memory as memory
 from mpx.advisor import *
 from mpx.hardware import cpu_hardware, cuda_hardware
 from mpx.test_utils import tiny_learner, fit_quiet, precision_cbs, tabular_app_learner, collab_app_learner, text_app_learner
@@ -498,12 +498,12 @@ def test_memory_predicted_for_every_mode():
     learn = mlp_learner()
     r = learn.precision_report()
     df,P = r.memory,sum(p.numel() for p in learn.model.parameters())
-    assert list(df.index) == list(advisor._MEMORY_MODES)
+    assert list(df.index) == list(memory._MEMORY_MODES)
     peak = df['peak']
     assert (peak["to_bf16(pure=True, update='stochastic', opt_state='8bit')"] < peak["to_bf16(pure=True, opt_state='8bit')"]
             < peak['to_bf16(pure=True)'] < peak['to_bf16(master=True)'])
     assert peak["to_bf16(opt_state='8bit')"] < peak['to_bf16()'] and (df['peak'] >= df['fit']).all()
-    rt = advisor._RUNTIME_CPU_BYTES  # the process's own, on a CPU
+    rt = memory._RUNTIME_CPU_BYTES  # the process's own, on a CPU
     assert df.loc['to_fp32()', 'fit'] == 16 * P + rt and df.loc['to_bf16(master=True)', 'between'] == 16 * P + rt  # fastai's layout
     assert df.loc['to_bf16(pure=True)', 'between'] == df.loc['to_bf16(pure=True)', 'fit'] == 6 * P + 8 * P + rt  # kept between fits
     assert 'memory, predicted session peak' in str(r) and 'here for the learner' in str(r) and df['fits'].all()
@@ -513,7 +513,7 @@ def test_memory_says_what_does_not_fit(monkeypatch):
     learn = mlp_learner()
     full = learn.precision_report().memory
     room = full.loc["to_bf16(pure=True, update='stochastic', opt_state='8bit')", 'peak'] + 1
-    monkeypatch.setattr(advisor, 'device_free', lambda dev: room - advisor._held(learn))
+    monkeypatch.setattr(advisor, 'device_free', lambda dev: room - memory._held(learn))
     r = learn.precision_report()
     assert r.room == room and r.memory['fits'].tolist()[:7] == [False] * 6 + [True], r.memory['fits']
     assert 'too large: fp32, AMP, AMP 8-bit state, master, pure kahan, pure kahan 8-bit state' in str(r)
@@ -531,7 +531,7 @@ def test_memory_terms_follow_the_learner():
     df = learn.precision_report().memory
     n = 256 * 256
     P = sum(p.numel() for p in learn.model.parameters())
-    rt = advisor._RUNTIME_CPU_BYTES
+    rt = memory._RUNTIME_CPU_BYTES
     assert t0 == 16 * P + rt and df.loc['to_fp32()', 'fit'] == 12 * (P - n) + 4 * n + rt  # Adam's two states to one; a frozen weight
 
 def test_slow_family_is_not_tried(mock_hw, monkeypatch):

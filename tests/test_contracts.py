@@ -3,7 +3,6 @@ them as its own, eagerly bit for bit as fastai's loop, compiled within its toler
 import pytest, torch
 from fastai.optimizer import Adam, SGD
 from fastai.callback.core import Callback
-from mpx.flat import Kind
 from torch import nn
 from mpx.all import *
 from mpx.flat import Kind
@@ -256,3 +255,31 @@ def test_store_in_pieces():
     got = _stepped_linear(lambda o: FusedSteps(o, opt_state=store, chunk=1024))
     whole = _stepped_linear(lambda o: FusedSteps(o, opt_state='bf16'))
     assert len(store.clips) >= 4 and all(map(torch.equal, got, whole)), store.clips
+
+class TensorMax(BitsState):
+    "`BitsState` keeping each parameter's largest magnitude of state in `b.store_meta[k]`: per-tensor metadata, written a piece at a time"
+    def new(self, b, k, dtype):
+        super().new(b, k, dtype)
+        b.store_meta[k] = torch.zeros(len(b.params))
+    def store_window(self, b, k, i, j, x):
+        super().store_window(b, k, i, j, x)
+        for p in range(i, j):
+            piece = b.part(x, p, p+1, b.lo(i)).to(torch.bfloat16).float().abs().max()  # the values stored: rounded
+            first = b.lo(p) == b.offs[p]  # the piece that begins the parameter begins its step's largest
+            b.store_meta[k][p] = piece if first else torch.maximum(b.store_meta[k][p], piece)
+
+@pytest.mark.parametrize('chunk', [1024, None])
+def test_store_metadata_per_tensor(chunk):
+    """A store's own numbers for a whole parameter (`b.store_meta`) stay right when the engine hands it the parameter in pieces:
+    each piece begins on the store's block and they come in order, so a per-tensor largest magnitude is the largest over the pieces"""
+    store,buckets = TensorMax(),[]
+    def engine(o):
+        fs = FusedSteps(o, opt_state=store, chunk=chunk)
+        buckets.extend(b for b in fs.buckets if b.store is store)
+        return fs
+    got = _stepped_linear(engine)
+    assert all(map(torch.equal, got, _stepped_linear(lambda o: FusedSteps(o, opt_state='bf16'))))
+    (b,) = buckets
+    for k in ('grad_avg', 'sqr_avg'):
+        want = torch.stack([store.value(b, k, i).abs().max() for i in range(len(b.params))])
+        assert torch.equal(b.store_meta[k], want) and want.gt(0).all(), (k, b.store_meta[k], want)

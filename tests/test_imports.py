@@ -7,7 +7,7 @@ import pytest
 # DESIGN.md's arrows: `learner -> (amp, master, pure, fp8, advisor) -> callback -> (fused, plumbing, scaler, hardware, patches) -> core`;
 # the step engine's pieces (flat, eager, compiled, foreign, lowbit) sit beside fused, and `warn` beside core
 TIERS = dict(core=0, warn=0, hardware=1, scaler=1, fused=1, flat=1, eager=1, compiled=1, foreign=1, lowbit=1, plumbing=1, patches=1, progress=1, parallel=1, callback=2, distributed=4, amp=3, master=3, pure=3, fp8=3, advisor=3,
-             learner=4, test_utils=5, all=5)
+             learner=4, test_learners=5, test_utils=6, all=5, trial=1, memory=1)  # trial, memory: the advisor's parts
 MODE_MODULES = {'amp', 'master', 'pure', 'fp8'}  # no mode imports another mode
 EXTRA = dict(advisor={'fp8'})  # the advisor is no mode: its report says what `to_fp8()` would convert (`fp8_table`, `real_fp8`)
 
@@ -208,6 +208,24 @@ assert type(fit(learn.to_bf16(pure=True)).mixed_precision).__name__ == 'PureBF16
 try: learn.to_fp16(pure=True); raise AssertionError('to_fp16(pure=True) was accepted')
 except ValueError as e: assert 'pure training' in str(e)
 assert precision(fit(learn.to_fp32())) == []
+''',
+    trial='''
+from mpx.trial import *
+learn = learner()
+xb,yb = learn.dls.one_batch()
+with fp32_trial(learn.model) as m: assert set(time_steps(m, (xb,), (yb,), learn.loss_func, n=1)) >= {'fp32'}
+''',
+    memory='''
+from mpx.memory import *
+learn = learner()
+xb,yb = learn.dls.one_batch()
+t = memory_terms(learn.model, (xb,), (yb,), learn.loss_func)
+assert t.params == 321 and session_peaks(t, 'amp')['peak'] > 0 and len(memory_frame(t)) > 5
+''',
+    test_learners='''
+from mpx.test_learners import *
+learn = fit_quiet(tiny_learner().to_bf16())
+assert learn.mixed_precision.total_steps > 0
 ''',
     test_utils='''
 from mpx.test_utils import *

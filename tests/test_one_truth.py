@@ -11,7 +11,7 @@ from fastai.basics import SGD, Adam, Callback, OptimWrapper, nn, set_seed, load_
 import fastai.callback.schedule  # `lr_find`
 from mpx.all import *
 import mpx.plumbing
-from mpx.advisor import _peak_bytes
+from mpx.memory import _peak_bytes
 from mpx.test_utils import tiny_learner, fit_quiet, ALL_MODES, precision_cb, state_of, state_diffs, weights, raised
 from test_kept_layout import learner, fit_both, fitted_pair, assert_same, ARMS
 

@@ -10,7 +10,7 @@ from torch import nn
 from fastai.basics import Callback
 import fastai.callback.hook  # noqa: F401 (Learner.summary)
 from mpx.all import *
-from mpx.advisor import _untouched
+from mpx.trial import _untouched
 from mpx.test_utils import tiny_learner, fit_quiet, InjectGrad, precision_cb, state_of, state_diffs, ALL_MODES_FP8
 
 pytestmark = pytest.mark.filterwarnings('ignore::UserWarning', 'ignore::FutureWarning')
