@@ -29,7 +29,7 @@ import argparse, gc, math, statistics, sys, time
 from _common import *
 from fastai.callback.schedule import *
 from fastai.data.core import TfmdDL
-from mpx.test_utils import _ExportableDS
+from mpx.test_learners import _ExportableDS
 from session_memory import _gpt2_lm, GPT2
 
 MODES = {  # name: what makes a learner train in that mode

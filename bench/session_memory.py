@@ -81,7 +81,7 @@ def _peak() -> int:
 def _mlp_data(n_in:int, n_out:int, bs:int, n:int):
     "Synthetic regression data that `export` can empty: `n` training batches of `bs`, two validation ones"
     from fastai.basics import torch
-    from mpx.test_utils import _ExportableDS
+    from mpx.test_learners import _ExportableDS
     from fastai.data.core import TfmdDL, DataLoaders
     def ds(k): x = torch.randn(bs*k, n_in); return _ExportableDS(x, x[:, :n_out] * 2 + .1 * torch.randn(bs*k, n_out))
     return DataLoaders(TfmdDL(ds(n), bs=bs, shuffle=True), TfmdDL(ds(2), bs=bs), device=DEVICE)
@@ -111,7 +111,7 @@ ARM_NEEDS = {'fastai + optimi kahan AdamW (bf16 model)': 'optimi', 'fastai + tor
 def _image_data(px:int, n_out:int, bs:int, n:int):
     "Random images and classes that `export` can empty: `n` training batches of `bs`, two validation ones"
     from fastai.basics import torch
-    from mpx.test_utils import _ExportableDS
+    from mpx.test_learners import _ExportableDS
     from fastai.data.core import TfmdDL, DataLoaders
     def ds(k): return _ExportableDS(torch.randn(bs*k, 3, px, px), torch.randint(0, n_out, (bs*k,)))
     return DataLoaders(TfmdDL(ds(n), bs=bs, shuffle=True), TfmdDL(ds(2), bs=bs), device=DEVICE)
@@ -126,7 +126,7 @@ def _gpt2_classes() -> tuple:
 def _gpt2_data(vocab:int, seq:int, bs:int, n:int):
     "Random token sequences that `export` can empty: `n` training batches of `bs`, one validation batch of 4"
     from fastai.basics import torch
-    from mpx.test_utils import _ExportableDS
+    from mpx.test_learners import _ExportableDS
     from fastai.data.core import TfmdDL, DataLoaders
     def ds(k):
         x = torch.randint(0, vocab, (k, seq + 1))
@@ -145,7 +145,7 @@ def _gpt2_lm(**config):
 def _learner(model:str, bs:int=16, n:int=8):
     "The arm's learner, and the process's resident bytes once its data is made (before the model)"
     from fastai.basics import Learner, MSELossFlat, CrossEntropyLossFlat, Adam, set_seed
-    from mpx.test_utils import _quiet, text_app_learner
+    from mpx.test_learners import _quiet, text_app_learner
     set_seed(0)
     sizes = MODELS[model][1]
     if model == 'gpt2':

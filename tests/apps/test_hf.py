@@ -9,7 +9,8 @@ from fastai.basics import Learner, Module, DataLoaders, TfmdDL, CrossEntropyLoss
 import fastai.callback.schedule  # lr_find, fit_one_cycle
 from fastai.learner import load_learner
 import mpx.all  # `Learner.to_fp16`, `to_bf16`, `to_fp32`
-from mpx.test_utils import _ExportableDS, _quiet, rel_err, weights, state_of, assert_same_state
+from mpx.test_learners import _ExportableDS, _quiet
+from mpx.test_utils import rel_err, weights, state_of, assert_same_state
 from planted import lr_scaled
 from transformers import GPT2Config, GPT2LMHeadModel, BertConfig, BertForSequenceClassification  # the apps' stack has it
 
