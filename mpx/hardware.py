@@ -230,18 +230,18 @@ def _family_words(speeds:dict, families:dict) -> str:
     "'fast for matmuls (Linear: 3.1x), slow for convolutions (Conv2d: 0.04x)'"
     def said(f): return f"{_FAMILY_WORDS[f]} ({families[f]}: {f'{speeds[f]:.2g}x' if speeds[f] else 'no kernel'})"
     fast,slow = [said(f) for f in speeds if speeds[f] >= _SLOW_RATIO],[said(f) for f in speeds if speeds[f] < _SLOW_RATIO]
-    return ', '.join(([f"fast for {' and '.join(fast)}"] if fast else []) + [f"slow for {' and '.join(slow)}"])
+    return ', '.join(([f"fast for {' and '.join(fast)}"] if fast else []) + ([f"slow for {' and '.join(slow)}"] if slow else []))
 
 def measured(
     hw:Hardware, # a device's `Hardware`: only a CPU's verdicts are checked
     families:dict, # the model's operator families, `layer_families(model)`
 ) -> Hardware:
-    "`hw` with each dtype its flags call fast timed on `families`: a dtype slow for one of them is slow, its note saying which"
+    "`hw` with each dtype timed on `families`: slow where one of them is, its note saying what was measured"
     if hw.device != 'cpu' or not families: return hw
     fast,notes = dict(bf16=hw.bf16_fast, fp16=hw.fp16_fast),list(hw.notes)
     for i,mode in enumerate(fast):
-        if not fast[mode]: continue
-        speeds = {f: op_speed(f, mode) for f in families}
+        speeds = {f: op_speed(f, mode) for f in families}  # a slow dtype's probe stops at 20 times fp32's time
+        # fast on every family: the flags' verdict and note stand (a dtype they call slow stays slow)
         if min(speeds.values()) >= _SLOW_RATIO: continue
         fast[mode],notes[i] = False,f"{mode}: {_family_words(speeds, families)} against fp32, measured on this CPU"
     return hw._replace(bf16_fast=fast['bf16'], fp16_fast=fast['fp16'], notes=tuple(notes))

@@ -176,6 +176,8 @@ def test_no_fast_16bit_said_honestly(demo, rows, monkeypatch, capsys):
     monkeypatch.setattr(demo, 'detect_hardware', lambda device=None: NO_FAST)
     monkeypatch.setattr(mpx.advisor, 'detect_hardware', lambda device=None: NO_FAST)
     slow = dict(fp32=.01, bf16=.2, fp16=.5)  # what an AVX2-only CPU measures: 16 bits 20-50x slower
+    probes = {(dt, f): .05 for dt in (torch.bfloat16, torch.float16) for f in ('matmul', 'conv', 'recurrent')}
+    monkeypatch.setattr(mpx.hardware, '_speeds', probes)  # and its probes of each layer family
     monkeypatch.setattr(mpx.advisor, 'time_steps', lambda model, xb, yb, loss_func, modes, n=5: {m: slow[m] for m in modes})
     widths = []
     advise = demo.advise
@@ -189,7 +191,9 @@ def test_no_fast_16bit_said_honestly(demo, rows, monkeypatch, capsys):
     assert f'MLP 64-{demo.NARROW}-{demo.NARROW}-10' in model and 'computes neither bf16 nor fp16 fast' in model and 'Use fp32' in model
     table = out.index(next(l for l in out if l.startswith('mode ')))
     why = why_cells('\n'.join(out[table:table+5]))
-    assert why['bf16'] == slow_reason(NO_FAST, 'bf16') and why['fp16'] == slow_reason(NO_FAST, 'fp16')
+    said = mpx.hardware.measured(NO_FAST, {'matmul': 'Linear'})  # the MLP's family, timed
+    assert why['bf16'] == slow_reason(said, 'bf16') and why['fp16'] == slow_reason(said, 'fp16')
+    assert why['fp16'] == 'slow for matmuls (Linear: 0.05x) against fp32, measured on this CPU'
     assert out[table+5] == ("verdict: fp32, the advisor's pick, is the mode to use here: "
                             "in training the 16-bit modes ran at bf16 0.05x, fp16 0.02x its speed")
 
