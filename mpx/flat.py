@@ -192,11 +192,12 @@ class Bucket:
         self.sizes = [p.numel() for p in params]
         self.offs,self.n = _offsets(self.sizes, align or self.store.block)  # slots on the store's blocks
         self.dtype,self.device = params[0].dtype,params[0].device
-        # its buffers by role, in one place: the kind fills the next four rows (`build`), the store two (`new`)
-        self.w,self.g,self.gv = None,None,None  # weights and gradients, flat, and gradients as the model holds them
-        self.x,self.gx,self.xv,self.gxv = None,None,None,None  # fp32 masters and their gradients, flat, and their slots
-        self.c,self.cv = None,None  # Kahan compensations, flat, and their slots
-        self.ms,self.handed,self.seen,self.shown = None,None,None,None  # masters as parameters, and versions seen
+        # its buffers by role, in one place: the kind fills the next five rows (`build`), the store two (`new`)
+        self.w,self.g,self.grad_slots = None,None,None  # weights and gradients, flat, and gradients as the model holds them
+        self.masters,self.master_grads = None,None  # fp32 masters and their gradients, flat
+        self.master_slots,self.master_grad_slots = None,None  # and each parameter's slot of them
+        self.comp,self.comp_slots = None,None  # Kahan compensations, flat, and their slots
+        self.master_params,self.handed,self.seen,self.shown = None,None,None,None  # masters as parameters, and versions seen
         self.state_bufs,self.state_held = {},{}  # state buffers by key, and what each state dict holds for a key
         self.store_meta = {}  # the store's own tensors beside its buffers, by key (`QuantStore`'s block scales)
         self.stepper = None  # how the engine steps it (`mpx.eager`, `mpx.compiled`)
@@ -234,8 +235,8 @@ class Bucket:
     def _note_slots(self):
         "Where each gradient and weight lies as the set-up leaves it"
         if self.flat and self.g is not None:
-            self.gv = [g if _same_slot(g, v) else v for g,v in zip(self.own_grads(), self.views(self.g))]
-        self.gptrs = [g.data_ptr() for g in self.gv] if self.gv is not None else None  # where each slot lies
+            self.grad_slots = [g if _same_slot(g, v) else v for g,v in zip(self.own_grads(), self.views(self.g))]
+        self.gptrs = [g.data_ptr() for g in self.grad_slots] if self.grad_slots is not None else None  # where each slot lies
         self.ptrs = [p.data_ptr() for p in self.params] if self.flat else None
         self.versions = [p._version for p in self.params]
 
@@ -343,8 +344,8 @@ class Bucket:
         self.versions[i] = None  # written, whatever its version now
     def _take_back_grads(self):
         "Gradient slots whose data was assigned anew (`model.float()` casts `p.grad.data`): in their slots again"
-        if self.gv is None or [g.data_ptr() for g in self.gv] == self.gptrs: return
-        for i,(g,at) in enumerate(zip(self.gv, self.gptrs)):
+        if self.grad_slots is None or [g.data_ptr() for g in self.grad_slots] == self.gptrs: return
+        for i,(g,at) in enumerate(zip(self.grad_slots, self.gptrs)):
             if g.data_ptr() == at: continue
             x = g.data
             g.data = self.slot(self.g, i)
@@ -370,7 +371,7 @@ class Bucket:
         self._grads = None
     def _adopt_flat(self, gs:list):
         src,dst = [],[]
-        for i,(p,gr,v) in enumerate(zip(self.params, gs, self.gv)):
+        for i,(p,gr,v) in enumerate(zip(self.params, gs, self.grad_slots)):
             if gr is v:
                 self.live[i] = True
                 continue

@@ -78,7 +78,7 @@ class FusedSteps:
         chunk:int|None=None, # Most elements a window holds (None: `default_chunk` of the device)
         opt_state='fp32', # The optimizer's state: 'fp32', 'bf16', '8bit', '4bit', a `register_store` name or a `Store` (`mpx.lowbit`)
     ):
-        self.opt,self.path,self.chunk,self.opt_state = opt,Fused.of(fused),chunk,opt_state
+        self.opt,self.fused,self.chunk,self.opt_state = opt,Fused.of(fused),chunk,opt_state
         self.ledger,self.done = Ledger(),False
         if ledger is not None: ledger.defer(self.undo)
         self.lookaheads,self.inner = unwrap(opt)
@@ -92,7 +92,7 @@ class FusedSteps:
         # helpers: the engine is their argument, never their attribute
         self.lookahead,self.foreign = LookaheadSync(),ForeignSteps()
         self.dense,self.low = DenseStore(),make_store(opt_state)
-        why = why_not_lowbit(opt, self.path, opt_state)
+        why = why_not_lowbit(opt, self.fused, opt_state)
         if why: raise ValueError(why)
         self.buckets = []
         self.ledger.defer(self._finish)  # the buckets' fp32 layout back, once committed (`_layout`)
@@ -104,7 +104,7 @@ class FusedSteps:
         for b in self.buckets: b.settle()  # the set-up complete: the fp32 values the layout replaced freed
 
     def __repr__(self):
-        how = f"{self.path.value}" if self.native else f"{type(self.inner).__name__}'s own step"
+        how = f"{self.fused.value}" if self.native else f"{type(self.inner).__name__}'s own step"
         undone = ', undone' if self.done else ''
         return f"FusedSteps({type(self.opt).__name__}, {how}: {len(self.buckets)} buckets{undone})"
 
@@ -119,7 +119,7 @@ class FusedSteps:
                 self.places.setdefault((gi, id(p)), []).append(k)
                 if id(p) in self.home: continue
                 kind = (kind_of(p) if kind_of is not None else None) or _in_place
-                own = self.native and self.path is not Fused.LOOP  # the engine's own step: a parameter may take a slot
+                own = self.native and self.fused is not Fused.LOOP  # the engine's own step: a parameter may take a slot
                 flat = not kind.in_place or (own and slottable(p) and id(p) not in tied)
                 store = self.low if flat and p.numel() >= MIN_LOWBIT else self.dense
                 key = (id(kind), p.device, p.dtype, bool(st.get(p, {}).get('do_wd', True)), flat, id(store))
@@ -164,21 +164,21 @@ class FusedSteps:
         "Choose each bucket's stepper from `opt.cbs` and `fused`"
         if not self.native: return
         self.cbs = tuple(self.inner.cbs)
-        p = plan(self.cbs) if self.path is not Fused.LOOP else None
+        p = plan(self.cbs) if self.fused is not Fused.LOOP else None
         eager = RunSteps(p) if p is not None else LoopSteps()
-        chosen = compile_plan(self, p) if self.path is Fused.COMPILE else eager
+        chosen = compile_plan(self, p) if self.fused is Fused.COMPILE else eager
         for b in self.buckets: b.stepper = chosen if b.flat else LoopSteps()
 
     def _install(self):
         "Install `step` and `zero_grad`, or a swap around a foreign step"
         led,o,widened = self.ledger,self.inner,any(not b.kind.in_place for b in self.buckets)  # all through the ledger
         if not self.native:
-            if self.path is Fused.COMPILE: self.say(self.reason)
+            if self.fused is Fused.COMPILE: self.say(self.reason)
             if widened: self.foreign.install(self, led)
             return
-        if self.path is Fused.COMPILE or not self.low.views: led.set(o, 'state_dict', self._state_dict)
+        if self.fused is Fused.COMPILE or not self.low.views: led.set(o, 'state_dict', self._state_dict)
         if not self.lookaheads: led.set(o, 'load_state_dict', self.load_state)  # each loaded state tensor into its store
-        if self.path is Fused.LOOP and not widened: return  # fastai's own loop on the parameters themselves
+        if self.fused is Fused.LOOP and not widened: return  # fastai's own loop on the parameters themselves
         led.set(o, 'step', self.step)
         for la in self.lookaheads: led.set(la, 'step', partial(self.lookahead.step, self, la))
         for x in [o, *self.lookaheads]:
@@ -239,7 +239,7 @@ class FusedSteps:
 
     def will_compile(self) -> bool:
         "Whether the next step is compiled on every bucket"
-        if self.path is not Fused.COMPILE or not self.native: return False
+        if self.fused is not Fused.COMPILE or not self.native: return False
         self.refresh()
         if tuple(self.inner.cbs) != self.cbs: self._recompose()
         return all(isinstance(b.stepper, CompiledSteps) and b.stepper.why_not(self, b) is None for b in self.buckets)
@@ -257,7 +257,7 @@ class FusedSteps:
     def _recompose(self):
         "A callback edited `opt.cbs`: choose the steppers again"
         self.steps_to_host()  # the compiled step's counts to the host first
-        why = why_not_lowbit(self.opt, self.path, self.opt_state)
+        why = why_not_lowbit(self.opt, self.fused, self.opt_state)
         if why: raise ValueError(f"opt.cbs changed mid-fit: {why}")
         self._choose()
 
@@ -357,9 +357,9 @@ class FusedSteps:
         for b in self.buckets:
             if b.flat and b.g is not None: gs.append(b.g)
             own = list(map(_grad, b.params))
-            if b.gv is not None and all(map(operator.is_, own, b.gv)): continue  # all in the flat buffer: its one op
+            if b.grad_slots is not None and all(map(operator.is_, own, b.grad_slots)): continue  # all in the flat buffer: its one op
             for i,g in enumerate(own):
-                if g is None or (b.gv is not None and g is b.gv[i]): continue
+                if g is None or (b.grad_slots is not None and g is b.grad_slots[i]): continue
                 # only a `create_graph` backward leaves such a gradient
                 if g.grad_fn is not None or g.requires_grad: g.detach_()
                 gs.append(g)

@@ -127,19 +127,19 @@ class BF16Kind(Kind):
     def restore(self, b, grads:dict):
         for i,p in enumerate(b.params):
             if id(p) not in grads: continue
-            b.gv[i].copy_(grads[id(p)][1])
-            p.grad = b.gv[i]
+            b.grad_slots[i].copy_(grads[id(p)][1])
+            p.grad = b.grad_slots[i]
             b.live[i] = True
 
 # %% ../nbs/05_pure.ipynb #pb000020
 class KahanKind(BF16Kind):
     "bf16 weights and Kahan compensations, stepped as `w + c`"
     def split(self, b, x):
-        b.c = b.zeros(torch.bfloat16)
-        b.cv = b.views(b.c)
-        self._fold_whole(b, x, b.w, b.c)
+        b.comp = b.zeros(torch.bfloat16)
+        b.comp_slots = b.views(b.comp)
+        self._fold_whole(b, x, b.w, b.comp)
     def assign(self, b, i, x, at=None):
-        w,c = b.slot(b.w, i),b.cv[i]
+        w,c = b.slot(b.w, i),b.comp_slots[i]
         if not w.is_contiguous(): return fold_kahan([x], [w], [c])  # another order of its elements (transposed): whole
         a,n = at or 0,x.numel()
         self._fold_whole(b, x.reshape(-1), w.view(-1)[a:a+n], c.view(-1)[a:a+n])
@@ -149,17 +149,17 @@ class KahanKind(BF16Kind):
             xa = x[a:a+chunk]
             rest,total = self._scratch(b, xa, 'kahan_rest'),self._scratch(b, xa, 'kahan_sum')
             fold_kahan([xa], [w[a:a+chunk]], [c[a:a+chunk]], rest, total)
-    def written(self, b, idx:list): torch._foreach_zero_([b.cv[i] for i in idx])  # what was written, exactly
+    def written(self, b, idx:list): torch._foreach_zero_([b.comp_slots[i] for i in idx])  # what was written, exactly
     def widen(self, b, i, j, x):
-        widen_kahan([x], [b.part(b.w, i, j)], [b.part(b.c, i, j)], self._scratch(b, x, 'kahan_sum'))
+        widen_kahan([x], [b.part(b.w, i, j)], [b.part(b.comp, i, j)], self._scratch(b, x, 'kahan_sum'))
     def fold(self, b, i, j, x, phase=0):
         rest,total = self._scratch(b, x, 'kahan_rest'),self._scratch(b, x, 'kahan_sum')
-        fold_kahan([x], [b.part(b.w, i, j)], [b.part(b.c, i, j)], rest, total)
+        fold_kahan([x], [b.part(b.w, i, j)], [b.part(b.comp, i, j)], rest, total)
     def _scratch(self, b, x, slot:str) -> list:
         "The fp32 scratch buffer `slot` for a window's bf16 operands"
         return [b.workspace(b.device, x.numel(), slot)]
-    def value(self, b, i): return b.params[i].data.float().add_(b.cv[i].float())
-    def kernel_io(self, b, a, c, phase=0): return dict(w=b.part(b.w, a, c), c=b.part(b.c, a, c), g=b.part(b.g, a, c)),{}
+    def value(self, b, i): return b.params[i].data.float().add_(b.comp_slots[i].float())
+    def kernel_io(self, b, a, c, phase=0): return dict(w=b.part(b.w, a, c), c=b.part(b.comp, a, c), g=b.part(b.g, a, c)),{}
     @staticmethod
     def kernel_widen(t, s): return t['w'].float() + t['c'].float(),t['g'].float()
     @staticmethod
@@ -219,19 +219,19 @@ class StochasticKind(BF16Kind):
 class KeptKind(BF16Kind):
     "bf16 weights frozen when the fit began, their fp32 values kept aside"
     def split(self, b, x):
-        b.x = x
-        b.xv = b.views(x)
+        b.masters = x
+        b.master_slots = b.views(x)
         b.w.copy_(x)
     def assign(self, b, i, x, at=None):
-        flat_part(b.xv[i], at, x.numel()).copy_(x)
+        flat_part(b.master_slots[i], at, x.numel()).copy_(x)
         flat_part(b.slot(b.w, i), at, x.numel()).copy_(x)
-    def wide(self, b, i, j): return b.part(b.x, i, j),super().wide(b, i, j)[1]
+    def wide(self, b, i, j): return b.part(b.masters, i, j),super().wide(b, i, j)[1]
     def widen(self, b, i, j, x): pass
     def written(self, b, idx):
-        for i in idx: merge_writes(b.xv[i], b.slot(b.w, i))
+        for i in idx: merge_writes(b.master_slots[i], b.slot(b.w, i))
     def fold(self, b, i, j, x, phase=0): b.part(b.w, i, j).copy_(x)
-    def value(self, b, i): return exact_fp32(b.params[i].data, b.xv[i])
-    def kernel_io(self, b, a, c, phase=0): return dict(x=b.part(b.x, a, c), w=b.part(b.w, a, c), g=b.part(b.g, a, c)),{}
+    def value(self, b, i): return exact_fp32(b.params[i].data, b.master_slots[i])
+    def kernel_io(self, b, a, c, phase=0): return dict(x=b.part(b.masters, a, c), w=b.part(b.w, a, c), g=b.part(b.g, a, c)),{}
     @staticmethod
     def kernel_widen(t, s): return t['x'],t['g'].float()
     @staticmethod
@@ -284,11 +284,11 @@ class BF16Weights(FitState):
     @property
     def comp(self) -> dict:
         "Each Kahan-compensated weight's compensation"
-        return {p: c for b in self._buckets(self.train) if b.cv is not None for p,c in zip(b.params, b.cv)}
+        return {p: c for b in self._buckets(self.train) if b.comp_slots is not None for p,c in zip(b.params, b.comp_slots)}
     @property
     def kept(self) -> dict:
         "The exact fp32 values kept aside, by tensor"
-        frozen = {p: x for b in self._buckets(self.frozen) for p,x in zip(b.params, b.xv)}
+        frozen = {p: x for b in self._buckets(self.frozen) for p,x in zip(b.params, b.master_slots)}
         return {**{t: c for t,c,_ in self.rest.kept}, **frozen}
     def wide(self, p:Tensor) -> Tensor:
         "The fp32 value of parameter `p` during the fit"

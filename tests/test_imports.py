@@ -88,7 +88,7 @@ from mpx.fused import *
 a,b = learner(),learner()
 from mpx.core import Fused
 a.create_opt(); steps = FusedSteps(a.opt)
-assert steps.native and steps.path is Fused.FLAT, steps
+assert steps.native and steps.fused is Fused.FLAT, steps
 fit(a); fit(b)  # fastai's loop in `b`: the same weights, bit for bit
 assert all(torch.equal(p, q) for p,q in zip(a.model.parameters(), b.model.parameters()))
 steps.undo()

@@ -135,8 +135,8 @@ def fp32_view(learn, p) -> torch.Tensor:
     cb = precision_cb(learn)
     if cb is None or cb.fused_steps is None: return p.detach().float().clone()
     b,i = cb.fused_steps.home[id(p)]
-    if b.xv is not None: return b.xv[i].detach().clone()
-    if b.cv is not None: return p.detach().float() + b.cv[i].float()
+    if b.master_slots is not None: return b.master_slots[i].detach().clone()
+    if b.comp_slots is not None: return p.detach().float() + b.comp_slots[i].float()
     return p.detach().float().clone()
 
 WRITES = dict(fill=lambda p,sd: p.fill_(.25), load_state_dict=None)
