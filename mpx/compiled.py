@@ -32,9 +32,9 @@ def _compiled_as(f):
 @_compiled_as(weight_decay)
 class _WeightDecay:
     @staticmethod
-    def scalars(run, hyper, kw): run['wdf'] = 1 - hyper['lr'] * hyper['wd']  # `wd` is 0 where `do_wd` is off: `x * 1`
+    def scalars(run, hyper, kw): run['decay_factor'] = 1 - hyper['lr'] * hyper['wd']  # `wd` is 0 where `do_wd` is off: `x * 1`
     @staticmethod
-    def update(vals, run, kw): vals['x'] = vals['x'] * run['wdf']
+    def update(vals, run, kw): vals['x'] = vals['x'] * run['decay_factor']
 
 @_compiled_as(l2_reg)
 class _L2Reg:
@@ -52,9 +52,9 @@ class _AverageGrad:
     @staticmethod
     def scalars(run, hyper, kw):
         run['mom'] = hyper['mom']
-        run['damp1'] = _damped(hyper['mom'], kw.get('dampening', False))
+        run['grad_weight'] = _damped(hyper['mom'], kw.get('dampening', False))
     @staticmethod
-    def update(vals, run, kw): vals['grad_avg'] = vals['grad_avg'] * run['mom'] + run['damp1'] * vals['g']
+    def update(vals, run, kw): vals['grad_avg'] = vals['grad_avg'] * run['mom'] + run['grad_weight'] * vals['g']
 
 @_compiled_as(average_sqr_grad)
 class _AverageSqrGrad:
@@ -303,7 +303,7 @@ def compile_plan(eng, p:list|None):
     eager = RunSteps(p) if p is not None else LoopSteps()
     why = _static_why(eng, p)
     if why is None: return CompiledSteps(eager)
-    eng.say(why)
+    eng.warn_eager(why)
     return eager
 
 def _static_why(eng, p:list|None) -> str|None:
@@ -348,7 +348,7 @@ class CompiledSteps:
         self.to_host(eng, b)
         # a step skipped on the device: the eager one must not run
         if eng.found is not None and bool(eng.found): return False
-        eng.say(why)
+        eng.warn_eager(why)
         if phase: self.eager.extra(eng, b, runs[0][0], phase, hyper)
         else: self.eager.bucket(eng, b, hyper)
         return False

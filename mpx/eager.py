@@ -103,14 +103,14 @@ class ParamItems:
     def put(self, k, vals):
         for s,v in zip(self.states, vals): s[k] = v
 
-def _scal(vals:list):
+def _one_scalar(vals:list):
     "One scalar where all `vals` are equal, else the list"
     v = vals[0]
     return v if all(o == v for o in vals) else vals  # a scalar takes foreach's Scalar overload
 
-def _axpy(xs:list, ys:list, alphas):
+def _add_scaled(xs:list, ys:list, alphas):
     "`xs[i].add_(ys[i], alpha=alphas[i])`, rounded as `add_` rounds"
-    a = _scal(alphas) if isinstance(alphas, list) else alphas
+    a = _one_scalar(alphas) if isinstance(alphas, list) else alphas
     if not isinstance(a, list): return torch._foreach_add_(xs, ys, alpha=a)
     # a list of alphas: `addcmul_` by ones, rounded as `add_` rounds (one fused multiply-add)
     torch._foreach_addcmul_(xs, [torch.ones((), dtype=ys[0].dtype, device=ys[0].device)]*len(ys), ys, a)
@@ -134,7 +134,7 @@ def _larc_step(c:ParamItems, kw:dict):
     "`larc_step`: `p -= local_lr * (grad_avg or grad)`"
     xs = [g if a is None else a for a,g in zip(c.arg('grad_avg', kw), c.grads)]
     a = c.memo.pop('alpha', None)
-    if a is None: return _axpy(c.data, xs, [float(-v) for v in c.arg('local_lr', kw)])  # `local_lr` from elsewhere
+    if a is None: return _add_scaled(c.data, xs, [float(-v) for v in c.arg('local_lr', kw)])  # `local_lr` from elsewhere
     torch._foreach_addcmul_(c.data, xs, list(a.unbind()), value=1.)  # as `add_(alpha=)` rounds (tested)
 
 # %% ../nbs/01f_eager.ipynb #ea0015
@@ -149,8 +149,8 @@ def _lamb_step(c:ParamItems, kw:dict):
     steps = c.arg('step', kw)
     db1,db2 = _debiased(mom, steps),_debiased(sqr_mom, steps)
     r1 = torch.stack([t.mean() for t in torch._foreach_pow(c.data, 2)]).sqrt()
-    st = torch._foreach_div(c.arg('grad_avg', kw), _scal(db1))
-    den = torch._foreach_div(c.arg('sqr_avg', kw), _scal(db2))
+    st = torch._foreach_div(c.arg('grad_avg', kw), _one_scalar(db1))
+    den = torch._foreach_div(c.arg('sqr_avg', kw), _one_scalar(db2))
     torch._foreach_sqrt_(den)
     torch._foreach_add_(den, eps)
     torch._foreach_div_(st, den)

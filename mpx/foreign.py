@@ -39,7 +39,7 @@ class ForeignSteps:
     @torch.no_grad()
     def step(self, eng, step:Callable, windowed:bool, closure=None):
         "The optimizer's own `step` on the stepped tensors"
-        eng.prelude()
+        eng.adopt_changes()
         if windowed: wins = [[(b, i, j)] for b in eng.buckets for i,j,_,_ in b.windows(eng.chunk)]  # a window at a time
         else: wins = [[(b, 0, len(b.params)) for b in eng.buckets]]
         for w in wins: self._swapped(eng, step, w, windowed)

@@ -173,7 +173,7 @@ class FusedSteps:
         "Install `step` and `zero_grad`, or a swap around a foreign step"
         led,o,widened = self.ledger,self.inner,any(not b.kind.in_place for b in self.buckets)  # all through the ledger
         if not self.native:
-            if self.fused is Fused.COMPILE: self.say(self.reason)
+            if self.fused is Fused.COMPILE: self.warn_eager(self.reason)
             if widened: self.foreign.install(self, led)
             return
         if self.fused is Fused.COMPILE or not self.low.views: led.set(o, 'state_dict', self._state_dict)
@@ -215,7 +215,7 @@ class FusedSteps:
     def step(self, closure=None):
         "fastai's `Optimizer.step`: each group's buckets, then its extras"
         if closure is not None: raise NotImplementedError("fastai optimizers currently do not support closure")
-        self.prelude()
+        self.adopt_changes()
         if tuple(self.inner.cbs) != self.cbs: self._recompose()
         for gi,hyper in enumerate(self.inner.hypers):
             for b in self.groups[gi]: b.stepper.bucket(self, b, hyper)
@@ -225,7 +225,7 @@ class FusedSteps:
         for k in {id(b.kind): b.kind for b in self.buckets}.values(): k.tick()
         self.exposed = False
 
-    def prelude(self, full:bool=True):
+    def adopt_changes(self, full:bool=True):
         "Before a step (`full`) or a finite check: what changed adopted"
         if full and self.takes and self.phase.pending: raise RuntimeError(
             f"mpx: opt.step() came in step phase {self.phase.value!r}: after a backward whose gradients the engine "
@@ -261,7 +261,7 @@ class FusedSteps:
         if why: raise ValueError(f"opt.cbs changed mid-fit: {why}")
         self._choose()
 
-    def say(self, why:str):
+    def warn_eager(self, why:str):
         "Warn once an engine why `fused='compile'` steps eagerly"
         if why in self.warned: return
         self.warned.add(why)
@@ -385,7 +385,7 @@ class FusedSteps:
             b.kind.clear(b)
     def checked(self) -> list:
         "The gradients the finite check reads, one a flat bucket"
-        self.prelude(full=False)  # the gradients adopted first
+        self.adopt_changes(full=False)  # the gradients adopted first
         return [g for b in self.buckets for g in b.kind.checked(b) if g is not None]
     @torch.no_grad()
     def publish(self):
