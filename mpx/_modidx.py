@@ -216,7 +216,6 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                               'mpx.compiled.CompiledSteps.__init__': ('compiled.html#compiledsteps.__init__', 'mpx/compiled.py'),
                               'mpx.compiled.CompiledSteps._run': ('compiled.html#compiledsteps._run', 'mpx/compiled.py'),
                               'mpx.compiled.CompiledSteps._scalars': ('compiled.html#compiledsteps._scalars', 'mpx/compiled.py'),
-                              'mpx.compiled.CompiledSteps._step': ('compiled.html#compiledsteps._step', 'mpx/compiled.py'),
                               'mpx.compiled.CompiledSteps._steps': ('compiled.html#compiledsteps._steps', 'mpx/compiled.py'),
                               'mpx.compiled.CompiledSteps.bucket': ('compiled.html#compiledsteps.bucket', 'mpx/compiled.py'),
                               'mpx.compiled.CompiledSteps.extra': ('compiled.html#compiledsteps.extra', 'mpx/compiled.py'),

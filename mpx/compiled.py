@@ -327,14 +327,10 @@ class CompiledSteps:
         if chain is not None: return _failed.get(_failure_key(b, chain))
         return next((why for k,why in _failed.items() if k[:2] == (type(b.kind), type(b.store))), None)
 
-    def bucket(self, eng, b:Bucket, hyper:dict):
-        ds = self._steps(b)
-        if self._step(eng, b, hyper, b.runs(0, len(b.params), ds.keys(b)), 0):
-            ds.advance(b, any(base_fn(cb) is step_stat for cb in eng.inner.cbs))
-    def extra(self, eng, b:Bucket, i:int, n:int, hyper:dict): self._step(eng, b, hyper, [(i, i+1)], n)
-
-    def _step(self, eng, b:Bucket, hyper:dict, runs:list, phase:int) -> bool:
-        "`runs` of `b` compiled (True), or eagerly (False)"
+    def bucket(self, eng, b:Bucket, hyper:dict, part:tuple|None=None):
+        "`b` compiled, a kernel a run, or eagerly where it cannot be (`part`: `(i, n)`, parameter `i`'s extra phase `n`)"
+        ds = self._steps(b) if part is None else None
+        runs,phase = (b.runs(0, len(b.params), ds.keys(b)),0) if part is None else ([(part[0], part[0]+1)],part[1])
         chain = _static_chain(eng.inner.cbs, hyper)
         why = self.why_not(eng, b, chain)
         if why is None:
@@ -344,14 +340,16 @@ class CompiledSteps:
                 why = _failed[_failure_key(b, chain)]
                 if k: raise RuntimeError(f"mpx: a compiled kernel failed after another of the same bucket ran: {why}")
                 break
-            else: return True
+            else:
+                if ds is not None: ds.advance(b, any(base_fn(cb) is step_stat for cb in eng.inner.cbs))
+                return
         self.to_host(eng, b)
         # a step skipped on the device: the eager one must not run
-        if eng.found is not None and bool(eng.found): return False
+        if eng.found is not None and bool(eng.found): return
         eng.warn_eager(why)
         if phase: self.eager.extra(eng, b, runs[0][0], phase, hyper)
         else: self.eager.bucket(eng, b, hyper)
-        return False
+    def extra(self, eng, b:Bucket, i:int, n:int, hyper:dict): self.bucket(eng, b, hyper, (i, n))
 
     def _steps(self, b:Bucket) -> DeviceSteps:
         ds = self.dev.get(id(b))

@@ -75,12 +75,11 @@ def biased_stochastic_rounding(bias:int=1 << 14):
 def compiled_replaced_by_eager():
     "`fused='compile'` quietly steps with the eager step: no kernel runs, no warning is given, nothing is recorded as having failed"
     from mpx.compiled import CompiledSteps
-    def eager(self, eng, b, hyper, runs, phase):
+    def eager(self, eng, b, hyper, part=None):
         self.to_host(eng, b)
-        if phase: self.eager.extra(eng, b, runs[0][0], phase, hyper)
-        else: self.eager.bucket(eng, b, hyper)
-        return False
-    with _patched(CompiledSteps, '_step', eager): yield
+        if part is None: self.eager.bucket(eng, b, hyper)
+        else: self.eager.extra(eng, b, *part, hyper)
+    with _patched(CompiledSteps, 'bucket', eager): yield
 
 def _lr_planted(lr):
     "Patch the engine's step so that each step runs with `lr(engine, group, lr_fastai_set)` in each group, fastai's hypers put back after"
@@ -167,7 +166,7 @@ def compiled_group0_hypers():
     "Compiled steps take parameter group 0's hyper-parameters (lr, wd, mom) for every group"
     from mpx.compiled import CompiledSteps
     real_bucket,real_extra = CompiledSteps.bucket,CompiledSteps.extra
-    def bucket(self, eng, b, hyper): return real_bucket(self, eng, b, eng.inner.hypers[0])
+    def bucket(self, eng, b, hyper, part=None): return real_bucket(self, eng, b, eng.inner.hypers[0], part)
     def extra(self, eng, b, i, n, hyper): return real_extra(self, eng, b, i, n, eng.inner.hypers[0])
     with _patched(CompiledSteps, 'bucket', bucket), _patched(CompiledSteps, 'extra', extra): yield
 
