@@ -164,9 +164,10 @@ def warn_if_slow(
 ) -> bool:
     "Warn once where `mode` is slow on `device` (for `model`'s layers), saying why"
     hw = device if isinstance(device, Hardware) else detect_hardware(device)
-    if model is not None: hw = measured(hw, layer_families(model))
     key = (torch.device(hw.device).type, AMPMode(mode).value)
-    if key in _slow_warned or (why := slow_reason(hw, mode)) is None: return False
+    if key in _slow_warned: return False  # said once a process: nothing to time again
+    if model is not None: hw = measured(hw, layer_families(model))
+    if (why := slow_reason(hw, mode)) is None: return False
     _slow_warned.add(key)
     warn_user(f"{key[1]} is slow on this {key[0]} ({hw.name}): {why}. Training goes on; "
               "learn.precision_report(time=True) measures which mode suits this machine and model")
