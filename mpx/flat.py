@@ -10,7 +10,8 @@ from fastai.torch_basics import *
 from .lowbit import DenseStore, flat_part
 
 # %% auto #0
-__all__ = ['slottable', 'overlapping', 'same_values', 'set_data', 'Kind', 'merge_writes', 'Workspace', 'Bucket', 'scalar_keys']
+__all__ = ['slottable', 'overlapping', 'same_values', 'set_data', 'Kind', 'Slots', 'merge_writes', 'Workspace', 'Bucket',
+           'scalar_keys']
 
 # %% ../nbs/01e_flat.ipynb #fl0006
 _align = 64  # elements: every slot starts on 256 bytes of fp32
@@ -99,7 +100,7 @@ class Kind:
     # ---- a fit's set-up and end
     def state_dtype(self, b:Bucket): return b.dtype  # the dtype of what is stepped, and of the optimizer state
     def build(self, b:Bucket):
-        "Fill the bucket's weights and gradients (`w`, `g`), and the kind's own"
+        "Fill the bucket's weights and gradients (`w`, `g`), and the kind's own (`own`)"
         if b.flat: b.w,b.g = b.hold_weights(),b.grad_buffer()  # a list bucket keeps the tensors
     def finish(self, b:Bucket):
         "After the fit: the parameters in fastai's fp32 layout"
@@ -159,6 +160,10 @@ class Kind:
         "In a kernel: the new values of the kind's tensors, from stepped `x` (`nearest`: the store's rounding to bf16)"
         return dict(w=x)
 
+class Slots:
+    "A kind's own flat buffer in a bucket (`b.own`: compensations, fp32 values), and each parameter's slot of it"
+    def __init__(self, b:Bucket, buf:Tensor): self.buf,self.slots = buf,b.views(buf)
+
 # %% ../nbs/01e_flat.ipynb #fl0014
 def merge_writes(fine:Tensor, coarse:Tensor):
     "`fine` takes `coarse` where a write changed it"
@@ -192,12 +197,9 @@ class Bucket:
         self.sizes = [p.numel() for p in params]
         self.offs,self.n = _offsets(self.sizes, align or self.store.block)  # slots on the store's blocks
         self.dtype,self.device = params[0].dtype,params[0].device
-        # its buffers by role, in one place: the kind fills the next five rows (`build`), the store two (`new`)
+        # its buffers by role, in one place: the kind fills the next two rows (`build`), the store two (`new`)
         self.w,self.g,self.grad_slots = None,None,None  # weights and gradients, flat, and gradients as the model holds them
-        self.masters,self.master_grads = None,None  # fp32 masters and their gradients, flat
-        self.master_slots,self.master_grad_slots = None,None  # and each parameter's slot of them
-        self.comp,self.comp_slots = None,None  # Kahan compensations, flat, and their slots
-        self.master_params,self.handed,self.seen,self.shown = None,None,None,None  # masters as parameters, and versions seen
+        self.own = None  # the kind's own buffers, made by its `build` and read by it alone (masters, compensations)
         self.state_bufs,self.state_held = {},{}  # state buffers by key, and what each state dict holds for a key
         self.store_meta = {}  # the store's own tensors beside its buffers, by key (`QuantStore`'s block scales)
         self.stepper = None  # how the engine steps it (`mpx.eager`, `mpx.compiled`)

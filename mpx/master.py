@@ -16,10 +16,20 @@ from .parallel import ShardedMasters, is_sharded
 from .callback import *
 
 # %% auto #0
-__all__ = ['MasterKind', 'MasterCopies', 'MasterPrecision']
+__all__ = ['Masters', 'MasterKind', 'MasterCopies', 'MasterPrecision']
 
 # %% ../nbs/04_master.ipynb #971f8fad
 _grad_of = operator.attrgetter('grad')
+
+class Masters:
+    "A bucket's fp32 masters and their gradients (`b.own`), flat and in slots, and what the kind saw of them"
+    def __init__(self, b, masters:Tensor, grads:Tensor):
+        self.masters,self.grads = masters,grads
+        self.slots,self.grad_slots = b.views(masters),b.views(grads)  # each parameter's slot
+        self.params = [nn.Parameter(m, requires_grad=False) for m in self.slots]  # what `learn.parameters()` hands out
+        self.handed = [(m._version, g._version) for m,g in zip(self.params, self.grad_slots)]  # their versions, as handed
+        self.seen = None  # the model gradients' versions after a backward's take
+        self.shown = None  # once `learn.parameters()` handed the masters out: the gradient each was last shown with
 
 class MasterKind(Kind):
     "fp32 masters of a half model's parameters, stepped in their place"
@@ -28,85 +38,81 @@ class MasterKind(Kind):
     def state_dtype(self, b): return torch.float32
     def build(self, b):
         "Flat buffers of fp32 masters, half weights and both gradients"
-        b.masters = b.hold_weights(torch.float32)
+        masters = b.hold_weights(torch.float32)
         b.w,b.g = b.zeros(self.half),b.zeros(self.half)
-        b.w.copy_(b.masters)
+        b.w.copy_(masters)
         grads = b.own_grads()
         gx = b.packed(grads, torch.float32)  # the last fit's gradients, handed back in their slots (`finish`)
         if gx is not None: b.g.copy_(b.zero_missing(gx, grads))  # no second fp32 copy of them while the layout is made
-        b.master_grads = b.zeros(torch.float32) if gx is None else gx
-        b.master_slots,b.master_grad_slots = b.views(b.masters),b.views(b.master_grads)
-        b.master_params = [nn.Parameter(m, requires_grad=False) for m in b.master_slots]
-        b.handed,b.seen = [(m._version, g._version) for m,g in zip(b.master_params, b.master_grad_slots)],None
-        b.shown = None  # once `learn.parameters()` handed the masters out: the gradient each was last shown with
+        b.own = Masters(b, masters, b.zeros(torch.float32) if gx is None else gx)
         # at the set-up's end (`Bucket.commit`): the half weights (and gradients, in their slots) shown in the model;
         # fresh gradients are cast to half each, taken into their slots at the first step (`adopt_grads`)
         b.shows = (b.w, None if gx is None else b.g)
-    def wide(self, b, i, j): return b.part(b.masters, i, j),b.part(b.master_grads, i, j)
+    def wide(self, b, i, j): return b.part(b.own.masters, i, j),b.part(b.own.grads, i, j)
     def assign(self, b, i, x, at=None):
-        flat_part(b.master_slots[i], at, x.numel()).copy_(x)  # the master exact, the half weight its rounding
+        flat_part(b.own.slots[i], at, x.numel()).copy_(x)  # the master exact, the half weight its rounding
         flat_part(b.slot(b.w, i), at, x.numel()).copy_(x)
     def written(self, b, idx):
-        for i in idx: merge_writes(b.master_slots[i], b.slot(b.w, i))  # the master takes what the write changed
+        for i in idx: merge_writes(b.own.slots[i], b.slot(b.w, i))  # the master takes what the write changed
     def fold(self, b, i, j, x, phase=0): b.part(b.w, i, j).copy_(x)
-    def checked(self, b): return [b.master_grads]
-    def grad_of(self, b, i): return b.master_grad_slots[i] if b.live[i] else None
+    def checked(self, b): return [b.own.grads]
+    def grad_of(self, b, i): return b.own.grad_slots[i] if b.live[i] else None
     def stepped(self, b, i):
-        if b.shown is None: b.shown = [None]*len(b.master_params)
-        m = b.master_params[i]
-        m.grad = b.shown[i] = b.master_grad_slots[i] if b.live[i] else None
+        if b.own.shown is None: b.own.shown = [None]*len(b.own.params)
+        m = b.own.params[i]
+        m.grad = b.own.shown[i] = b.own.grad_slots[i] if b.live[i] else None
         return m
-    def value(self, b, i): return b.master_slots[i].clone()
+    def value(self, b, i): return b.own.slots[i].clone()
     def take(self, b, fresh:bool):
         "After a backward: the half gradients into the fp32 ones"
-        (b.master_grads.copy_ if fresh else b.master_grads.add_)(b.g)
+        (b.own.grads.copy_ if fresh else b.own.grads.add_)(b.g)
         for i in sorted(b.loose):  # a sparse gradient, added densely
-            if fresh: b.master_grad_slots[i].zero_()
-            b.master_grad_slots[i].add_(b.params[i].grad)
+            if fresh: b.own.grad_slots[i].zero_()
+            b.own.grad_slots[i].add_(b.params[i].grad)
             b.params[i].grad.zero_()
-        if b.loose or not fresh: b.g.copy_(b.master_grads)
-        b.seen = [g._version for g in b.grad_slots]  # autograd's own writes (it adds into `p.grad`) are not a callback's
-        if b.shown is None: return
+        if b.loose or not fresh: b.g.copy_(b.own.grads)
+        b.own.seen = [g._version for g in b.grad_slots]  # autograd's own writes (it adds into `p.grad`) are not a callback's
+        if b.own.shown is None: return
         # as a backward sets `p.grad`
-        for i,(m,g,l) in enumerate(zip(b.master_params, b.master_grad_slots, b.live)): m.grad = b.shown[i] = g if l else None
+        for i,(m,g,l) in enumerate(zip(b.own.params, b.own.grad_slots, b.live)): m.grad = b.own.shown[i] = g if l else None
     def merge(self, b, exposed:bool=False):
         "Model gradients a callback wrote or assigned since: taken"
         self._take_assigned(b)
         if exposed: self._show_handed(b)
         now = [g._version for g in b.grad_slots]
-        if b.seen is not None and now != b.seen:
-            for i,(v,u) in enumerate(zip(now, b.seen)):
-                if v != u: merge_writes(b.master_grad_slots[i], b.grad_slots[i])
-        b.seen = now
+        if b.own.seen is not None and now != b.own.seen:
+            for i,(v,u) in enumerate(zip(now, b.own.seen)):
+                if v != u: merge_writes(b.own.grad_slots[i], b.grad_slots[i])
+        b.own.seen = now
     def _take_assigned(self, b):
         "Gradients assigned to the masters through `learn.parameters()`"
         # None: not stepped (as fastai's loop skips it), a tensor: taken
         # never handed out, or none assigned
-        if b.shown is None or all(map(operator.is_, map(_grad_of, b.master_params), b.shown)): return
-        for i,(m,s) in enumerate(zip(b.master_params, b.shown)):
+        if b.own.shown is None or all(map(operator.is_, map(_grad_of, b.own.params), b.own.shown)): return
+        for i,(m,s) in enumerate(zip(b.own.params, b.own.shown)):
             g = m.grad
             if g is s: continue
             if g is None: b.live[i] = False
             else:
-                b.master_grad_slots[i].copy_(g)
-                b.slot(b.g, i).copy_(b.master_grad_slots[i])  # shown in the model too
+                b.own.grad_slots[i].copy_(g)
+                b.slot(b.g, i).copy_(b.own.grad_slots[i])  # shown in the model too
                 b.live[i] = True
-            m.grad = b.shown[i] = b.master_grad_slots[i] if b.live[i] else None
+            m.grad = b.own.shown[i] = b.own.grad_slots[i] if b.live[i] else None
             b.forget_grads()  # the next step asks the model's gradients again
     def _show_handed(self, b):
         "Masters or gradients written through `learn.parameters()`, shown"
-        now = [(m._version, g._version) for m,g in zip(b.master_params, b.master_grad_slots)]
-        for i,((m,g),(m0,g0)) in enumerate(zip(now, b.handed)):
-            if m != m0: b.slot(b.w, i).copy_(b.master_slots[i])
-            if g != g0: b.slot(b.g, i).copy_(b.master_grad_slots[i])
-        b.handed = now
+        now = [(m._version, g._version) for m,g in zip(b.own.params, b.own.grad_slots)]
+        for i,((m,g),(m0,g0)) in enumerate(zip(now, b.own.handed)):
+            if m != m0: b.slot(b.w, i).copy_(b.own.slots[i])
+            if g != g0: b.slot(b.g, i).copy_(b.own.grad_slots[i])
+        b.own.handed = now
     def clear(self, b):
         b.g.zero_()
-        b.seen = None  # before a step's second backward: autograd adds the new ones
-    def publish(self, b): b.g.copy_(b.master_grads)  # the checked (unscaled) gradients, shown in the model
+        b.own.seen = None  # before a step's second backward: autograd adds the new ones
+    def publish(self, b): b.g.copy_(b.own.grads)  # the checked (unscaled) gradients, shown in the model
     def finish(self, b):
         "The masters become the fp32 parameters, never rounded through half, their gradients in the fp32 buffer's slots"
-        for p,m,gx in zip(b.params, b.master_slots, b.master_grad_slots):
+        for p,m,gx in zip(b.params, b.own.slots, b.own.grad_slots):
             g = p.grad
             p.grad = None
             p.data = m  # the next fit takes the buffer as it is
@@ -118,20 +124,20 @@ class MasterKind(Kind):
     def carried(self, b, idle:bool=False) -> dict:
         "The fp32 and half gradients of a step under way, by `id`"
         if idle: return {}  # no step under way: the model's gradients are the last step's, already taken
-        return {id(p): ('master', gx.clone(), g.clone()) for p,gx,g,l in zip(b.params, b.master_grad_slots, b.grad_slots, b.live) if l}
+        return {id(p): ('master', gx.clone(), g.clone()) for p,gx,g,l in zip(b.params, b.own.grad_slots, b.grad_slots, b.live) if l}
     def restore(self, b, grads:dict):
         "What `carried` took from an earlier layout, into this one"
         for i,p in enumerate(b.params):
             if id(p) not in grads: continue
             _,gx,g = grads[id(p)]
-            b.master_grad_slots[i].copy_(gx)
+            b.own.grad_slots[i].copy_(gx)
             b.grad_slots[i].copy_(g)
             p.grad = b.grad_slots[i]
             b.live[i] = True
         b.forget_grads()
-        b.seen = [g._version for g in b.grad_slots]
+        b.own.seen = [g._version for g in b.grad_slots]
     def kernel_io(self, b, a, c, phase=0):
-        return dict(x=b.part(b.masters, a, c), gx=b.part(b.master_grads, a, c), w=b.part(b.w, a, c)),{}
+        return dict(x=b.part(b.own.masters, a, c), gx=b.part(b.own.grads, a, c), w=b.part(b.w, a, c)),{}
     @staticmethod
     def kernel_widen(t, s): return t['x'],t['gx']
     @staticmethod
@@ -166,7 +172,7 @@ class MasterCopies(FitState):
             v,home = state_dict.get(prefix + n),homes.get(id(p))
             if isinstance(v, Tensor) and v.shape == p.shape and home is not None and home[0].kind is self.kind:
                 # the model's half weight then rounds it: merged, it changes nothing
-                with torch.no_grad(): home[0].master_slots[home[1]].copy_(v)
+                with torch.no_grad(): home[0].own.slots[home[1]].copy_(v)
 
     @property
     def params(self) -> list:
@@ -175,11 +181,11 @@ class MasterCopies(FitState):
     @property
     def masters(self) -> list:
         "Their fp32 masters"
-        return [m for b in self._buckets() for m in b.master_params]
+        return [m for b in self._buckets() for m in b.own.params]
     @property
     def buffers(self) -> list:
         "The flat fp32 buffers holding the masters"
-        return [b.masters for b in self._buckets()]
+        return [b.own.masters for b in self._buckets()]
     def _buckets(self): return [b for b in getattr(self.engine, 'buckets', []) if b.kind is self.kind]
 
 # %% ../nbs/04_master.ipynb #24f87157

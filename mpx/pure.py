@@ -9,7 +9,7 @@ from fastai.basics import *
 from .core import *
 from .callback import *
 from .plumbing import *
-from .flat import Kind, set_data, merge_writes
+from .flat import Kind, Slots, set_data, merge_writes
 from .lowbit import bf16_nearest, flat_part
 
 # %% auto #0
@@ -135,11 +135,10 @@ class BF16Kind(Kind):
 class KahanKind(BF16Kind):
     "bf16 weights and Kahan compensations, stepped as `w + c`"
     def split(self, b, x):
-        b.comp = b.zeros(torch.bfloat16)
-        b.comp_slots = b.views(b.comp)
-        self._fold_whole(b, x, b.w, b.comp)
+        b.own = Slots(b, b.zeros(torch.bfloat16))  # the compensations
+        self._fold_whole(b, x, b.w, b.own.buf)
     def assign(self, b, i, x, at=None):
-        w,c = b.slot(b.w, i),b.comp_slots[i]
+        w,c = b.slot(b.w, i),b.own.slots[i]
         if not w.is_contiguous(): return fold_kahan([x], [w], [c])  # another order of its elements (transposed): whole
         a,n = at or 0,x.numel()
         self._fold_whole(b, x.reshape(-1), w.view(-1)[a:a+n], c.view(-1)[a:a+n])
@@ -149,17 +148,17 @@ class KahanKind(BF16Kind):
             xa = x[a:a+chunk]
             rest,total = self._scratch(b, xa, 'kahan_rest'),self._scratch(b, xa, 'kahan_sum')
             fold_kahan([xa], [w[a:a+chunk]], [c[a:a+chunk]], rest, total)
-    def written(self, b, idx:list): torch._foreach_zero_([b.comp_slots[i] for i in idx])  # what was written, exactly
+    def written(self, b, idx:list): torch._foreach_zero_([b.own.slots[i] for i in idx])  # what was written, exactly
     def widen(self, b, i, j, x):
-        widen_kahan([x], [b.part(b.w, i, j)], [b.part(b.comp, i, j)], self._scratch(b, x, 'kahan_sum'))
+        widen_kahan([x], [b.part(b.w, i, j)], [b.part(b.own.buf, i, j)], self._scratch(b, x, 'kahan_sum'))
     def fold(self, b, i, j, x, phase=0):
         rest,total = self._scratch(b, x, 'kahan_rest'),self._scratch(b, x, 'kahan_sum')
-        fold_kahan([x], [b.part(b.w, i, j)], [b.part(b.comp, i, j)], rest, total)
+        fold_kahan([x], [b.part(b.w, i, j)], [b.part(b.own.buf, i, j)], rest, total)
     def _scratch(self, b, x, slot:str) -> list:
         "The fp32 scratch buffer `slot` for a window's bf16 operands"
         return [b.workspace(b.device, x.numel(), slot)]
-    def value(self, b, i): return b.params[i].data.float().add_(b.comp_slots[i].float())
-    def kernel_io(self, b, a, c, phase=0): return dict(w=b.part(b.w, a, c), c=b.part(b.comp, a, c), g=b.part(b.g, a, c)),{}
+    def value(self, b, i): return b.params[i].data.float().add_(b.own.slots[i].float())
+    def kernel_io(self, b, a, c, phase=0): return dict(w=b.part(b.w, a, c), c=b.part(b.own.buf, a, c), g=b.part(b.g, a, c)),{}
     @staticmethod
     def kernel_widen(t, s): return t['w'].float() + t['c'].float(),t['g'].float()
     @staticmethod
@@ -219,19 +218,18 @@ class StochasticKind(BF16Kind):
 class KeptKind(BF16Kind):
     "bf16 weights frozen when the fit began, their fp32 values kept aside"
     def split(self, b, x):
-        b.masters = x
-        b.master_slots = b.views(x)
+        b.own = Slots(b, x)  # the fp32 values, kept
         b.w.copy_(x)
     def assign(self, b, i, x, at=None):
-        flat_part(b.master_slots[i], at, x.numel()).copy_(x)
+        flat_part(b.own.slots[i], at, x.numel()).copy_(x)
         flat_part(b.slot(b.w, i), at, x.numel()).copy_(x)
-    def wide(self, b, i, j): return b.part(b.masters, i, j),super().wide(b, i, j)[1]
+    def wide(self, b, i, j): return b.part(b.own.buf, i, j),super().wide(b, i, j)[1]
     def widen(self, b, i, j, x): pass
     def written(self, b, idx):
-        for i in idx: merge_writes(b.master_slots[i], b.slot(b.w, i))
+        for i in idx: merge_writes(b.own.slots[i], b.slot(b.w, i))
     def fold(self, b, i, j, x, phase=0): b.part(b.w, i, j).copy_(x)
-    def value(self, b, i): return exact_fp32(b.params[i].data, b.master_slots[i])
-    def kernel_io(self, b, a, c, phase=0): return dict(x=b.part(b.masters, a, c), w=b.part(b.w, a, c), g=b.part(b.g, a, c)),{}
+    def value(self, b, i): return exact_fp32(b.params[i].data, b.own.slots[i])
+    def kernel_io(self, b, a, c, phase=0): return dict(x=b.part(b.own.buf, a, c), w=b.part(b.w, a, c), g=b.part(b.g, a, c)),{}
     @staticmethod
     def kernel_widen(t, s): return t['x'],t['g'].float()
     @staticmethod
@@ -284,11 +282,11 @@ class BF16Weights(FitState):
     @property
     def comp(self) -> dict:
         "Each Kahan-compensated weight's compensation"
-        return {p: c for b in self._buckets(self.train) if b.comp_slots is not None for p,c in zip(b.params, b.comp_slots)}
+        return {p: c for b in self._buckets(self.train) if b.own is not None for p,c in zip(b.params, b.own.slots)}
     @property
     def kept(self) -> dict:
         "The exact fp32 values kept aside, by tensor"
-        frozen = {p: x for b in self._buckets(self.frozen) for p,x in zip(b.params, b.master_slots)}
+        frozen = {p: x for b in self._buckets(self.frozen) for p,x in zip(b.params, b.own.slots)}
         return {**{t: c for t,c,_ in self.rest.kept}, **frozen}
     def wide(self, p:Tensor) -> Tensor:
         "The fp32 value of parameter `p` during the fit"

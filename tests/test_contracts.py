@@ -5,7 +5,7 @@ from fastai.optimizer import Adam, SGD
 from fastai.callback.core import Callback
 from torch import nn
 from mpx.all import *
-from mpx.flat import Kind
+from mpx.flat import Kind, Slots
 from mpx.lowbit import Store, DenseStore, LowBitState, kept, flat_part, make_store
 from mpx.core import register_store, _stores
 from mpx.fused import FusedSteps
@@ -19,17 +19,16 @@ class Copied(Kind):
     in_place = False
     def build(self, b):
         super().build(b)
-        b.masters = b.w.clone()
-        b.master_slots = b.views(b.masters)
-    def wide(self, b, i, j): return b.part(b.masters, i, j),b.part(b.g, i, j)
+        b.own = Slots(b, b.w.clone())  # the kind's own buffer
+    def wide(self, b, i, j): return b.part(b.own.buf, i, j),b.part(b.g, i, j)
     def fold(self, b, i, j, x, phase=0): b.part(b.w, i, j).copy_(x)
     def written(self, b, idx):
-        for i in idx: b.master_slots[i].copy_(b.params[i].data)
-    def value(self, b, i): return b.master_slots[i].clone()
+        for i in idx: b.own.slots[i].copy_(b.params[i].data)
+    def value(self, b, i): return b.own.slots[i].clone()
     def assign(self, b, i, x):
-        b.master_slots[i].copy_(x)
+        b.own.slots[i].copy_(x)
         b.params[i].data.copy_(x)
-    def kernel_io(self, b, a, c, phase=0): return dict(x=b.part(b.masters, a, c), w=b.part(b.w, a, c), g=b.part(b.g, a, c)),{}
+    def kernel_io(self, b, a, c, phase=0): return dict(x=b.part(b.own.buf, a, c), w=b.part(b.w, a, c), g=b.part(b.g, a, c)),{}
     @staticmethod
     def kernel_widen(t, s): return t['x'],t['g']
     @staticmethod
@@ -67,13 +66,13 @@ def test_new_kind_holds_its_own_weights():
     opt = Adam(list(m.parameters()), lr=1e-2)
     fs = FusedSteps(opt, lambda p: Copied())
     b = fs.buckets[0]
-    assert b.masters is not None and b.masters.data_ptr() != b.w.data_ptr()
+    assert b.own.buf is not None and b.own.buf.data_ptr() != b.w.data_ptr()
     for p in m.parameters(): p.grad = torch.ones_like(p)
     opt.step()
-    assert torch.equal(b.master_slots[0], m.weight.data)
+    assert torch.equal(b.own.slots[0], m.weight.data)
     with torch.no_grad(): m.weight.fill_(.5)
     opt.step()
-    assert torch.equal(b.master_slots[0], m.weight.data) and fs.fp32_of(m.weight)().ne(.5).all()
+    assert torch.equal(b.own.slots[0], m.weight.data) and fs.fp32_of(m.weight)().ne(.5).all()
     fs.undo()
 
 @pytest.mark.compiled
