@@ -37,7 +37,7 @@ class Track(Callback):
     def after_step(self):
         bw = getattr(self.learn.cbs.filter(lambda c: isinstance(c, PureBF16)).attrgot('bf16_weights'), 'items', [None])
         p = self.model.w
-        self.vals.append(float(bw[0].wide(p) if bw and bw[0] is not None else p.detach()))
+        self.vals.append(float(bw[0].value_of(p) if bw and bw[0] is not None else p.detach()))
 
 def ramp(mode, opt, n=1000):
     "`n` steps of lr 1e-4 on a weight of 1.0 whose gradient is 1, in `mode` ('fp32', 'plain bf16', 'kahan', 'stochastic'): the trajectory"
@@ -123,7 +123,7 @@ def _tensors(learn) -> list:
     if getattr(opt, 'slow_weights', None) is not None: ts += [s for pg in opt.slow_weights for s in pg]
     for c in learn.cbs:
         if isinstance(c, MasterPrecision) and c.masters is not None: ts += [t for b in c.masters.bufs for t in (b.data, b.grad)]
-        if isinstance(c, PureBF16) and c.bf16_weights is not None: ts += list(c.bf16_weights.comp.values()) + list(c.bf16_weights.kept.values())
+        if isinstance(c, PureBF16) and c.bf16_weights is not None: ts += list(c.bf16_weights.comp.values()) + list(c.bf16_weights.fp32_kept.values())
     return ts
 
 def nbytes(ts) -> int:

@@ -384,7 +384,7 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         self.fused_steps.rest()
         self._autocast,self._loss_autocast,self._norms,self._outer = None,None,None,None
     def before_validate(self):
-        if self.kept: self._take_back()  # `get_preds` or `validate` between fits
+        if self.layout_kept: self._take_back()  # `get_preds` or `validate` between fits
     def _take_back(self, refuse:bool=True):
         "The layout kept: what was cast by hand since taken back (`model.float()`), or (`refuse`) the mode's refusal"
         model = get_model(self.model)
@@ -533,7 +533,7 @@ class PrecisionCallback(Callback, ScaleTelemetry):
             res[k] = t if f is None else made[id(t)]
         return res
     @property
-    def kept(self) -> bool:
+    def layout_kept(self) -> bool:
         "Whether the learner is between fits, this mode's layout kept"
         return self.fused_steps is not None and self._outer is None
     def fp32_value(self, t:Tensor) -> Tensor:

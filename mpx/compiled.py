@@ -10,7 +10,7 @@ from fastai.torch_basics import *
 from fastai.optimizer import *
 from .flat import *
 from .eager import base_fn, fn_name, RunSteps, LoopSteps
-from .lowbit import kept, probe_casts
+from .lowbit import where_skipped, probe_casts
 from .warn import warn_user
 
 # %% auto #0
@@ -160,7 +160,7 @@ def _kernel_body(kind, store, chain:tuple, keys:list, t:dict, hyper:dict, run:di
     vals = dict(x=x, g=g, **{k: store.kernel_load(t, k) for k in keys})  # the state, dequantised where it is low-bit
     for f,kw in chain: _COMPILED[f].update(vals, run, dict(kw))
     keep = hyper['found'] != 0  # nothing changes where the finite check found an inf or nan
-    out = {k: kept(keep, t[k], v) for k,v in kind.kernel_fold(t, hyper, vals['x'], store.kernel_nearest).items()}
+    out = {k: where_skipped(keep, t[k], v) for k,v in kind.kernel_fold(t, hyper, vals['x'], store.kernel_nearest).items()}
     for k in keys: out.update(store.kernel_store(t, k, vals[k], keep))
     for k,v in out.items(): t[k].copy_(v)
     if 'steps' in t: t['steps'].copy_(torch.where(keep, t['steps'], t['steps'] + 1))
@@ -252,10 +252,10 @@ class DeviceSteps:
 
     def advance(self, b:Bucket, counts:bool=True):
         "After a compiled step: histories move, new counts marked"
-        self.hist = [hash((h, l)) for h,l in zip(self.hist, b.live)]
+        self.hist = [hash((h, l)) for h,l in zip(self.hist, b.has_grad)]
         if not counts or None not in self.marks: return
         # as fastai's `step_stat` adds `step` at a parameter's first step
-        for i,(d,l) in enumerate(zip(b.dicts, b.live)):
+        for i,(d,l) in enumerate(zip(b.dicts, b.has_grad)):
             if l and d is not None and self.marks[i] is None: self.marks[i] = d['step'] = StepCount(self.host[i])
 
     def to_host(self, b:Bucket, dicts:list|None=None):
@@ -323,20 +323,20 @@ class CompiledSteps:
         if torch._C._len_torch_dispatch_stack():
             return "a dispatch mode is active (an op counter), and torch.compile refuses to run under one"
         if not b.flat: return "a parameter cannot take a slot in a flat buffer (a DTensor, a non-dense tensor)"
-        if b.loose: return "a gradient is sparse: its parameter is stepped by fastai's loop"
+        if b.apart: return "a gradient is sparse: its parameter is stepped by fastai's loop"
         if chain is not None: return _failed.get(_failure_key(b, chain))
         return next((why for k,why in _failed.items() if k[:2] == (type(b.kind), type(b.store))), None)
 
     def bucket(self, eng, b:Bucket, hyper:dict, part:tuple|None=None):
-        "`b` compiled, a kernel a run, or eagerly where it cannot be (`part`: `(i, n)`, parameter `i`'s extra phase `n`)"
+        "`b` compiled, a kernel a run, or eagerly where it cannot be (`part`: `(i, n)`, parameter `i`'s extra turn `n`)"
         ds = self._steps(b) if part is None else None
-        runs,phase = (b.runs(0, len(b.params), ds.keys(b)),0) if part is None else ([(part[0], part[0]+1)],part[1])
+        runs,turn = (b.runs(0, len(b.params), ds.keys(b)),0) if part is None else ([(part[0], part[0]+1)],part[1])
         chain = _static_chain(eng.inner.cbs, hyper)
         why = self.why_not(eng, b, chain)
         if why is None:
             scal = _hypers(chain, hyper)
             for k,(a,c) in enumerate(runs):
-                if self._run(eng, b, a, c, chain, scal, phase): continue
+                if self._run(eng, b, a, c, chain, scal, turn): continue
                 why = _failed[_failure_key(b, chain)]
                 if k: raise RuntimeError(f"mpx: a compiled kernel failed after another of the same bucket ran: {why}")
                 break
@@ -347,7 +347,7 @@ class CompiledSteps:
         # a step skipped on the device: the eager one must not run
         if eng.found is not None and bool(eng.found): return
         eng.warn_eager(why)
-        if phase: self.eager.extra(eng, b, runs[0][0], phase, hyper)
+        if turn: self.eager.extra(eng, b, runs[0][0], turn, hyper)
         else: self.eager.bucket(eng, b, hyper)
     def extra(self, eng, b:Bucket, i:int, n:int, hyper:dict): self.bucket(eng, b, hyper, (i, n))
 
@@ -361,7 +361,7 @@ class CompiledSteps:
         "Each bucket's (or `b`'s) device counts into fastai's dicts"
         for bb in ([b] if b is not None else eng.buckets):
             ds = self.dev.pop(id(bb), None)  # dropped: the counts are read from the dicts again after
-            if ds is not None: ds.to_host(bb, [eng.inner.state.get(p) for p in bb.params] if eng.native else None)
+            if ds is not None: ds.to_host(bb, [eng.inner.state.get(p) for p in bb.params] if eng.own_step else None)
 
     def _scalars(self, device, vals:dict) -> dict:
         "Reused 0-dim tensors on `device` holding `vals`"
@@ -378,9 +378,9 @@ class CompiledSteps:
             res[k] = t
         return res
 
-    def _run(self, eng, b:Bucket, a:int, c:int, chain:tuple, scal:dict, phase:int) -> bool:
+    def _run(self, eng, b:Bucket, a:int, c:int, chain:tuple, scal:dict, turn:int) -> bool:
         "One kernel over `a` to `c` of `b` (False where compiling failed)"
-        t,extra = b.kind.kernel_io(b, a, c, phase)
+        t,extra = b.kind.kernel_io(b, a, c, turn)
         t = b.store.kernel_shape(t)
         dtype = b.kind.state_dtype(b)
         for k in _state_keys(chain): t.update(_zeros_state(b, k, a, c, dtype))

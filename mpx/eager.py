@@ -168,17 +168,17 @@ class LoopSteps:
     def bucket(self, eng, b:Bucket, hyper:dict):
         for i,j,_,_ in b.windows(eng.chunk): self.window(eng, b, i, j, hyper)
     def extra(self, eng, b:Bucket, i:int, n:int, hyper:dict): self.window(eng, b, i, i+1, hyper, n)
-    def window(self, eng, b:Bucket, i:int, j:int, hyper:dict, phase:int=0):
-        if not any(b.live[i:j]): return
-        x,g = b.kind.wide(b, i, j)
+    def window(self, eng, b:Bucket, i:int, j:int, hyper:dict, turn:int=0):
+        if not any(b.has_grad[i:j]): return
+        x,g = b.kind.to_step(b, i, j)
         for k in range(i, j):
-            if b.live[k]: loop_one(eng.inner, b, k, x, g, i, hyper)
-        b.kind.fold(b, i, j, x, phase)
+            if b.has_grad[k]: loop_one(eng.inner, b, k, x, g, i, hyper)
+        b.kind.fold(b, i, j, x, turn)
 
 def loop_one(o, b:Bucket, k:int, x, g, i:int, hyper:dict):
     "fastai's step functions on parameter `k` of `b`"
     p = b.params[k]
-    t = p if b.kind.in_place else _stepped_param(b, k, x, g, i)  # `x`, `g`: what `wide` gave from parameter `i`
+    t = p if b.kind.in_place else _stepped_param(b, k, x, g, i)  # `x`, `g`: what `to_step` gave from parameter `i`
     state = o.state[p]
     for cb in o.cbs: state = _update(state, cb(t, **{**state, **hyper}))
     o.state[p] = state
@@ -222,9 +222,9 @@ class RunSteps(LoopSteps):
             else: before[i] = dict(b.dicts[i])
             with b.clipped(lo, hi): self.window(eng, b, i, j, hyper)
 
-    def window(self, eng, b:Bucket, i:int, j:int, hyper:dict, phase:int=0):
-        if not any(b.live[i:j]): return
-        x,g = b.kind.wide(b, i, j)
+    def window(self, eng, b:Bucket, i:int, j:int, hyper:dict, turn:int=0):
+        if not any(b.has_grad[i:j]): return
+        x,g = b.kind.to_step(b, i, j)
         ks = scalar_keys(b, i, j)  # the window's own: a bucket's would be read again in each window
         rs = b.runs(i, j, ks)
         lo,sw = b.lo(i),StateWindow(b, i, j)
@@ -240,9 +240,9 @@ class RunSteps(LoopSteps):
             else: what[2](self._params(b, x, g, rs, lo, hyper, sw), what[3])
         sw.close()
         if b.kind.in_place:
-            for k in sorted(b.loose):
+            for k in sorted(b.apart):
                 if i <= k < j: loop_one(eng.inner, b, k, x, g, i, hyper)  # a sparse gradient
-        b.kind.fold(b, i, j, x, phase)
+        b.kind.fold(b, i, j, x, turn)
 
     def _params(self, b:Bucket, x, g, rs:list, lo:int, hyper:dict, sw:StateWindow) -> ParamItems:
         ks = [k for a,c in rs for k in range(a, c)]

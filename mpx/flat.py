@@ -111,10 +111,10 @@ class Kind:
         "Parameter `i` takes fp32 value `x` (a checkpoint's; `at`: flat `x` is its elements from `at`)"
         flat_part(b.params[i].data, at, x.numel()).copy_(x)
     # ---- the eager step
-    def wide(self, b:Bucket, i:int, j:int) -> tuple:
+    def to_step(self, b:Bucket, i:int, j:int) -> tuple:
         "What is stepped for parameters `i` to `j`, and its gradients"
         return (b.part(b.w, i, j), b.part(b.g, i, j)) if b.flat else (b.params[i:j], [p.grad for p in b.params[i:j]])
-    def fold(self, b:Bucket, i:int, j:int, x, phase:int=0):
+    def fold(self, b:Bucket, i:int, j:int, x, turn:int=0):
         "What `wide` gave, stepped, into the model's weights"
     def written(self, b:Bucket, idx:list):
         "Parameters `idx` were written in place since the last step"
@@ -123,8 +123,8 @@ class Kind:
     # ---- the gradients
     def checked(self, b:Bucket) -> list:
         "The gradients the finite check reads"
-        loose = [b.params[i].grad for i in sorted(b.loose)]
-        return [b.g] + loose if b.flat else [p.grad for p in b.params if p.grad is not None]
+        apart = [b.params[i].grad for i in sorted(b.apart)]
+        return [b.g] + apart if b.flat else [p.grad for p in b.params if p.grad is not None]
     def stepped(self, b:Bucket, i:int) -> Tensor:
         "Parameter `i`'s stepped tensor, its gradient in `.grad`"
         return b.params[i]
@@ -138,7 +138,7 @@ class Kind:
     def take(self, b:Bucket, fresh:bool):
         "After a backward: take the model's gradients"
         raise NotImplementedError
-    def merge(self, b:Bucket, exposed:bool=False):
+    def merge(self, b:Bucket, handed_out:bool=False):
         "Take what a callback wrote into the model's gradients"
         raise NotImplementedError
     def clear(self, b:Bucket):
@@ -148,7 +148,7 @@ class Kind:
         "The checked (unscaled) gradients shown in the model's"
         raise NotImplementedError
     # ---- the compiled step (`mpx.compiled`): the kernel's tensors, and its widen and fold
-    def kernel_io(self, b:Bucket, a:int, c:int, phase:int=0) -> tuple:
+    def kernel_io(self, b:Bucket, a:int, c:int, turn:int=0) -> tuple:
         "The kernel's tensors for parameters `a` to `c`, and its scalars"
         return dict(w=b.part(b.w, a, c), g=b.part(b.g, a, c)),{}  # the tensors are updated in place
     @staticmethod
@@ -173,7 +173,7 @@ def merge_writes(fine:Tensor, coarse:Tensor):
 class Workspace:
     "Reused scratch buffers by device, slot and dtype"
     def __init__(self): self.bufs = {}
-    def __call__(self, device, n:int, slot='wide', dtype=torch.float32) -> Tensor:
+    def __call__(self, device, n:int, slot='stepped', dtype=torch.float32) -> Tensor:
         "The first `n` elements of reused buffer `slot` (`dtype`, `device`)"
         key = (torch.device(device), slot, dtype)
         w = self.bufs.get(key)
@@ -204,8 +204,8 @@ class Bucket:
         self.store_meta = {}  # the store's own tensors beside its buffers, by key (`QuantStore`'s block scales)
         self.stepper = None  # how the engine steps it (`mpx.eager`, `mpx.compiled`)
         self.dicts = [None]*len(params)  # each parameter's state dict, as last adopted
-        self.live = [False]*len(params)  # each parameter has a gradient now
-        self.loose = set()  # parameters whose gradient could not be adopted (sparse): stepped one at a time
+        self.has_grad = [False]*len(params)  # each parameter has a gradient now
+        self.apart = set()  # parameters whose gradient could not be adopted (sparse): stepped one at a time
         self._grads,self._runs,self._seen = None,None,None
         self.clip = None  # `(lo, hi)`: `lo`, `end` and `part` confined to these elements (`clipped`)
         self.shows,self._undo = None,None  # what the parameters show once committed (`build` says), and how to undo it
@@ -364,8 +364,8 @@ class Bucket:
         gs = [p.grad for p in self.params]
         if self._grads is not None and list(map(id, gs)) == self._grads: return
         if not self.flat or self.g is None:
-            self.live = [g is not None for g in gs]
-            self.loose = {i for i,g in enumerate(gs) if g is not None and g.layout is not torch.strided}
+            self.has_grad = [g is not None for g in gs]
+            self.apart = {i for i,g in enumerate(gs) if g is not None and g.layout is not torch.strided}
         else: self._adopt_flat(gs)  # a flat bucket copies new dense ones into their slots
         self._grads = [id(p.grad) for p in self.params]
     def forget_grads(self):
@@ -375,20 +375,20 @@ class Bucket:
         src,dst = [],[]
         for i,(p,gr,v) in enumerate(zip(self.params, gs, self.grad_slots)):
             if gr is v:
-                self.live[i] = True
+                self.has_grad[i] = True
                 continue
-            self.loose.discard(i)
+            self.apart.discard(i)
             if gr is None:
-                if self.live[i]: v.zero_()  # a stale gradient (maybe inf) must not reach the finite check
-                self.live[i] = False
+                if self.has_grad[i]: v.zero_()  # a stale gradient (maybe inf) must not reach the finite check
+                self.has_grad[i] = False
             elif gr.layout is torch.strided and gr.dtype == v.dtype and gr.shape == v.shape:
                 src.append(gr.detach())
                 dst.append(v)
                 p.grad = v
-                self.live[i] = True
+                self.has_grad[i] = True
             else:
-                self.loose.add(i)
-                self.live[i] = True
+                self.apart.add(i)
+                self.has_grad[i] = True
         if dst: torch._foreach_copy_(dst, src)
     def adopt_states(self, state:dict, state_dtype, same:bool=False):
         "Take each parameter's state dict, its tensors into the buffers"
@@ -424,11 +424,11 @@ class Bucket:
     def runs(self, i:int, j:int, keys:list, single:bool=False) -> list:
         "Runs `(a, c)` of live parameters in `i` to `j` with equal `keys` (theirs)"
         one = keys.count(keys[0]) == len(keys)  # one key for all (the usual): the runs follow the live parameters alone
-        memo = (i, j, single, tuple(self.live), None if one else tuple(keys), tuple(sorted(self.loose)))
+        memo = (i, j, single, tuple(self.has_grad), None if one else tuple(keys), tuple(sorted(self.apart)))
         if self._runs is not None and self._runs[0] == memo: return self._runs[1]
         res,cur,key = [],None,None
         for k in range(i, j):
-            if not self.live[k] or (k in self.loose and self.kind.in_place):
+            if not self.has_grad[k] or (k in self.apart and self.kind.in_place):
                 cur = None
                 continue
             if cur is not None and not single and self.flat and keys[k-i] == key:
@@ -454,7 +454,7 @@ class Bucket:
         step = max(chunk // self.store.block, 1) * self.store.block  # pieces begin on the store's blocks
         out = []
         for i,j,lo,hi in res:
-            whole = j > i+1 or i in self.loose  # several parameters, or a sparse gradient's: never cut
+            whole = j > i+1 or i in self.apart  # several parameters, or a sparse gradient's: never cut
             out += [(i, j, lo, hi)] if whole else [(i, j, a, min(a+step, hi)) for a in range(lo, hi, step)]
         return out
 

@@ -44,13 +44,13 @@ class ForeignSteps:
         else: wins = [[(b, 0, len(b.params)) for b in eng.buckets]]
         for w in wins: self._swapped(eng, step, w, windowed)
         for k in {id(b.kind): b.kind for b in eng.buckets}.values(): k.tick()
-        eng.exposed = False
+        eng.handed_out = False
 
     def _swapped(self, eng, step:Callable, wins:list, only:bool):
-        wins = [(b, i, j) for b,i,j in wins if any(b.live[i:j])]
-        xs = [b.kind.wide(b, i, j) for b,i,j in wins]
+        wins = [(b, i, j) for b,i,j in wins if any(b.has_grad[i:j])]
+        xs = [b.kind.to_step(b, i, j) for b,i,j in wins]
         ps = [(p, _part(x, b, k, i), _part(g, b, k, i))
-              for (b,i,j),(x,g) in zip(wins, xs) for k,p in enumerate(b.params[i:j], i) if b.live[k]]
+              for (b,i,j),(x,g) in zip(wins, xs) for k,p in enumerate(b.params[i:j], i) if b.has_grad[k]]
         with Ledger() as led:
             for p,d,gr in ps:
                 led.defer(partial(_put, p, p.data, p.grad))
@@ -65,7 +65,7 @@ class ForeignSteps:
             b.versions = [p._version for p in b.params]  # the swaps are the engine's, not a write of a callback
 
 def _part(x, b:Bucket, k:int, i:int) -> Tensor:
-    "Parameter `k`'s part of `x`, what `wide` gave from parameter `i`"
+    "Parameter `k`'s part of `x`, what `to_step` gave from parameter `i`"
     return x[k-i] if isinstance(x, list) else b.slot(x, k, b.lo(i))
 
 def _put(p:Tensor, data:Tensor, grad:Tensor|None):
@@ -99,7 +99,7 @@ class LookaheadSync:
         for b in eng.buckets:
             if not b.flat: continue
             buf = bufs[id(b)] = b.zeros(b.kind.state_dtype(b))  # a flat bucket's copies in one buffer
-            for i,j,_,_ in b.windows(eng.chunk): b.part(buf, i, j).copy_(b.kind.wide(b, i, j)[0])
+            for i,j,_,_ in b.windows(eng.chunk): b.part(buf, i, j).copy_(b.kind.to_step(b, i, j)[0])
         res = []
         for gi,pg in enumerate(eng.lists):
             row = []
@@ -108,7 +108,7 @@ class LookaheadSync:
                 if id(b) in bufs and b.group == gi and eng.places[(gi, id(p))][0] == k:
                     row.append(b.slot(bufs[id(b)], i))
                     continue
-                x,_ = b.kind.wide(b, i, i+1)
+                x,_ = b.kind.to_step(b, i, i+1)
                 row.append(_part(x, b, i, i).detach().clone())
             res.append(L(row))
         slow = L(res)
@@ -133,7 +133,7 @@ class LookaheadSync:
 
     def _sync(self, eng, la:Lookahead, slow:dict, b:Bucket, i:int, j:int):
         "Sync the slow weights of parameters `i` to `j` of `b`"
-        x,_ = b.kind.wide(b, i, j)
+        x,_ = b.kind.to_step(b, i, j)
         if b.flat:
             s = b.part(slow[id(b)], i, j)
             d = eng.workspace(s.device, s.numel(), 'slow_diff', s.dtype)
@@ -151,7 +151,7 @@ class LookaheadSync:
         "Sync an extra place of `p`, with its own slow weight"
         b,i = eng.home[id(p)]
         s = la.slow_weights[gi][eng.places[(gi, id(p))][n - (b.group != gi)]]
-        x,_ = b.kind.wide(b, i, i+1)
+        x,_ = b.kind.to_step(b, i, i+1)
         fast = _part(x, b, i, i).detach()
         s.add_(fast - s, alpha=la.alpha)
         fast.copy_(s)

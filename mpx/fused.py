@@ -83,9 +83,9 @@ class FusedSteps:
         if ledger is not None: ledger.defer(self.undo)
         self.lookaheads,self.inner = unwrap(opt)
         self.reason = why_not_fused(opt)
-        self.native = self.reason is None
+        self.own_step = self.reason is None
         self.lists = [list(pg) for pg in self.inner.param_lists]
-        self.phase,self.found,self.exposed = StepPhase.READY,None,False  # `found`: the finite check's device flag
+        self.phase,self.found,self.handed_out = StepPhase.READY,None,False  # `found`: the finite check's device flag
         self.workspace,self.warned = Workspace(),set()  # scratch buffers its buckets share, and what `say` said
         # `lazy`: `state_dict` gives `LazyTensor`s (a streamed checkpoint)
         self._st,self._st_ids,self.lazy = None,None,False
@@ -104,14 +104,14 @@ class FusedSteps:
         for b in self.buckets: b.settle()  # the set-up complete: the fp32 values the layout replaced freed
 
     def __repr__(self):
-        how = f"{self.fused.value}" if self.native else f"{type(self.inner).__name__}'s own step"
+        how = f"{self.fused.value}" if self.own_step else f"{type(self.inner).__name__}'s own step"
         undone = ', undone' if self.done else ''
         return f"FusedSteps({type(self.opt).__name__}, {how}: {len(self.buckets)} buckets{undone})"
 
     def _layout(self, kind_of:Callable|None=None):
         "Lay out every group's buckets and extras, kinds from `kind_of`"
         self.home,self.places,self.groups,base,built = {},{},[],0,[]
-        st = self.inner.state if self.native else {}
+        st = self.inner.state if self.own_step else {}
         tied = overlapping([p for pg in self.lists for p in pg])  # stepped where they lie, so they stay tied
         for gi,pg in enumerate(self.lists):
             keys = {}
@@ -119,7 +119,7 @@ class FusedSteps:
                 self.places.setdefault((gi, id(p)), []).append(k)
                 if id(p) in self.home: continue
                 kind = (kind_of(p) if kind_of is not None else None) or _in_place
-                own = self.native and self.fused is not Fused.LOOP  # the engine's own step: a parameter may take a slot
+                own = self.own_step and self.fused is not Fused.LOOP  # the engine's own step: a parameter may take a slot
                 flat = not kind.in_place or (own and slottable(p) and id(p) not in tied)
                 store = self.low if flat and p.numel() >= MIN_LOWBIT else self.dense
                 key = (id(kind), p.device, p.dtype, bool(st.get(p, {}).get('do_wd', True)), flat, id(store))
@@ -162,7 +162,7 @@ class FusedSteps:
 
     def _choose(self):
         "Choose each bucket's stepper from `opt.cbs` and `fused`"
-        if not self.native: return
+        if not self.own_step: return
         self.cbs = tuple(self.inner.cbs)
         p = plan(self.cbs) if self.fused is not Fused.LOOP else None
         eager = RunSteps(p) if p is not None else LoopSteps()
@@ -172,7 +172,7 @@ class FusedSteps:
     def _install(self):
         "Install `step` and `zero_grad`, or a swap around a foreign step"
         led,o,widened = self.ledger,self.inner,any(not b.kind.in_place for b in self.buckets)  # all through the ledger
-        if not self.native:
+        if not self.own_step:
             if self.fused is Fused.COMPILE: self.warn_eager(self.reason)
             if widened: self.foreign.install(self, led)
             return
@@ -201,14 +201,14 @@ class FusedSteps:
 
     def refresh(self):
         "Adopt what changed since the last step"
-        st = self.inner.state if self.native else None
+        st = self.inner.state if self.own_step else None
         ids = list(map(id, st.values())) if st is not None else None
         # no state dict replaced (`clear_state`, `load_state_dict` replace them)
         same = st is self._st and ids == self._st_ids
         for b in self.buckets:
             b.adopt_weights()
             if not b.kind.takes: b.adopt_grads()  # a taking kind's gradients: in `take`
-            if self.native: b.adopt_states(st, b.kind.state_dtype(b), same)
+            if self.own_step: b.adopt_states(st, b.kind.state_dtype(b), same)
         self._st,self._st_ids = st,ids
 
     @torch.no_grad()
@@ -221,9 +221,9 @@ class FusedSteps:
             for b in self.groups[gi]: b.stepper.bucket(self, b, hyper)
             for n,p in self.extras[gi]:
                 b,i = self.home[id(p)]
-                if b.live[i]: b.stepper.extra(self, b, i, n, hyper)
+                if b.has_grad[i]: b.stepper.extra(self, b, i, n, hyper)
         for k in {id(b.kind): b.kind for b in self.buckets}.values(): k.tick()
-        self.exposed = False
+        self.handed_out = False
 
     def adopt_changes(self, full:bool=True):
         "Before a step (`full`) or a finite check: what changed adopted"
@@ -234,12 +234,12 @@ class FusedSteps:
         for b in self.buckets:  # the taking kinds take what callbacks wrote into the model's gradients
             if b.kind.takes:
                 b.adopt_grads()
-                b.kind.merge(b, self.exposed)
+                b.kind.merge(b, self.handed_out)
             elif not full: b.adopt_grads()
 
     def will_compile(self) -> bool:
         "Whether the next step is compiled on every bucket"
-        if self.fused is not Fused.COMPILE or not self.native: return False
+        if self.fused is not Fused.COMPILE or not self.own_step: return False
         self.refresh()
         if tuple(self.inner.cbs) != self.cbs: self._recompose()
         return all(isinstance(b.stepper, CompiledSteps) and b.stepper.why_not(self, b) is None for b in self.buckets)
@@ -249,9 +249,9 @@ class FusedSteps:
         self.steps_to_host()  # the step counts from the device
         sd = type(self.inner).state_dict(self.inner)
         if self.low.views: return sd
-        if self.lazy: wide = lambda v: LazyTensor(v.float, torch.float32, v.shape) if isinstance(v, LowBitState) else v
-        else: wide = lambda v: v.float() if isinstance(v, LowBitState) else v  # low-bit state dequantised (fp32)
-        return {**sd, 'state': [{k: wide(v) for k,v in s.items()} for s in sd['state']]}
+        if self.lazy: fp32 = lambda v: LazyTensor(v.float, torch.float32, v.shape) if isinstance(v, LowBitState) else v
+        else: fp32 = lambda v: v.float() if isinstance(v, LowBitState) else v  # low-bit state dequantised
+        return {**sd, 'state': [{k: fp32(v) for k,v in s.items()} for s in sd['state']]}
 
 
     def _recompose(self):
@@ -311,7 +311,7 @@ class FusedSteps:
         "fastai's `load_state_dict`, each state tensor into its store (a streamed checkpoint's read then)"
         o = self.inner
         # `Lookahead`'s own state beside: loaded whole (a torch optimizer's: `Learner.load`'s own)
-        if not self.native or self.lookaheads:
+        if not self.own_step or self.lookaheads:
             return self.opt.load_state_dict(read_stored(sd))
         if len(sd['hypers']) != len(o.param_lists) or len(sd['state']) != sum(map(len, o.param_lists)):
             n,groups = len(sd['state']),len(sd['hypers'])
@@ -344,7 +344,7 @@ class FusedSteps:
             # so does dense state: each dict's tensor is already fastai's, in its slot
             if b.store.views: continue
             # a dict replaced since the last step too
-            ds = [self.inner.state.get(p) for p in b.params] if self.native else b.dicts
+            ds = [self.inner.state.get(p) for p in b.params] if self.own_step else b.dicts
             for i,d in enumerate(ds):
                 for k,vs in b.state_held.items():
                     if d is not None and d.get(k) is vs[i]: d[k] = b.store.value(b, k, i)  # fp32 (dequantised), its own
@@ -381,7 +381,7 @@ class FusedSteps:
         if fresh: return
         for b in self._taking():
             b.adopt_grads()
-            b.kind.merge(b, self.exposed)
+            b.kind.merge(b, self.handed_out)
             b.kind.clear(b)
     def checked(self) -> list:
         "The gradients the finite check reads, one a flat bucket"
@@ -400,7 +400,7 @@ class FusedSteps:
         return res
     def stepped(self) -> list:
         "Each parameter's stepped tensor, with its gradient"
-        self.exposed = True  # a caller may write into them: the step asks their version counters
+        self.handed_out = True  # a caller may write into them: the step asks their version counters
         seen = {id(p): p for pg in self.lists for p in pg}
         return [b.kind.stepped(b, i) for b,i in (self.home[k] for k in seen)]
     def grads_in_flight(self) -> dict:

@@ -10,9 +10,9 @@ from .core import register_store, store_maker, is_opt_state, opt_states
 
 # %% auto #0
 __all__ = ['MIN_LOWBIT', 'MODE_BYTES', 'dynamic_map', 'root_map', 'quantize', 'dequantize', 'pack4', 'unpack4', 'LowBitState',
-           'flat_part', 'Store', 'DenseStore', 'BF16Store', 'probe_casts', 'kernel_name', 'kept', 'bf16_nearest',
-           'Float8Codes', 'MapCodes', 'static_rows', 'QuantStore', 'make_store', 'store_name', 'state_bytes',
-           'param_bytes']
+           'flat_part', 'Store', 'DenseStore', 'BF16Store', 'probe_casts', 'kernel_name', 'where_skipped',
+           'bf16_nearest', 'Float8Codes', 'MapCodes', 'static_rows', 'QuantStore', 'make_store', 'store_name',
+           'state_bytes', 'param_bytes']
 
 # %% ../nbs/01i_lowbit.ipynb #lb0006
 def dynamic_map(signed:bool=True, exp_bits:int=7, bits:int=8) -> Tensor:
@@ -197,7 +197,7 @@ class DenseStore(Store):
     def store_window(self, b, k:str, i:int, j:int, x:Tensor): pass
     def kernel_io(self, b, k:str, a:int, c:int) -> dict: return {k: b.part(b.state_bufs[k], a, c)}
     def kernel_load(self, t:dict, k:str) -> Tensor: return t[k]
-    def kernel_store(self, t:dict, k:str, x:Tensor, keep:Tensor) -> dict: return {k: kept(keep, t[k], x)}
+    def kernel_store(self, t:dict, k:str, x:Tensor, keep:Tensor) -> dict: return {k: where_skipped(keep, t[k], x)}
 
 class BF16Store(DenseStore):
     "State tensors rounded to bf16 (`opt_state='bf16'`)"
@@ -244,7 +244,7 @@ def kernel_name(k:str, part:str) -> str:
     "The name of state `k`'s `part` among a kernel's tensors"
     return f'{k}@{part}'
 
-def kept(keep:Tensor, old:Tensor, new:Tensor) -> Tensor:
+def where_skipped(keep:Tensor, old:Tensor, new:Tensor) -> Tensor:
     "A kernel's `old` where `keep` (a skipped step), else `new`, in `old`'s dtype"
     # chosen in fp32, then cast once (a kernel that keeps its casts would otherwise cast `new` there and back first)
     if old.dtype != torch.uint8: return torch.where(keep, old.float(), new.float()).to(old.dtype)
@@ -292,7 +292,7 @@ class MapCodes:
     def typed(self, codes:Tensor) -> Tensor: return codes
     def kernel_code(self, old:Tensor, x:Tensor, keep:Tensor, qmap:Tensor) -> tuple:
         codes,scale = self.encode(x, qmap)
-        return kept(keep, old, codes),scale
+        return where_skipped(keep, old, codes),scale
 
 # %% ../nbs/01i_lowbit.ipynb #lb0022
 def static_rows(x:Tensor) -> Tensor:
@@ -376,7 +376,7 @@ class QuantStore(BF16Store):
     def kernel_store(self, t, k, x, keep):
         c,s = kernel_name(k, 'codes'),kernel_name(k, 'scale')
         codes,scale = self.codes.kernel_code(t[c], self._enc(k, x), keep, t.get(kernel_name(k, 'map')))
-        return {c: codes, s: kept(keep, t[s], scale)}
+        return {c: codes, s: where_skipped(keep, t[s], scale)}
 
 # %% ../nbs/01i_lowbit.ipynb #lb0029
 MIN_LOWBIT = 4096  # elements: smaller tensors keep their state in fp32

@@ -48,37 +48,37 @@ class MasterKind(Kind):
         # at the set-up's end (`Bucket.commit`): the half weights (and gradients, in their slots) shown in the model;
         # fresh gradients are cast to half each, taken into their slots at the first step (`adopt_grads`)
         b.shows = (b.w, None if gx is None else b.g)
-    def wide(self, b, i, j): return b.part(b.own.masters, i, j),b.part(b.own.grads, i, j)
+    def to_step(self, b, i, j): return b.part(b.own.masters, i, j),b.part(b.own.grads, i, j)
     def assign(self, b, i, x, at=None):
         flat_part(b.own.slots[i], at, x.numel()).copy_(x)  # the master exact, the half weight its rounding
         flat_part(b.slot(b.w, i), at, x.numel()).copy_(x)
     def written(self, b, idx):
         for i in idx: merge_writes(b.own.slots[i], b.slot(b.w, i))  # the master takes what the write changed
-    def fold(self, b, i, j, x, phase=0): b.part(b.w, i, j).copy_(x)
+    def fold(self, b, i, j, x, turn=0): b.part(b.w, i, j).copy_(x)
     def checked(self, b): return [b.own.grads]
-    def grad_of(self, b, i): return b.own.grad_slots[i] if b.live[i] else None
+    def grad_of(self, b, i): return b.own.grad_slots[i] if b.has_grad[i] else None
     def stepped(self, b, i):
         if b.own.shown is None: b.own.shown = [None]*len(b.own.params)
         m = b.own.params[i]
-        m.grad = b.own.shown[i] = b.own.grad_slots[i] if b.live[i] else None
+        m.grad = b.own.shown[i] = b.own.grad_slots[i] if b.has_grad[i] else None
         return m
     def value(self, b, i): return b.own.slots[i].clone()
     def take(self, b, fresh:bool):
         "After a backward: the half gradients into the fp32 ones"
         (b.own.grads.copy_ if fresh else b.own.grads.add_)(b.g)
-        for i in sorted(b.loose):  # a sparse gradient, added densely
+        for i in sorted(b.apart):  # a sparse gradient, added densely
             if fresh: b.own.grad_slots[i].zero_()
             b.own.grad_slots[i].add_(b.params[i].grad)
             b.params[i].grad.zero_()
-        if b.loose or not fresh: b.g.copy_(b.own.grads)
+        if b.apart or not fresh: b.g.copy_(b.own.grads)
         b.own.seen = [g._version for g in b.grad_slots]  # autograd's own writes (it adds into `p.grad`) are not a callback's
         if b.own.shown is None: return
         # as a backward sets `p.grad`
-        for i,(m,g,l) in enumerate(zip(b.own.params, b.own.grad_slots, b.live)): m.grad = b.own.shown[i] = g if l else None
-    def merge(self, b, exposed:bool=False):
+        for i,(m,g,l) in enumerate(zip(b.own.params, b.own.grad_slots, b.has_grad)): m.grad = b.own.shown[i] = g if l else None
+    def merge(self, b, handed_out:bool=False):
         "Model gradients a callback wrote or assigned since: taken"
         self._take_assigned(b)
-        if exposed: self._show_handed(b)
+        if handed_out: self._show_handed(b)
         now = [g._version for g in b.grad_slots]
         if b.own.seen is not None and now != b.own.seen:
             for i,(v,u) in enumerate(zip(now, b.own.seen)):
@@ -92,12 +92,12 @@ class MasterKind(Kind):
         for i,(m,s) in enumerate(zip(b.own.params, b.own.shown)):
             g = m.grad
             if g is s: continue
-            if g is None: b.live[i] = False
+            if g is None: b.has_grad[i] = False
             else:
                 b.own.grad_slots[i].copy_(g)
                 b.slot(b.g, i).copy_(b.own.grad_slots[i])  # shown in the model too
-                b.live[i] = True
-            m.grad = b.own.shown[i] = b.own.grad_slots[i] if b.live[i] else None
+                b.has_grad[i] = True
+            m.grad = b.own.shown[i] = b.own.grad_slots[i] if b.has_grad[i] else None
             b.forget_grads()  # the next step asks the model's gradients again
     def _show_handed(self, b):
         "Masters or gradients written through `learn.parameters()`, shown"
@@ -124,7 +124,7 @@ class MasterKind(Kind):
     def carried(self, b, idle:bool=False) -> dict:
         "The fp32 and half gradients of a step under way, by `id`"
         if idle: return {}  # no step under way: the model's gradients are the last step's, already taken
-        return {id(p): ('master', gx.clone(), g.clone()) for p,gx,g,l in zip(b.params, b.own.grad_slots, b.grad_slots, b.live) if l}
+        return {id(p): ('master', gx.clone(), g.clone()) for p,gx,g,l in zip(b.params, b.own.grad_slots, b.grad_slots, b.has_grad) if l}
     def restore(self, b, grads:dict):
         "What `carried` took from an earlier layout, into this one"
         for i,p in enumerate(b.params):
@@ -133,10 +133,10 @@ class MasterKind(Kind):
             b.own.grad_slots[i].copy_(gx)
             b.grad_slots[i].copy_(g)
             p.grad = b.grad_slots[i]
-            b.live[i] = True
+            b.has_grad[i] = True
         b.forget_grads()
         b.own.seen = [g._version for g in b.grad_slots]
-    def kernel_io(self, b, a, c, phase=0):
+    def kernel_io(self, b, a, c, turn=0):
         return dict(x=b.part(b.own.masters, a, c), gx=b.part(b.own.grads, a, c), w=b.part(b.w, a, c)),{}
     @staticmethod
     def kernel_widen(t, s): return t['x'],t['gx']

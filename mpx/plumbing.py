@@ -155,10 +155,10 @@ class HalvedRest:
     "The tensors a fit halves that no optimizer steps"
     def __init__(self, ts:list, dtype:torch.dtype, model:nn.Module|None=None):
         # a buffer's module and name: `model.float()` replaces a buffer where it keeps a parameter (its `data` cast)
-        self.kept,self.dtype = [(t, t.detach().clone(), h) for t,h in zip(ts, _buffer_homes(model, ts))],dtype
+        self.halved,self.dtype = [(t, t.detach().clone(), h) for t,h in zip(ts, _buffer_homes(model, ts))],dtype
         self.copies = Ledger()  # a copy or a pickle of a halved tensor holds its fp32 value
         try:
-            for t,c,_ in self.kept:
+            for t,c,_ in self.halved:
                 t.grad = None  # an fp32 gradient cannot stay on a half tensor
                 t.data = t.data.to(dtype)
                 copies_as_fp32(self.copies, t, functools.partial(_exact_now, weakref.ref(t), c))
@@ -169,16 +169,16 @@ class HalvedRest:
         "Each tensor back in fp32, a no-op the second time"
         self.copies.close()
         self.take_back()
-        for t,c,_ in self.kept:
+        for t,c,_ in self.halved:
             t.grad = None
             t.data = exact_fp32(t, c)  # its exact value, or its half value widened
-        self.kept = []
+        self.halved = []
     def _now(self, t:Tensor, home:tuple|None) -> Tensor|None:
         "What the model holds in `t`'s place now (a buffer replaced by `model.float()`)"
         return t if home is None else home[0]._buffers.get(home[1])
     def take_back(self):
         "Each tensor cast by hand since (`model.float()`) halved again: its fp32 value kept, or the one assigned"
-        for t,c,home in self.kept:
+        for t,c,home in self.halved:
             x = self._now(t, home)
             if x is None or (x is t and t.dtype == self.dtype): continue
             if not torch.equal(x.detach().to(self.dtype), c.to(self.dtype)):
@@ -188,10 +188,10 @@ class HalvedRest:
             if home is not None: home[0]._buffers[home[1]] = t
     def find(self, t:Tensor) -> tuple|None:
         "The halved tensor `t` is (or lies in the place of, cast by hand) and its fp32 value, or None"
-        return next(((u, c) for u,c,home in self.kept if u is t or self._now(u, home) is t), None)
+        return next(((u, c) for u,c,home in self.halved if u is t or self._now(u, home) is t), None)
     def recast(self) -> Tensor|None:
         "The first tensor cast by hand into values its fp32 value does not round to (`model.half()`), or None"
-        for t,c,home in self.kept:
+        for t,c,home in self.halved:
             x = self._now(t, home)
             if x is None or x.dtype in (self.dtype, torch.float32): continue
             if not torch.equal(x.detach().float(), c.to(self.dtype).float()): return x

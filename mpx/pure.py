@@ -14,7 +14,7 @@ from .lowbit import bf16_nearest, flat_part
 
 # %% auto #0
 __all__ = ['stream_key', 'stream_key_t', 'random_bits16', 'round_stochastic', 'fold_kahan', 'split_kahan', 'widen_kahan',
-           'BF16Kind', 'KahanKind', 'Stream', 'StochasticKind', 'KeptKind', 'BF16Weights', 'PureBF16']
+           'BF16Kind', 'KahanKind', 'Stream', 'StochasticKind', 'FrozenKind', 'BF16Weights', 'PureBF16']
 
 # %% ../nbs/05_pure.ipynb #pb000007
 _hi = -65536  # 0xFFFF0000 as an int32: the bits of an fp32 that a bf16 keeps
@@ -25,9 +25,9 @@ def _mix32(x:int) -> int:
     for _ in range(2): x = ((x ^ (x >> 16)) * 0x45d9f3b) & 0xFFFFFFFF
     return x ^ (x >> 16)
 
-def stream_key(seed:int, count:int, phase:int=0) -> int:
-    "The int32 key of step `count` (and `phase`) of stream `seed`"
-    k = _mix32(_mix32(_mix32(seed) + count) + phase)
+def stream_key(seed:int, count:int, turn:int=0) -> int:
+    "The int32 key of step `count` (and `turn`) of stream `seed`"
+    k = _mix32(_mix32(_mix32(seed) + count) + turn)
     return k - 2**32 if k >= 2**31 else k
 
 def _mix32_t(x:Tensor) -> Tensor:
@@ -36,9 +36,9 @@ def _mix32_t(x:Tensor) -> Tensor:
     for _ in range(2): x = ((x ^ (x >> 16)) * 0x45d9f3b) & 0xFFFFFFFF
     return x ^ (x >> 16)
 
-def stream_key_t(mixed:Tensor, count:Tensor, phase:Tensor) -> Tensor:
-    "`stream_key` in a kernel: from `_mix32(seed)` (as an int32), the count on the device and the phase"
-    k = _mix32_t(_mix32_t((mixed.long() & 0xFFFFFFFF) + count) + phase.long())
+def stream_key_t(mixed:Tensor, count:Tensor, turn:Tensor) -> Tensor:
+    "`stream_key` in a kernel: from `_mix32(seed)` (as an int32), the count on the device and the turn"
+    k = _mix32_t(_mix32_t((mixed.long() & 0xFFFFFFFF) + count) + turn.long())
     return torch.where(k >= 2**31, k - 2**32, k).int()
 
 def random_bits16(idx:Tensor, key) -> Tensor:
@@ -102,17 +102,17 @@ class BF16Kind(Kind):
         b.shows = (b.w, None)  # the parameters, bf16: at the set-up's end (`Bucket.commit`)
     def split(self, b, x:Tensor): b.w.copy_(x)  # to nearest
     def assign(self, b, i, x, at=None): flat_part(b.slot(b.w, i), at, x.numel()).copy_(x)  # as `split` does
-    def wide(self, b, i, j):
+    def to_step(self, b, i, j):
         "The fp32 values and gradients of parameters `i` to `j`"
         n = b.end(j) - b.lo(i)
-        x,g = b.workspace(b.device, n, 'wide'),b.workspace(b.device, n, 'wide_grad')
+        x,g = b.workspace(b.device, n, 'stepped'),b.workspace(b.device, n, 'stepped_grad')
         self.widen(b, i, j, x)
         g.copy_(b.part(b.g, i, j))
-        for k in sorted(k for k in b.loose if i <= k < j):  # summed in fp32
+        for k in sorted(k for k in b.apart if i <= k < j):  # summed in fp32
             b.slot(g, k, b.lo(i)).copy_(b.params[k].grad.float().to_dense())
         return x,g
     def widen(self, b, i, j, x): x.copy_(b.part(b.w, i, j))
-    def kernel_io(self, b, a, c, phase=0): return dict(w=b.part(b.w, a, c), g=b.part(b.g, a, c)),{}
+    def kernel_io(self, b, a, c, turn=0): return dict(w=b.part(b.w, a, c), g=b.part(b.g, a, c)),{}
     @staticmethod
     def kernel_widen(t, s): return t['w'].float(),t['g'].float()
     def finish(self, b):
@@ -129,7 +129,7 @@ class BF16Kind(Kind):
             if id(p) not in grads: continue
             b.grad_slots[i].copy_(grads[id(p)][1])
             p.grad = b.grad_slots[i]
-            b.live[i] = True
+            b.has_grad[i] = True
 
 # %% ../nbs/05_pure.ipynb #pb000020
 class KahanKind(BF16Kind):
@@ -151,14 +151,14 @@ class KahanKind(BF16Kind):
     def written(self, b, idx:list): torch._foreach_zero_([b.own.slots[i] for i in idx])  # what was written, exactly
     def widen(self, b, i, j, x):
         widen_kahan([x], [b.part(b.w, i, j)], [b.part(b.own.buf, i, j)], self._scratch(b, x, 'kahan_sum'))
-    def fold(self, b, i, j, x, phase=0):
+    def fold(self, b, i, j, x, turn=0):
         rest,total = self._scratch(b, x, 'kahan_rest'),self._scratch(b, x, 'kahan_sum')
         fold_kahan([x], [b.part(b.w, i, j)], [b.part(b.own.buf, i, j)], rest, total)
     def _scratch(self, b, x, slot:str) -> list:
         "The fp32 scratch buffer `slot` for a window's bf16 operands"
         return [b.workspace(b.device, x.numel(), slot)]
     def value(self, b, i): return b.params[i].data.float().add_(b.own.slots[i].float())
-    def kernel_io(self, b, a, c, phase=0): return dict(w=b.part(b.w, a, c), c=b.part(b.own.buf, a, c), g=b.part(b.g, a, c)),{}
+    def kernel_io(self, b, a, c, turn=0): return dict(w=b.part(b.w, a, c), c=b.part(b.own.buf, a, c), g=b.part(b.g, a, c)),{}
     @staticmethod
     def kernel_widen(t, s): return t['w'].float() + t['c'].float(),t['g'].float()
     @staticmethod
@@ -201,21 +201,21 @@ class StochasticKind(BF16Kind):
     def __init__(self, stream:Stream|None=None): self.stream = stream or Stream()
     def tick(self): self.stream.tick()
     def _base(self, b, i:int) -> int: return (b.base + b.lo(i)) % 2**31  # parameter `i`'s first index in the stream
-    def fold(self, b, i, j, x, phase=0):
-        key = stream_key(self.stream.seed, self.stream.count, phase)
+    def fold(self, b, i, j, x, turn=0):
+        key = stream_key(self.stream.seed, self.stream.count, turn)
         b.part(b.w, i, j).copy_(round_stochastic(x, key, self._base(b, i)))  # exact: every value is a bf16 now
-    def kernel_io(self, b, a, c, phase=0):
+    def kernel_io(self, b, a, c, turn=0):
         t,_ = super().kernel_io(b, a, c)
         mixed = _mix32(self.stream.seed)  # the seed's part of the key, as an int32
         count,skipped = self.stream.on(b.device)
-        s = dict(count=count, skipped=skipped, mixed=mixed - 2**32 if mixed >= 2**31 else mixed, phase=phase)
+        s = dict(count=count, skipped=skipped, mixed=mixed - 2**32 if mixed >= 2**31 else mixed, turn=turn)
         return t,{**s, 'base': self._base(b, a)}
     @staticmethod
     def kernel_fold(t, s, x, nearest=None):
-        key = stream_key_t(s['mixed'], s['count'] - s['skipped'], s['phase'])
+        key = stream_key_t(s['mixed'], s['count'] - s['skipped'], s['turn'])
         return dict(w=round_stochastic(x, key, s['base']))
 
-class KeptKind(BF16Kind):
+class FrozenKind(BF16Kind):
     "bf16 weights frozen when the fit began, their fp32 values kept aside"
     def split(self, b, x):
         b.own = Slots(b, x)  # the fp32 values, kept
@@ -223,13 +223,13 @@ class KeptKind(BF16Kind):
     def assign(self, b, i, x, at=None):
         flat_part(b.own.slots[i], at, x.numel()).copy_(x)
         flat_part(b.slot(b.w, i), at, x.numel()).copy_(x)
-    def wide(self, b, i, j): return b.part(b.own.buf, i, j),super().wide(b, i, j)[1]
+    def to_step(self, b, i, j): return b.part(b.own.buf, i, j),super().to_step(b, i, j)[1]
     def widen(self, b, i, j, x): pass
     def written(self, b, idx):
         for i in idx: merge_writes(b.own.slots[i], b.slot(b.w, i))
-    def fold(self, b, i, j, x, phase=0): b.part(b.w, i, j).copy_(x)
+    def fold(self, b, i, j, x, turn=0): b.part(b.w, i, j).copy_(x)
     def value(self, b, i): return exact_fp32(b.params[i].data, b.own.slots[i])
-    def kernel_io(self, b, a, c, phase=0): return dict(x=b.part(b.own.buf, a, c), w=b.part(b.w, a, c), g=b.part(b.g, a, c)),{}
+    def kernel_io(self, b, a, c, turn=0): return dict(x=b.part(b.own.buf, a, c), w=b.part(b.w, a, c), g=b.part(b.g, a, c)),{}
     @staticmethod
     def kernel_widen(t, s): return t['x'],t['g'].float()
     @staticmethod
@@ -251,7 +251,7 @@ class BF16Weights(FitState):
         halved,ps = halvable(learn.model),opt_params(learn.opt)
         self.halves,self.trained = {id(t) for t in halved},{id(p) for p in ps if p.requires_grad}
         self.train = KahanKind() if update == 'kahan' else StochasticKind(stream)
-        self.frozen,self.plain = KeptKind(),Kind()
+        self.frozen,self.plain = FrozenKind(),Kind()
         ours = {id(p) for p in ps}
         self.rest = HalvedRest([t for t in halved if id(t) not in ours], torch.bfloat16, learn.model)
     def kind_of(self, p) -> Kind:
@@ -284,14 +284,14 @@ class BF16Weights(FitState):
         "Each Kahan-compensated weight's compensation"
         return {p: c for b in self._buckets(self.train) if b.own is not None for p,c in zip(b.params, b.own.slots)}
     @property
-    def kept(self) -> dict:
+    def fp32_kept(self) -> dict:
         "The exact fp32 values kept aside, by tensor"
         frozen = {p: x for b in self._buckets(self.frozen) for p,x in zip(b.params, b.own.slots)}
-        return {**{t: c for t,c,_ in self.rest.kept}, **frozen}
-    def wide(self, p:Tensor) -> Tensor:
+        return {**{t: c for t,c,_ in self.rest.halved}, **frozen}
+    def value_of(self, p:Tensor) -> Tensor:
         "The fp32 value of parameter `p` during the fit"
         h = self.engine.home.get(id(p)) if self.engine is not None else None
-        if h is None: return self.kept.get(p, p.data.float())
+        if h is None: return self.fp32_kept.get(p, p.data.float())
         b,i = h
         return b.kind.values(b)[i] if isinstance(b.kind, BF16Kind) else p.data
 

@@ -153,7 +153,7 @@ def _clone(v):
 
 def _kept(learn:Learner):
     "The precision callback keeping its layout between fits, or None"
-    return next((c for c in precision_cbs(learn) if getattr(c, 'kept', False)), None)
+    return next((c for c in precision_cbs(learn) if getattr(c, 'layout_kept', False)), None)
 
 def _value(cb, t:Tensor) -> Tensor:
     "A copy of model tensor `t`'s value, as a checkpoint holds it"

@@ -6,7 +6,7 @@ from fastai.callback.core import Callback
 from torch import nn
 from mpx.all import *
 from mpx.flat import Kind, Slots
-from mpx.lowbit import Store, DenseStore, LowBitState, kept, flat_part, make_store
+from mpx.lowbit import Store, DenseStore, LowBitState, where_skipped, flat_part, make_store
 from mpx.core import register_store, _stores
 from mpx.fused import FusedSteps
 from mpx.test_utils import stepped_opt, opt_diffs, tiny_learner, fit_quiet, weights, precision_cb, precision_cbs
@@ -20,15 +20,15 @@ class Copied(Kind):
     def build(self, b):
         super().build(b)
         b.own = Slots(b, b.w.clone())  # the kind's own buffer
-    def wide(self, b, i, j): return b.part(b.own.buf, i, j),b.part(b.g, i, j)
-    def fold(self, b, i, j, x, phase=0): b.part(b.w, i, j).copy_(x)
+    def to_step(self, b, i, j): return b.part(b.own.buf, i, j),b.part(b.g, i, j)
+    def fold(self, b, i, j, x, turn=0): b.part(b.w, i, j).copy_(x)
     def written(self, b, idx):
         for i in idx: b.own.slots[i].copy_(b.params[i].data)
     def value(self, b, i): return b.own.slots[i].clone()
     def assign(self, b, i, x):
         b.own.slots[i].copy_(x)
         b.params[i].data.copy_(x)
-    def kernel_io(self, b, a, c, phase=0): return dict(x=b.part(b.own.buf, a, c), w=b.part(b.w, a, c), g=b.part(b.g, a, c)),{}
+    def kernel_io(self, b, a, c, turn=0): return dict(x=b.part(b.own.buf, a, c), w=b.part(b.w, a, c), g=b.part(b.g, a, c)),{}
     @staticmethod
     def kernel_widen(t, s): return t['x'],t['g']
     @staticmethod
@@ -48,7 +48,7 @@ class Cloned(Store):
     def store_window(self, b, k, i, j, x): b.part(b.state_bufs[k], i, j).copy_(x)
     def kernel_io(self, b, k, a, c): return {k: b.part(b.state_bufs[k], a, c)}
     def kernel_load(self, t, k): return t[k]
-    def kernel_store(self, t, k, x, keep): return {k: kept(keep, t[k], x)}
+    def kernel_store(self, t, k, x, keep): return {k: where_skipped(keep, t[k], x)}
 
 def _engine(fused=True):
     "Installs a step engine whose every parameter is `Copied`"
@@ -162,7 +162,7 @@ class BitsState(Store):
     def store_window(self, b, k, i, j, x): b.part(b.state_bufs[k], i, j).copy_(_bits(x))
     def kernel_io(self, b, k, a, c): return {k: b.part(b.state_bufs[k], a, c)}
     def kernel_load(self, t, k): return t[k].view(torch.bfloat16).float()
-    def kernel_store(self, t, k, x, keep): return {k: kept(keep, t[k].view(torch.bfloat16), x).view(torch.int16)}
+    def kernel_store(self, t, k, x, keep): return {k: where_skipped(keep, t[k].view(torch.bfloat16), x).view(torch.int16)}
 
 def _bits(x): return x.to(torch.bfloat16).view(torch.int16)
 
@@ -212,7 +212,7 @@ def test_users_store_refused_where_it_cannot_go():
 
 def test_contracts_declared():
     "Every method the engine calls on a kind or a store is declared on the base, with a one-line docstring."
-    for name in ('build', 'finish', 'value', 'assign', 'wide', 'fold', 'written', 'tick', 'checked', 'stepped', 'carried', 'restore',
+    for name in ('build', 'finish', 'value', 'assign', 'to_step', 'fold', 'written', 'tick', 'checked', 'stepped', 'carried', 'restore',
                  'take', 'merge', 'clear', 'publish', 'kernel_io', 'kernel_widen', 'kernel_fold'):
         assert callable(getattr(Kind, name)) and '\n' not in (getattr(Kind, name).__doc__ or 'x'), name
     for name in ('bytes', 'new', 'put', 'value', 'zero', 'load_window', 'store_window', 'kernel_io', 'kernel_shape', 'kernel_load',

@@ -23,10 +23,10 @@ def test_stochastic_rounding_same_eager_and_compiled():
     x = _values()
     i32 = lambda v: torch.tensor(v, dtype=torch.int32)
     kernel = torch.compile(lambda x, s: StochasticKind.kernel_fold({}, s, x)['w'], dynamic=True)
-    for seed,count,phase,base in ((0, 1, 0, 0), (7, 123, 1, 4096), (2**40, 5, -1, 2**31 - 64)):
-        key,mixed = stream_key(seed, count, phase),_mix32(seed)
+    for seed,count,turn,base in ((0, 1, 0, 0), (7, 123, 1, 4096), (2**40, 5, -1, 2**31 - 64)):
+        key,mixed = stream_key(seed, count, turn),_mix32(seed)
         s = dict(mixed=i32(mixed - 2**32 if mixed >= 2**31 else mixed), count=i32(count + 3), skipped=torch.tensor(3),
-                 phase=i32(phase), base=i32(base))  # three steps skipped on the device
+                 turn=i32(turn), base=i32(base))  # three steps skipped on the device
         assert torch.equal(kernel(x, s).view(torch.int32), round_stochastic(x, key, base).view(torch.int32))
 
 def _bits(x, ref): return torch.where(ref.isnan(), 0, x.view(torch.int16))  # every NaN alike

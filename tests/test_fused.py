@@ -8,7 +8,7 @@ from fastai.optimizer import *
 from mpx.fused import *
 from mpx.flat import Kind
 from mpx.test_utils import CountOps, stepped_opt, opt_diffs
-from mpx.pure import split_kahan, fold_kahan, widen_kahan, round_stochastic, stream_key, KahanKind, StochasticKind, KeptKind, Stream
+from mpx.pure import split_kahan, fold_kahan, widen_kahan, round_stochastic, stream_key, KahanKind, StochasticKind, FrozenKind, Stream
 
 pytestmark = pytest.mark.usefixtures('one_thread')
 
@@ -40,7 +40,7 @@ def engine(chunk:int=1<<22):
     "Installs the step engine on an optimizer (for `stepped_opt`), asserting it takes the fused path"
     def install(opt):
         fs = FusedSteps(opt, chunk=chunk)
-        assert fs.native, fs.reason
+        assert fs.own_step, fs.reason
         return fs
     return install
 
@@ -76,7 +76,7 @@ def test_undo_and_refusals():
     assert 'step' not in vars(opt) and 'step' not in vars(opt.opt)
     ow = OptimWrapper(list(nn.Linear(2, 2).parameters()), opt=torch.optim.Adam, lr=1e-3)
     fs = FusedSteps(ow)
-    assert not fs.native and 'OptimWrapper' in fs.reason and 'step' not in vars(ow)
+    assert not fs.own_step and 'OptimWrapper' in fs.reason and 'step' not in vars(ow)
     def mine(p, lr, **kwargs): p.data.add_(p.grad, alpha=-lr)
     assert why_not_fused(Optimizer(list(nn.Linear(2, 2).parameters()), [weight_decay, mine], lr=1e-3)) is None  # fastai's loop, in the engine
 
@@ -132,7 +132,7 @@ def _bf16_twin(update, opt_func, fused, chunk=1<<22, frozen=False, n=7):
     "bf16 weights stepped `n` times by the engine with a pure-bf16 kind (`frozen`: the first layer kept exact), fused or by fastai's loop"
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 5), nn.Linear(5, 2))
-    plain,kept = Kind(),KeptKind()
+    plain,kept = Kind(),FrozenKind()
     kind = _KINDS[update]()
     opt = opt_func([list(m[:2].parameters()), list(m[2:].parameters())], lr=1e-2)
     halves = {id(p) for i in (0, 2, 3) for p in m[i].parameters()}

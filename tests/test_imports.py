@@ -88,7 +88,7 @@ from mpx.fused import *
 a,b = learner(),learner()
 from mpx.core import Fused
 a.create_opt(); steps = FusedSteps(a.opt)
-assert steps.native and steps.fused is Fused.FLAT, steps
+assert steps.own_step and steps.fused is Fused.FLAT, steps
 fit(a); fit(b)  # fastai's loop in `b`: the same weights, bit for bit
 assert all(torch.equal(p, q) for p,q in zip(a.model.parameters(), b.model.parameters()))
 steps.undo()
@@ -120,7 +120,7 @@ from fastai.optimizer import OptimWrapper
 learn = learner(); learn.opt_func = partial(OptimWrapper, opt=torch.optim.SGD); learn.create_opt()
 kind = KahanKind()
 steps = FusedSteps(learn.opt, lambda p: kind)
-assert not steps.native and 'step' in vars(learn.opt)  # a torch optimizer steps the widened weights, swapped in
+assert not steps.own_step and 'step' in vars(learn.opt)  # a torch optimizer steps the widened weights, swapped in
 steps.undo(); assert 'step' not in vars(learn.opt)
 ''',
     lowbit='''

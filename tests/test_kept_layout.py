@@ -46,7 +46,7 @@ def test_next_fit_takes_the_layout_kept(mode, opt_state, fused):
     a,b = learner(mode, opt_state, fused),learner(mode, opt_state, fused, kept=False)
     fit_both(a, b)
     ca = precision_cb(a)
-    assert ca.kept and not precision_cb(b).kept and precision_cb(b).fused_steps is None
+    assert ca.layout_kept and not precision_cb(b).layout_kept and precision_cb(b).fused_steps is None
     eng = ca.fused_steps
     if mode.startswith('pure'): assert a.model[0].weight.dtype == torch.bfloat16 and b.model[0].weight.dtype == torch.float32
     lowbit = lambda l: any(isinstance(v, LowBitState) for s in l.opt.state.values() for v in s.values())
@@ -66,7 +66,7 @@ def test_save_and_load_stream_the_layout_kept(mode, opt_state, fused):
     a,b,path = fitted_pair(mode, opt_state, fused)
     eng = precision_cb(a).fused_steps
     a.save('a'); b.save('b')
-    assert precision_cb(a).fused_steps is eng and precision_cb(a).kept, 'the save ended the layout kept'
+    assert precision_cb(a).fused_steps is eng and precision_cb(a).layout_kept, 'the save ended the layout kept'
     sa,sb = [torch.load(path/'models'/f'{n}.pth', weights_only=False) for n in 'ab']
     assert not state_diffs(dict(sa['model']), dict(sb['model'])) and not state_diffs(sa['opt']['state'], sb['opt']['state'])
     assert {v.dtype for v in sa['model'].values() if v.is_floating_point()} == {torch.float32} and sa['opt']['mpx'] == sb['opt']['mpx']
@@ -161,7 +161,7 @@ def test_model_load_state_dict_between_fits(update):
     fit_both(a, b)
     sd = {k: v + 1e-3 * torch.randn_like(v) if v.is_floating_point() else v for k,v in b.model.state_dict().items()}  # fp32 values
     for l in (a, b): l.model.load_state_dict(sd)
-    assert precision_cb(a).kept  # `a` holds each value split (as a fit does), `b` the fp32 values, which its next fit splits
+    assert precision_cb(a).layout_kept  # `a` holds each value split (as a fit does), `b` the fp32 values, which its next fit splits
     fit_both(a, b, seed=9)
     assert_same(a, b, 'the fit after')
 
@@ -208,6 +208,6 @@ def test_opt_load_state_dict_keeps_no_fp32_copy(mode, opt_state, fused):
     a.opt.load_state_dict(sd)
     del sd
     assert refs and [r for r in refs if r() is not None] == [], 'the loaded fp32 state is still held'
-    assert precision_cb(a).kept
+    assert precision_cb(a).layout_kept
     fit_both(a, b, seed=4)
     assert_same(a, b, 'resumed')

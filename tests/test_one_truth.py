@@ -75,7 +75,7 @@ def test_export_writes_every_buffer_fp32(mode, opt_state):
     learn = ALL_MODES[mode](tiny_learner(opt_func=Adam, lr=1e-2, n_trn=4, model=ScaledHead), opt_state=opt_state)
     learn.path = Path(tempfile.mkdtemp())
     fit_quiet(learn)
-    assert learn.model.scale.dtype == torch.bfloat16 and precision_cb(learn).kept
+    assert learn.model.scale.dtype == torch.bfloat16 and precision_cb(learn).layout_kept
     learn.export('e.pkl')
     for cpu in (True, False):
         got = load_learner(learn.path/'e.pkl', cpu=cpu).model.scale
@@ -147,7 +147,7 @@ def test_error_before_the_callback_keeps_the_layout(mode, opt_state, fused):
     a,b,_ = fitted_pair(mode, opt_state, fused)
     eng = precision_cb(a).fused_steps
     raised(lambda: fit_quiet(a, cbs=RaiseBeforeFit()), RuntimeError, 'ordered before')
-    assert precision_cb(a).fused_steps is eng and precision_cb(a).kept
+    assert precision_cb(a).fused_steps is eng and precision_cb(a).layout_kept
     assert_same(a, b, 'after the failed fit')
     fit_both(a, b, seed=2)
     assert precision_cb(a).fused_steps is eng
@@ -350,7 +350,7 @@ def test_load_streams_after_fit_one_cycle():
     cb = precision_cb(a)
     eng = cb.fused_steps
     a.load('c')
-    assert cb.fused_steps is eng and cb.kept, 'the load fell back to fastai\'s, through the fp32 layout'
+    assert cb.fused_steps is eng and cb.layout_kept, 'the load fell back to fastai\'s, through the fp32 layout'
 
     b.load('c')
     assert_same(a, b, 'loaded')

@@ -67,7 +67,7 @@ class NoMasterProbe(Callback):
         ps,bw = list(self.model.parameters()),self.learn.mixed_precision.bf16_weights
         self.recs.append(dict(dtypes={(type(m).__name__, p.dtype) for m in self.model.modules() for p in m.parameters(recurse=False)},
                               same=[id(p) for pg in self.opt.param_lists for p in pg] == [id(p) for p in ps],
-                              grads={p.grad.dtype for p in ps if p.grad is not None}, kept=len(bw.kept),
+                              grads={p.grad.dtype for p in ps if p.grad is not None}, kept=len(bw.fp32_kept),
                               comp={c.dtype for c in bw.comp.values()}, learn_params='parameters' in self.learn.__dict__))
 
 @pytest.mark.parametrize('update', UPDATES)
@@ -150,7 +150,7 @@ class SaveAt(Callback):
     def after_batch(self):
         if self.train_iter != self.at: return
         bw = self.learn.mixed_precision.bf16_weights
-        self.wide = [bw.wide(p).clone() for p in self.model.parameters()]
+        self.wide = [bw.value_of(p).clone() for p in self.model.parameters()]
         self.learn.save('mid', with_opt=True)
 
 @pytest.mark.parametrize('update', UPDATES)

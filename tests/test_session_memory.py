@@ -93,7 +93,7 @@ def test_a_fit_leaves_nothing_behind(mode, fused):
             fit_quiet(learn, cbs=grab)
             if i != 1: after.append(live_tensor_bytes())  # after the first and the third
         if fused is not False: assert grab.refs, 'the fit had no step engine to check'
-        if precision_cb(learn).kept:  # the mode keeps its layout between fits: one engine, which each fit takes as it is
+        if precision_cb(learn).layout_kept:  # the mode keeps its layout between fits: one engine, which each fit takes as it is
             assert len({id(r()) for k,r in grab.refs if k == 'engine'}) == 1, 'a fit built the layout kept again'
         else: assert grab.alive() == [], f'alive after the fits: {grab.alive()}'
         assert ours(cyclic_garbage()) == [], 'fits left reference cycles holding mpx objects or tensors'
@@ -101,7 +101,7 @@ def test_a_fit_leaves_nothing_behind(mode, fused):
         assert after[1] - after[0] < 1024, f'live tensor bytes after the first and the third fit: {after}'
         with pytest.raises(Boom): fit_quiet(learn, cbs=RaiseMidFit())
         assert ours(cyclic_garbage()) == [], 'a fit cut short left reference cycles holding mpx objects or tensors'
-        if precision_cb(learn).kept: learn.to_fp32()  # a fit that dies leaves a layout kept as it found it; this ends it
+        if precision_cb(learn).layout_kept: learn.to_fp32()  # a fit that dies leaves a layout kept as it found it; this ends it
         assert grab.alive() == [], f'alive after the fits: {grab.alive()}'
         assert ours(cyclic_garbage(free=False)) == [], 'the layout ended left reference cycles holding mpx objects or tensors'
 
@@ -113,7 +113,7 @@ def test_other_optimizers_leave_nothing(mode, opt):
     with no_collector():
         fit_quiet(learn, cbs=grab)
         assert ours(cyclic_garbage()) == []
-        if precision_cb(learn).kept: learn.to_fp32()  # the layout kept between fits (pure bf16), ended
+        if precision_cb(learn).layout_kept: learn.to_fp32()  # the layout kept between fits (pure bf16), ended
         assert grab.refs and grab.alive() == []
         assert ours(cyclic_garbage()) == []
 
@@ -159,8 +159,10 @@ def test_dropped_compiled_learner_gives_tensors_back():
     fit_quiet(learn)  # the layout kept between fits, taken by the second
     refs = [weakref.ref(p) for p in learn.model.parameters()]
     eng = precision_cb(learn).fused_steps
-    refs += [weakref.ref(t) for b in eng.buckets for t in vars(b).values() if isinstance(t, torch.Tensor)]
-    assert len(refs) > 8
+    held = [o for b in eng.buckets for o in (b, b.own or b)]  # the buckets, and their kinds' own buffers (the compensations)
+    refs += [weakref.ref(t) for o in held for t in vars(o).values() if isinstance(t, torch.Tensor)]
+    del held
+    assert len(refs) > 9
     del learn, eng
     gc.collect()
     assert [r for r in refs if r() is not None] == []
