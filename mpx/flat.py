@@ -115,7 +115,7 @@ class Kind:
         "What is stepped for parameters `i` to `j`, and its gradients"
         return (b.part(b.w, i, j), b.part(b.g, i, j)) if b.flat else (b.params[i:j], [p.grad for p in b.params[i:j]])
     def fold(self, b:Bucket, i:int, j:int, x, turn:int=0):
-        "What `wide` gave, stepped, into the model's weights"
+        "What `to_step` gave, stepped, into the model's weights"
     def written(self, b:Bucket, idx:list):
         "Parameters `idx` were written in place since the last step"
     def tick(self):

@@ -212,7 +212,7 @@ class BF16Store(DenseStore):
         scratch.copy_(b.part(b.state_bufs[k], i, j))
         return scratch
     def store_window(self, b, k, i, j, x): b.part(b.state_bufs[k], i, j).copy_(x)
-    # `kernel_store` is the dense one: `kept`'s conversion rounds as `store_window`'s copy
+    # `kernel_store` is the dense one: `where_skipped`'s conversion rounds as `store_window`'s copy
     def kernel_load(self, t, k): return t[k].float()
     # with bf16 state, a pure bf16 kernel's tensors are all bf16, and inductor's vectors then hold 32 lanes: its bit
     # casts there are twice as slow as conversions (pure kahan's kernel, 5.27M elements: 17.2 against 9.5 ms), so
