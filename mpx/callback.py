@@ -4,7 +4,7 @@
 
 # %% ../nbs/02_callback.ipynb #cb000004
 from __future__ import annotations
-import contextlib, itertools, warnings, weakref
+import contextlib, itertools, warnings
 from fastai.basics import *
 import fastai.callback.fp16 as fastai_fp16
 from torch.nn.modules.batchnorm import _NormBase
@@ -12,14 +12,15 @@ from .core import *
 from .scaler import *
 from .fused import FusedSteps, why_not_lowbit
 from .compiled import find_nonfinite
-from .lowbit import param_bytes, flat_part, make_store, store_name
-from .plumbing import Ledger, LazyTensor, Stored, opt_params, pieces, read_stored
+from .lowbit import param_bytes, make_store, store_name
+from .plumbing import Ledger, opt_params
+from .checkpoint import CheckpointState, LoadsInto
 from .flat import overlapping
 from .patches import *
 from .warn import warn_user
 
 # %% auto #0
-__all__ = ['ScaleTelemetry', 'check_single_autocast', 'NormStats', 'first_not_fp32', 'LoadsInto', 'PrecisionCallback']
+__all__ = ['ScaleTelemetry', 'check_single_autocast', 'NormStats', 'first_not_fp32', 'PrecisionCallback']
 
 # %% ../nbs/02_callback.ipynb #cb000007
 class ScaleTelemetry:
@@ -154,45 +155,8 @@ def _norm_not_fp32(model:nn.Module) -> Tensor|None:
     bufs = (b for m in norms for b in m.buffers(recurse=False))
     return first(b for b in bufs if b.is_floating_point() and b.dtype != torch.float32)
 
-def _refuse_mismatch(model:nn.Module, ts:dict, sd:dict, strict:bool=True):
-    "Raise torch's `load_state_dict` error where `sd`'s keys or shapes do not fit `ts`"
-    errs = [f"size mismatch for {k}: copying a param with shape {sd[k].shape} from checkpoint, "
-            f"the shape in current model is {t.shape}." for k,t in ts.items() if k in sd and sd[k].shape != t.shape]
-    names = lambda ks: ', '.join(f'"{k}"' for k in ks)
-    unexpected,missing = [k for k in sd if k not in ts],[k for k in ts if k not in sd]
-    if strict and unexpected: errs.insert(0, f"Unexpected key(s) in state_dict: {names(unexpected)}. ")
-    if strict and missing: errs.insert(0, f"Missing key(s) in state_dict: {names(missing)}. ")
-    if errs: raise RuntimeError(f"Error(s) in loading state_dict for {type(model).__name__}:\n\t" + "\n\t".join(errs))
-
-def _own_state(module:nn.Module) -> list:
-    "`(name, tensor)` of `module`'s own parameters and persistent buffers, as its state dict names them"
-    bufs = ((k, b) for k,b in module._buffers.items() if k not in module._non_persistent_buffers_set)
-    return [(k, t) for k,t in itertools.chain(module._parameters.items(), bufs) if t is not None]
-
-class LoadsInto:
-    "`load_state_dict` of the model or of any of its modules into a layout a fit holds"
-    def __init__(self, cb=None): self.cb,self.pending = (noop if cb is None else weakref.ref(cb)),[]  # no pointer back
-    def __reduce__(self): return LoadsInto,()  # a copy of the model (an export mid-fit) gets hooks doing nothing
-    def hook(self, model:nn.Module, ledger):
-        "Hook the `load_state_dict` of every module of `model`, until `ledger` closes"
-        for m in model.modules():  # torch runs a module's hooks whichever module's load began it
-            ledger.defer(m.register_load_state_dict_pre_hook(self.pre).remove)
-            ledger.defer(m.register_load_state_dict_post_hook(self.post).remove)
-    def pre(self, module, sd, prefix, *args):
-        "Note the values the load gives to `module`'s own tensors the fit holds otherwise"
-        cb = self.cb()
-        if cb is None: return
-        got = ((t, sd.get(prefix + k)) for k,t in _own_state(module))
-        self.pending += [(t, x) for t,x in got if isinstance(x, Tensor) and x.shape == t.shape
-                         and cb._fp32_of(t) is not None]
-    def post(self, module, incompatible):
-        "Hold each value noted as the fit holds it, where torch rounded it"
-        cb,pending,self.pending = self.cb(),self.pending,[]
-        with torch.no_grad():
-            for t,x in (pending if cb is not None else []): cb._assign(t, x)
-
 # %% ../nbs/02_callback.ipynb #e9ed62b0
-class PrecisionCallback(Callback, ScaleTelemetry):
+class PrecisionCallback(Callback, ScaleTelemetry, CheckpointState):
     "What every precision mode shares"
     order,input_dtype,scaler = 10,None,None  # `scaler`: the `LossScaler` of a mode that scales the loss
     _mpx_precision = True  # see `is_mpx_precision`
@@ -523,63 +487,10 @@ class PrecisionCallback(Callback, ScaleTelemetry):
         if self.fused_steps is not None: self.fused_steps.found = None
         if checked: self._update_scale(found)
 
-    # ---- checkpoints of a layout kept between fits, a tensor at a time (`Learner.save` and `load` in `mpx.patches`)
-    def fp32_model_state(self) -> dict:
-        "The model's state dict as fastai saves it, lazily"
-        res,made = {},{}  # a tensor under two keys (tied weights): one `LazyTensor`, one record
-        for k,t in get_model(self.model).state_dict(keep_vars=True).items():
-            f = self._fp32_of(t) if isinstance(t, Tensor) else None
-            if f is not None and id(t) not in made: made[id(t)] = LazyTensor(f, torch.float32, t.shape)
-            res[k] = t if f is None else made[id(t)]
-        return res
-    @property
-    def layout_kept(self) -> bool:
-        "Whether the learner is between fits, this mode's layout kept"
-        return self.fused_steps is not None and self._outer is None
-    def fp32_value(self, t:Tensor) -> Tensor:
-        "Tensor `t` of the model as a checkpoint holds it"
-        f = self._fp32_of(t)
-        return t.detach() if f is None else f()
-    def _fp32_of(self, t:Tensor) -> Callable|None:
-        f = self.fused_steps.fp32_of(t) if self.fused_steps is not None else None
-        return f if f is not None or self.fit_state is None else self.fit_state.fp32_of(t)
-    def _assign(self, t:Tensor, x:Tensor, at:int|None=None) -> bool:
-        "Model tensor `t`, held otherwise by the fit, takes fp32 value `x` (`at`: its flat elements from `at`)"
-        if self.fused_steps is not None and self.fused_steps.assign(t, x, at): return True
-        return self.fit_state is not None and self.fit_state.assign(t, x, at)
+    # ---- what `export` pickles
     def __getstate__(self):
         "What `export` pickles: the settings and telemetry"
         return {**self.__dict__, **{k: None for k in _not_pickled}}
-    def load_fp32_model_state(self, sd:dict, strict:bool=True) -> bool:
-        "A streamed checkpoint's model state into the layout kept, or False (a value is no tensor)"
-        model = get_model(self.model)
-        ts = model.state_dict(keep_vars=True)
-        if not all(isinstance(v, (Stored, Tensor)) for v in sd.values()): return False
-        _refuse_mismatch(model, ts, sd, strict)  # torch's errors, before anything is loaded
-        seen = set()  # a tensor under two keys (tied weights) loaded once
-        with torch.no_grad():
-            for k,v in sd.items():
-                if k not in ts or id(ts[k]) in seen: continue
-                t = ts[k]
-                seen.add(id(t))
-                for at,x in pieces(v) if t.is_contiguous() else [(None, read_stored(v))]:  # a piece at a time
-                    if not self._assign(t, x, at): flat_part(t.data, at, x.numel()).copy_(x)
-        return True
-
-    # ---- state
-    def state_dict(self) -> dict:
-        "The scaler's state and the step log, as plain Python values"
-        last = self._newest_overflow()
-        return dict(scaler=self._scaler_state(), log=self.step_log.state_dict(), sched_skipped=self._sched_skipped,
-                    last_overflow=None if last is None else last._asdict())
-    def load_state_dict(self, sd:dict):
-        "Restore what `state_dict` returned"
-        self.step_log.load_state_dict(sd['log'])
-        last = sd.get('last_overflow')  # the log's own: `lr_find` loads the log of before its trial steps
-        self.last_overflow,self._lazy_from = (None if last is None else Overflow(**last)),None
-        self._sched_skipped = sd.get('sched_skipped', 0)
-        if sd['scaler']: self._load_scaler_state(sd['scaler'])
-        else: self.reset_scaler()
     def _explain(self, e:BaseException):
         "Say in `e` which mode has no kernel for an op, and what to use"
         msg = e.args[0] if e.args and isinstance(e.args[0], str) else None

@@ -32,20 +32,27 @@ def _compiled_as(f):
 @_compiled_as(weight_decay)
 class _WeightDecay:
     @staticmethod
-    def scalars(run, hyper, kw): run['decay_factor'] = 1 - hyper['lr'] * hyper['wd']  # `wd` is 0 where `do_wd` is off: `x * 1`
+    def scalars(run, hyper, kw):
+        run['decay_factor'] = 1 - hyper['lr'] * hyper['wd']  # `wd` is 0 where `do_wd` is off: `x * 1`
     @staticmethod
-    def update(vals, run, kw): vals['x'] = vals['x'] * run['decay_factor']
+    def update(vals, run, kw):
+        vals['x'] = vals['x'] * run['decay_factor']
 
 @_compiled_as(l2_reg)
 class _L2Reg:
     @staticmethod
     def scalars(run, hyper, kw): run['wd'] = hyper['wd']
     @staticmethod
-    def update(vals, run, kw): vals['g'] = vals['g'] + run['wd'] * vals['x']
+    def update(vals, run, kw):
+        vals['g'] = vals['g'] + run['wd'] * vals['x']
 
 def _damped(mom:Tensor, dampening:bool) -> Tensor:
     "The gradient's weight in a moving average"
     return 1 - mom if dampening else torch.ones_like(mom)
+
+def _debias(hyper:dict, k:str, step:Tensor) -> Tensor:
+    "fastai's `debias` of a dampened moving average, its momentum `hyper[k]`"
+    return debias(hyper[k], 1-hyper[k], step)
 
 @_compiled_as(average_grad)
 class _AverageGrad:
@@ -54,7 +61,8 @@ class _AverageGrad:
         run['mom'] = hyper['mom']
         run['grad_weight'] = _damped(hyper['mom'], kw.get('dampening', False))
     @staticmethod
-    def update(vals, run, kw): vals['grad_avg'] = vals['grad_avg'] * run['mom'] + run['grad_weight'] * vals['g']
+    def update(vals, run, kw):
+        vals['grad_avg'] = vals['grad_avg'] * run['mom'] + run['grad_weight'] * vals['g']
 
 @_compiled_as(average_sqr_grad)
 class _AverageSqrGrad:
@@ -63,7 +71,8 @@ class _AverageSqrGrad:
         run['sqr_mom'] = hyper['sqr_mom']
         run['damp2'] = _damped(hyper['sqr_mom'], kw.get('dampening', True))
     @staticmethod
-    def update(vals, run, kw): vals['sqr_avg'] = vals['sqr_avg'] * run['sqr_mom'] + run['damp2'] * vals['g'] * vals['g']
+    def update(vals, run, kw):
+        vals['sqr_avg'] = vals['sqr_avg'] * run['sqr_mom'] + run['damp2'] * vals['g'] * vals['g']
 
 @_compiled_as(step_stat)
 class _StepStat:
@@ -77,30 +86,35 @@ class _SGDStep:
     @staticmethod
     def scalars(run, hyper, kw): run['lr'] = hyper['lr']
     @staticmethod
-    def update(vals, run, kw): vals['x'] = vals['x'] - run['lr'] * vals['g']
+    def update(vals, run, kw):
+        vals['x'] = vals['x'] - run['lr'] * vals['g']
 
 @_compiled_as(momentum_step)
 class _MomentumStep:
     @staticmethod
     def scalars(run, hyper, kw): run['lr'] = hyper['lr']
     @staticmethod
-    def update(vals, run, kw): vals['x'] = vals['x'] - run['lr'] * vals['grad_avg']
+    def update(vals, run, kw):
+        vals['x'] = vals['x'] - run['lr'] * vals['grad_avg']
 
 @_compiled_as(rms_prop_step)
 class _RMSPropStep:
     @staticmethod
-    def scalars(run, hyper, kw): run['lr'],run['eps'] = hyper['lr'],hyper['eps']
+    def scalars(run, hyper, kw):
+        for k in ('lr', 'eps'): run[k] = hyper[k]
     @staticmethod
     def update(vals, run, kw):
-        vals['x'] = vals['x'] - run['lr'] * vals.get('grad_avg', vals['g']) / (vals['sqr_avg'].sqrt() + run['eps'])
+        m = vals.get('grad_avg', vals['g'])
+        den = vals['sqr_avg'].sqrt() + run['eps']
+        vals['x'] = vals['x'] - run['lr'] * m / den
 
 @_compiled_as(adam_step)
 class _AdamStep:
     @staticmethod
     def scalars(run, hyper, kw):
         step = run['step']
-        run['a'] = hyper['lr'] / debias(hyper['mom'], 1-hyper['mom'], step)
-        run['db2'] = debias(hyper['sqr_mom'], 1-hyper['sqr_mom'], step)
+        run['a'] = hyper['lr'] / _debias(hyper, 'mom', step)
+        run['db2'] = _debias(hyper, 'sqr_mom', step)
         run['eps'] = hyper['eps']
     @staticmethod
     def update(vals, run, kw):
@@ -112,33 +126,41 @@ class _RAdamStep:
     @staticmethod
     def scalars(run, hyper, kw):
         "RAdam's rectification `v`, and the two branches' rates"
-        step,sq = run['step'],hyper['sqr_mom']
-        db1 = debias(hyper['mom'], 1-hyper['mom'], step)
+        step = run['step']
+        sq = hyper['sqr_mom']
+        db1 = _debias(hyper, 'mom', step)
         r_inf = 2/(1-sq) - 1
         r = r_inf - 2*step*sq**step/(1-sq**step)  # the SMA's length: `v` applies where it is long enough (`r > 5`)
-        v = (((r-4) * (r-2) * r_inf)/((r_inf-4)*(r_inf-2)*r)).clamp_min(0).sqrt()
+        num = (r-4) * (r-2) * r_inf
+        den = (r_inf-4)*(r_inf-2)*r
+        v = (num/den).clamp_min(0).sqrt()
         run['on'] = (r > 5).float()
-        run['a_on'],run['a_off'] = hyper['lr']*v/db1,hyper['lr']/db1
-        run['db2'],run['eps'] = debias(sq, 1-sq, step),hyper['eps']
+        run['a_on'] = hyper['lr']*v/db1
+        run['a_off'] = hyper['lr']/db1
+        run['db2'] = _debias(hyper, 'sqr_mom', step)
+        run['eps'] = hyper['eps']
     @staticmethod
     def update(vals, run, kw):
         denom = (vals['sqr_avg'] / run['db2']).sqrt() + run['eps']
         if kw.get('beta'): denom = F.softplus(denom, kw['beta'])  # SAdam: `beta` is a number in the kernel
         x,m = vals['x'],vals['grad_avg']
-        vals['x'] = torch.where(run['on'] != 0, x - run['a_on'] * m / denom, x - run['a_off'] * m)
+        rectified = x - run['a_on'] * m / denom
+        plain = x - run['a_off'] * m
+        vals['x'] = torch.where(run['on'] != 0, rectified, plain)
 
 @_compiled_as(qhadam_step)
 class _QHAdamStep:
     @staticmethod
     def scalars(run, hyper, kw):
-        run['db1'] = debias(hyper['mom'], 1-hyper['mom'], run['step'])
-        run['db2'] = debias(hyper['sqr_mom'], 1-hyper['sqr_mom'], run['step'])
+        run['db1'] = _debias(hyper, 'mom', run['step'])
+        run['db2'] = _debias(hyper, 'sqr_mom', run['step'])
         for k in ('lr', 'nu_1', 'nu_2', 'eps'): run[k] = hyper[k]
     @staticmethod
     def update(vals, run, kw):
         g = vals['g']
         num = (1 - run['nu_1']) * g + run['nu_1'] * (vals['grad_avg'] / run['db1'])
-        den = ((1 - run['nu_2']) * g**2 + run['nu_2'] * (vals['sqr_avg'] / run['db2'])).sqrt() + run['eps']
+        sqr = (1 - run['nu_2']) * g**2 + run['nu_2'] * (vals['sqr_avg'] / run['db2'])
+        den = sqr.sqrt() + run['eps']
         vals['x'] = vals['x'] - run['lr'] * num / den
 
 _STATE = {'grad_avg': average_grad, 'sqr_avg': average_sqr_grad}  # the state the compiled functions keep, by its maker
@@ -150,22 +172,27 @@ def _state_keys(chain:tuple) -> list:
 # %% ../nbs/01g_compiled.ipynb #cx0008
 def _scalar_body(chain:tuple, hyper:dict, steps:Tensor|None) -> dict:
     "The run's scalars of `chain`, from the hyper-parameters and its step count"
-    run = dict(step=steps[0] if steps is not None else None)
+    run = dict(step=None)
+    if steps is not None: run['step'] = steps[0]
     for f,kw in chain: _COMPILED[f].scalars(run, hyper, dict(kw))
     return {k: v for k,v in run.items() if v is not None}
 
 def _kernel_body(kind, store, chain:tuple, keys:list, t:dict, hyper:dict, run:dict):
     "One step of `chain` (keeping state `keys`) on a run: widen, step, fold"
     x,g = kind.kernel_widen(t, hyper)
-    vals = dict(x=x, g=g, **{k: store.kernel_load(t, k) for k in keys})  # the state, dequantised where it is low-bit
+    vals = dict(x=x, g=g)
+    for k in keys: vals[k] = store.kernel_load(t, k)  # the state, dequantised where it is low-bit
     for f,kw in chain: _COMPILED[f].update(vals, run, dict(kw))
     keep = hyper['found'] != 0  # nothing changes where the finite check found an inf or nan
-    out = {k: where_skipped(keep, t[k], v) for k,v in kind.kernel_fold(t, hyper, vals['x'], store.kernel_nearest).items()}
+    folded = kind.kernel_fold(t, hyper, vals['x'], store.kernel_nearest)
+    out = {k: where_skipped(keep, t[k], v) for k,v in folded.items()}
     for k in keys: out.update(store.kernel_store(t, k, vals[k], keep))
     for k,v in out.items(): t[k].copy_(v)
     if 'steps' in t: t['steps'].copy_(torch.where(keep, t['steps'], t['steps'] + 1))
 
-_kernels,_failed,_warned = {},{},set()
+_kernels = {}
+_failed = {}
+_warned = set()
 
 def _chain_key(chain:tuple) -> tuple:
     "A step chain as a kernel is keyed: each function with its keywords"
@@ -193,7 +220,8 @@ _WITHOUT = dict(realize_reads_threshold="a compiled low-bit step keeps its new v
 
 def _own(f, name:str) -> Callable:
     "`f` with a code object of its own, named `name`"
-    return types.FunctionType(f.__code__.replace(co_name=name), f.__globals__, name, None, f.__closure__)
+    code = f.__code__.replace(co_name=name)
+    return types.FunctionType(code, f.__globals__, name, None, f.__closure__)
 
 def _signature(t:dict, hyper:dict) -> tuple:
     "What a kernel specialises on"
@@ -208,9 +236,12 @@ def _kernel(kind, store, chain:tuple, sig:tuple=()) -> tuple:
         def scalars(hyper, steps): return _scalar_body(chain, hyper, steps)
         keys = _state_keys(chain)
         def step(t, hyper, run): return _kernel_body(kind, store, chain, keys, t, hyper, run)
-        opts,known = dict(dynamic=True, fullgraph=True),_known_options(store.kernel_options)
-        step = torch.compile(_own(step, name), **opts, **({'options': known} if known else {}))
-        _kernels[key] = (torch.compile(_own(scalars, name + '_scalars'), **opts),step)
+        opts = dict(dynamic=True, fullgraph=True)
+        known = _known_options(store.kernel_options)
+        options = {'options': known} if known else {}
+        step = torch.compile(_own(step, name), **opts, **options)
+        scalars = torch.compile(_own(scalars, name + '_scalars'), **opts)
+        _kernels[key] = (scalars,step)
     return _kernels[key]
 
 # %% ../nbs/01g_compiled.ipynb #cx0010
@@ -231,7 +262,8 @@ class DeviceSteps:
     "A bucket's step counts on its device, derived from the dicts"
     # each count read is marked (`StepCount`), so that any write is seen (a dict replaced by a copy keeps its mark)
     def __init__(self, b:Bucket):
-        self.host,self.marks = [_step_of(d) for d in b.dicts],[_marked(d) for d in b.dicts]
+        self.host = [_step_of(d) for d in b.dicts]
+        self.marks = [_marked(d) for d in b.dicts]
         self.t = torch.tensor([float(v) for v in self.host], device=b.device)
         self.hist = [hash(('at', v)) for v in self.host]
 
@@ -240,10 +272,12 @@ class DeviceSteps:
         moved = [i for i,(d,m) in enumerate(zip(b.dicts, self.marks)) if (d or {}).get('step') is not m]
         if not moved: return
         for i in moved:
-            self.host[i],self.marks[i] = _step_of(b.dicts[i]),_marked(b.dicts[i])
+            self.host[i] = _step_of(b.dicts[i])
+            self.marks[i] = _marked(b.dicts[i])
             self.hist[i] = hash(('at', self.host[i]))
         idx = torch.tensor(moved, device=b.device)
-        self.t.index_put_((idx,), torch.tensor([float(self.host[i]) for i in moved], device=b.device))
+        counts = torch.tensor([float(self.host[i]) for i in moved], device=b.device)
+        self.t.index_put_((idx,), counts)
 
     def keys(self, b:Bucket) -> list:
         "Each parameter's run key: `do_wd`, its state keys, its history"
@@ -256,11 +290,13 @@ class DeviceSteps:
         if not counts or None not in self.marks: return
         # as fastai's `step_stat` adds `step` at a parameter's first step
         for i,(d,l) in enumerate(zip(b.dicts, b.has_grad)):
-            if l and d is not None and self.marks[i] is None: self.marks[i] = d['step'] = StepCount(self.host[i])
+            if l and d is not None and self.marks[i] is None:
+                self.marks[i] = d['step'] = StepCount(self.host[i])
 
     def to_host(self, b:Bucket, dicts:list|None=None):
         "The device's counts into the dicts where none was written since (one sync)"
-        for i,(d,v,m) in enumerate(zip(dicts or b.dicts, self.t.tolist(), self.marks)):
+        counts = self.t.tolist()
+        for i,(d,v,m) in enumerate(zip(dicts or b.dicts, counts, self.marks)):
             if d is None: continue
             s = d.get('step')
             if s is None or s is m:  # else a callback wrote it since the last step: that count is the truth
@@ -275,7 +311,8 @@ _NOT_HYPER = ('p', 'step', 'do_wd', 'dampening', *_STATE)
 def _hyper_names(f) -> tuple:
     "The hyper-parameters step function `f` takes, with defaults"
     ps = inspect.signature(f).parameters.values()
-    return tuple((p.name, p.default) for p in ps if p.kind is p.POSITIONAL_OR_KEYWORD and p.name not in _NOT_HYPER)
+    named = [p for p in ps if p.kind is p.POSITIONAL_OR_KEYWORD and p.name not in _NOT_HYPER]
+    return tuple((p.name, p.default) for p in named)
 
 def _hypers(chain:tuple, hyper:dict) -> dict:
     "The scalars the chain reads, as fastai's loop passes them"
@@ -292,9 +329,11 @@ def _static_chain(cbs, hyper:dict) -> tuple:
     "`cbs` as `(fastai function, keywords)` pairs"
     res = []
     for cb in cbs:
-        f,kw = (cb.func,dict(cb.keywords)) if isinstance(cb, partial) and not cb.args else (cb,{})
+        f,kw = cb,{}
+        if isinstance(cb, partial) and not cb.args: f,kw = cb.func,dict(cb.keywords)
         # what must be a number in the kernel (SAdam's `beta`) goes among the keywords
-        if f is radam_step and hyper.get('beta', kw.get('beta')): kw['beta'] = float(hyper.get('beta', kw.get('beta')))
+        beta = hyper.get('beta', kw.get('beta'))
+        if f is radam_step and beta: kw['beta'] = float(beta)
         res.append((f, kw))
     return tuple(res)
 
@@ -316,7 +355,10 @@ def _static_why(eng, p:list|None) -> str|None:
 # %% ../nbs/01g_compiled.ipynb #cx0014
 class CompiledSteps:
     "One compiled kernel a run of a flat bucket, else eager (said once)"
-    def __init__(self, eager): self.eager,self.dev,self.scal = eager,{},{}
+    def __init__(self, eager):
+        self.eager = eager
+        self.dev = {}
+        self.scal = {}
 
     def why_not(self, eng, b:Bucket, chain:tuple|None=None) -> str|None:
         "Why bucket `b` cannot step `chain` compiled now (None where it can; no `chain`: a failed kernel of its kind and store)"
@@ -325,12 +367,17 @@ class CompiledSteps:
         if not b.flat: return "a parameter cannot take a slot in a flat buffer (a DTensor, a non-dense tensor)"
         if b.apart: return "a gradient is sparse: its parameter is stepped by fastai's loop"
         if chain is not None: return _failed.get(_failure_key(b, chain))
-        return next((why for k,why in _failed.items() if k[:2] == (type(b.kind), type(b.store))), None)
+        ours = (type(b.kind), type(b.store))
+        return next((why for k,why in _failed.items() if k[:2] == ours), None)
 
     def bucket(self, eng, b:Bucket, hyper:dict, part:tuple|None=None):
         "`b` compiled, a kernel a run, or eagerly where it cannot be (`part`: `(i, n)`, parameter `i`'s extra turn `n`)"
-        ds = self._steps(b) if part is None else None
-        runs,turn = (b.runs(0, len(b.params), ds.keys(b)),0) if part is None else ([(part[0], part[0]+1)],part[1])
+        if part is None:
+            ds = self._steps(b)
+            runs,turn = b.runs(0, len(b.params), ds.keys(b)),0
+        else:
+            i,turn = part
+            ds,runs = None,[(i, i+1)]
         chain = _static_chain(eng.inner.cbs, hyper)
         why = self.why_not(eng, b, chain)
         if why is None:
@@ -341,7 +388,8 @@ class CompiledSteps:
                 if k: raise RuntimeError(f"mpx: a compiled kernel failed after another of the same bucket ran: {why}")
                 break
             else:
-                if ds is not None: ds.advance(b, any(base_fn(cb) is step_stat for cb in eng.inner.cbs))
+                if ds is not None:
+                    ds.advance(b, any(base_fn(cb) is step_stat for cb in eng.inner.cbs))
                 return
         self.to_host(eng, b)
         # a step skipped on the device: the eager one must not run
@@ -349,7 +397,8 @@ class CompiledSteps:
         eng.warn_eager(why)
         if turn: self.eager.extra(eng, b, runs[0][0], turn, hyper)
         else: self.eager.bucket(eng, b, hyper)
-    def extra(self, eng, b:Bucket, i:int, n:int, hyper:dict): self.bucket(eng, b, hyper, (i, n))
+    def extra(self, eng, b:Bucket, i:int, n:int, hyper:dict):
+        self.bucket(eng, b, hyper, (i, n))
 
     def _steps(self, b:Bucket) -> DeviceSteps:
         ds = self.dev.get(id(b))
@@ -359,9 +408,12 @@ class CompiledSteps:
 
     def to_host(self, eng, b:Bucket|None=None):
         "Each bucket's (or `b`'s) device counts into fastai's dicts"
-        for bb in ([b] if b is not None else eng.buckets):
+        buckets = [b] if b is not None else eng.buckets
+        for bb in buckets:
             ds = self.dev.pop(id(bb), None)  # dropped: the counts are read from the dicts again after
-            if ds is not None: ds.to_host(bb, [eng.inner.state.get(p) for p in bb.params] if eng.own_step else None)
+            if ds is None: continue
+            dicts = [eng.inner.state.get(p) for p in bb.params] if eng.own_step else None
+            ds.to_host(bb, dicts)
 
     def _scalars(self, device, vals:dict) -> dict:
         "Reused 0-dim tensors on `device` holding `vals`"
@@ -372,7 +424,9 @@ class CompiledSteps:
                 continue
             key = (device, k)
             t,old = self.scal.get(key, (None, None))
-            if t is None: t = torch.zeros((), device=device, dtype=torch.int32 if type(v) is int else torch.float32)
+            if t is None:
+                dtype = torch.int32 if type(v) is int else torch.float32
+                t = torch.zeros((), device=device, dtype=dtype)
             if v != old: t.fill_(v)  # filled only where a value changed
             self.scal[key] = (t, v)
             res[k] = t
@@ -384,15 +438,19 @@ class CompiledSteps:
         t = b.store.kernel_shape(t)
         dtype = b.kind.state_dtype(b)
         for k in _state_keys(chain): t.update(_zeros_state(b, k, a, c, dtype))
-        if any(g is step_stat for g,_ in chain): t['steps'] = self.dev[id(b)].t[a:c]
-        wd = scal.get('wd', 0.) if b.dicts[a].get('do_wd', True) else 0.
+        if any(g is step_stat for g,_ in chain):
+            t['steps'] = self.dev[id(b)].t[a:c]
+        do_wd = b.dicts[a].get('do_wd', True)
+        wd = scal.get('wd', 0.) if do_wd else 0.
         hyper = self._scalars(b.device, {**scal, 'wd': wd, **extra})
-        found = eng.found if eng.found is not None else self._scalars(b.device, {'nothing_found': 0.})['nothing_found']
+        found = eng.found
+        if found is None: found = self._scalars(b.device, {'nothing_found': 0.})['nothing_found']
         hyper['found'] = found.reshape(())  # a view: the finite check's flag may come as one element of rank 1
         try:
             if b.store.kernel_options.get('emulate_precision_casts'): probe_casts(b.device)  # before the kernel's trace reads it
             scalars,step = _kernel(b.kind, b.store, chain, _signature(t, hyper))
-            step(t, hyper, scalars(hyper, t.get('steps')))
+            run = scalars(hyper, t.get('steps'))
+            step(t, hyper, run)
         except Exception as e:
             if torch._C._len_torch_dispatch_stack(): raise
             first_line = str(e).strip().splitlines()[0][:200]
@@ -414,7 +472,8 @@ def _zeros_state(b:Bucket, k:str, a:int, c:int, dtype) -> dict:
 def _nonfinite_body(rows:list, tails:list, zero:Tensor) -> Tensor:
     "1. where a gradient in `rows` or `tails` holds an inf or a nan, else 0. (shape `[1]`, as `unscale_and_find_inf_`'s)"
     # `g * zero`: a zero, or a nan where `g` is not finite (a zero tensor: inductor folds `g * 0` to 0)
-    total = sum((r.float() * zero).sum(1).sum() for r in rows) + sum((t.float() * zero).sum() for t in tails)
+    in_rows = sum((r.float() * zero).sum(1).sum() for r in rows)
+    total = in_rows + sum((t.float() * zero).sum() for t in tails)
     return (total != 0).float().reshape(1)
 
 CHECK_RANGE = 'mpx finite check'  # the check's range in a profile: its compiled region is no step's
@@ -430,11 +489,14 @@ def find_nonfinite(gs:list) -> Tensor|None:
     "The finite check of gradients `gs` no loss scale divides: read-only, compiled, no host sync (None: check eagerly)"
     if not gs or 'finite check' in _failed: return None
     f = _kernels.get('finite check')
-    if f is None: f = _kernels['finite check'] = torch.compile(_own(_nonfinite_body, 'mpx_nonfinite'), dynamic=True)
+    if f is None:
+        f = _kernels['finite check'] = torch.compile(_own(_nonfinite_body, 'mpx_nonfinite'), dynamic=True)
     try:
-        with torch.profiler.record_function(CHECK_RANGE): return f(*_rows(gs), torch.zeros((), device=gs[0].device))
+        with torch.profiler.record_function(CHECK_RANGE):
+            return f(*_rows(gs), torch.zeros((), device=gs[0].device))
     except Exception as e:
         if torch._C._len_torch_dispatch_stack(): raise
-        first_line = str(e).strip().splitlines()[0][:200] if str(e).strip() else ''
+        msg = str(e).strip()
+        first_line = msg.splitlines()[0][:200] if msg else ''
         _failed['finite check'] = f"torch.compile failed on this machine ({type(e).__name__}: {first_line})"
         return None

@@ -20,7 +20,12 @@ def base_fn(cb) -> Callable:
     "Step function `cb`'s function: a `partial`'s, or `cb` itself"
     return cb.func if isinstance(cb, partial) and not cb.args else cb
 
-def fn_name(cb) -> str: return getattr(base_fn(cb), '__name__', repr(cb))
+def fn_name(cb) -> str:
+    return getattr(base_fn(cb), '__name__', repr(cb))
+
+def _keywords(cb) -> dict:
+    "A `partial`'s keywords, or none"
+    return cb.keywords if isinstance(cb, partial) else {}
 
 ELEMENTWISE = {weight_decay, l2_reg, average_grad, average_sqr_grad, step_stat, sgd_step, momentum_step, rms_prop_step,
                adam_step, radam_step, qhadam_step}  # each element of their results depends on that element alone
@@ -35,7 +40,7 @@ def plan(cbs) -> list|None:
     for cb in cbs:
         f = base_fn(cb)
         if _is(f, ELEMENTWISE): res.append(('run', cb))
-        elif _is(f, _MULTI): res.append(('param', cb, _MULTI[f], dict(cb.keywords) if isinstance(cb, partial) else {}))
+        elif _is(f, _MULTI): res.append(('param', cb, _MULTI[f], dict(_keywords(cb))))
         else: return None
     return res
 
@@ -43,19 +48,25 @@ def plan(cbs) -> list|None:
 class _Item:
     "A run as fastai's step functions see a parameter"
     __slots__ = ('data', 'grad')
-    def __init__(self, data:Tensor, grad:Tensor): self.data,self.grad = data,grad
+    def __init__(self, data:Tensor, grad:Tensor):
+        self.data,self.grad = data,grad
 
 class StateWindow:
     "The fp32 state of flat bucket `b`'s parameters `i` to `j`"
     def __init__(self, b:Bucket, i:int, j:int):
-        self.b,self.i,self.j,self.lo,self.x = b,i,j,b.lo(i),{}
+        self.b,self.i,self.j = b,i,j
+        self.lo = b.lo(i)
+        self.x = {}
         for k in b.state_bufs: self._open(k)
     def _open(self, k:str):
         b = self.b
-        scratch = None if b.store.views else b.workspace(b.device, b.end(self.j) - self.lo, ('state', k))
+        scratch = None  # a store of views loads without one
+        if not b.store.views: scratch = b.workspace(b.device, b.end(self.j) - self.lo, ('state', k))
         self.x[k] = b.store.load_window(b, k, self.i, self.j, scratch)
-    def part(self, k:str, a:int, c:int) -> Tensor: return self.b.part(self.x[k], a, c, self.lo)
-    def slot(self, k:str, i:int) -> Tensor: return self.b.slot(self.x[k], i, self.lo)
+    def part(self, k:str, a:int, c:int) -> Tensor:
+        return self.b.part(self.x[k], a, c, self.lo)
+    def slot(self, k:str, i:int) -> Tensor:
+        return self.b.slot(self.x[k], i, self.lo)
     def make(self, k:str, dtype):
         "State `k`, new to the bucket: its store made, zero, and opened"
         if k not in self.b.state_bufs:
@@ -63,25 +74,36 @@ class StateWindow:
             self._open(k)
     def close(self):
         "The window's state back into its store"
-        for k,x in self.x.items(): self.b.store.store_window(self.b, k, self.i, self.j, x)
+        for k,x in self.x.items():
+            self.b.store.store_window(self.b, k, self.i, self.j, x)
+
+def _cut(sw:StateWindow, k:str, a:int, c:int, shaped:bool) -> Tensor:
+    "State `k` of run `a` to `c` in `sw`; `shaped`: one parameter's slot"
+    return sw.slot(k, a) if shaped else sw.part(k, a, c)
+
+def _is_state(v, n:int, shaped:bool) -> bool:
+    "Whether `v` belongs in a state buffer: floating, of the run's `n` elements, flat unless `shaped`"
+    if not isinstance(v, Tensor) or v.numel() != n: return False
+    return (shaped or v.dim() == 1) and v.is_floating_point()
 
 def run_state(b:Bucket, a:int, c:int, sw:StateWindow, shaped:bool=False) -> dict:
     "The state dict of run `a` to `c` of `b`"
-    cut = (lambda k: sw.slot(k, a)) if shaped else (lambda k: sw.part(k, a, c))  # `shaped`: one parameter's slot
-    return {**b.dicts[a], **{k: cut(k) for k in sw.x if k in b.dicts[a]}}
+    own = {k: _cut(sw, k, a, c, shaped) for k in sw.x if k in b.dicts[a]}
+    return {**b.dicts[a], **own}
 
 def put_state(b:Bucket, a:int, c:int, new:dict|None, sw:StateWindow, shaped:bool=False):
     "Run `a` to `c`'s new state into the window and the dicts"
     if not isinstance(new, dict): return
     n = b.sizes[a] if shaped else b.end(c) - b.lo(a)
     for k,v in new.items():
-        if isinstance(v, Tensor) and v.numel() == n and (shaped or v.dim() == 1) and v.is_floating_point():
+        if _is_state(v, n, shaped):
             sw.make(k, v.dtype)
-            s = sw.slot(k, a) if shaped else sw.part(k, a, c)
+            s = _cut(sw, k, a, c, shaped)
             # stepped in place: the dicts hold it
             if v is s or (v.data_ptr() == s.data_ptr() and v.shape == s.shape): continue
             s.copy_(v)
-            for d,t in zip(b.dicts[a:c], b.state_held[k][a:c]): d[k] = t
+            held = b.state_held[k][a:c]  # each parameter's view of its slot
+            for d,t in zip(b.dicts[a:c], held): d[k] = t
         else:
             for d in b.dicts[a:c]: d[k] = v
 
@@ -89,12 +111,17 @@ def put_state(b:Bucket, a:int, c:int, new:dict|None, sw:StateWindow, shaped:bool
 class ParamItems:
     "A window's live parameters as lists, with the group's `hyper`"
     def __init__(self, data:list, grads:list, states:list, hyper:dict, tensors:Callable|None=None):
-        self.data,self.grads,self.states,self.hyper,self.n,self.memo = data,grads,states,hyper,len(data),{}
+        self.data,self.grads,self.states = data,grads,states
+        self.hyper = hyper
+        self.n = len(data)
+        self.memo = {}
         self._tensors = tensors
     def arg(self, k, kw:dict, default=None) -> list:
         "Argument `k` for each item, as fastai's loop passes it"
         if k in self.hyper: return [self.hyper[k]]*self.n
-        if self._tensors is not None and (ts := self._tensors(k)) is not None: return ts  # a state tensor, in fp32
+        if self._tensors is not None:
+            ts = self._tensors(k)
+            if ts is not None: return ts  # a state tensor, in fp32
         d = kw.get(k, default)
         return [s.get(k, d) for s in self.states]
     def hp(self, k, kw:dict, default=None):
@@ -113,14 +140,20 @@ def _add_scaled(xs:list, ys:list, alphas):
     a = _one_scalar(alphas) if isinstance(alphas, list) else alphas
     if not isinstance(a, list): return torch._foreach_add_(xs, ys, alpha=a)
     # a list of alphas: `addcmul_` by ones, rounded as `add_` rounds (one fused multiply-add)
-    torch._foreach_addcmul_(xs, [torch.ones((), dtype=ys[0].dtype, device=ys[0].device)]*len(ys), ys, a)
+    one = torch.ones((), dtype=ys[0].dtype, device=ys[0].device)
+    torch._foreach_addcmul_(xs, [one]*len(ys), ys, a)
 
 # %% ../nbs/01f_eager.ipynb #ea0013
+def _norms(ts:list) -> Tensor:
+    "Each tensor's norm, stacked"
+    return torch.stack(torch._foreach_norm(ts))
+
 def _larc_layer_lr(c:ParamItems, kw:dict):
     "`larc_layer_lr`: `local_lr` from weight and gradient norms"
     lr,tc,wd,eps = [c.hp(k, kw) for k in ('lr', 'trust_coeff', 'wd', 'eps')]
     clip = c.hp('clip', kw, True)
-    pn,gn = torch.stack(torch._foreach_norm(c.data)),torch.stack(torch._foreach_norm(c.grads))
+    pn = _norms(c.data)
+    gn = _norms(c.grads)
     local = lr*tc * (pn) / (gn + pn * wd + eps)
     lrs = local.unbind()
     if not clip:
@@ -128,13 +161,17 @@ def _larc_layer_lr(c:ParamItems, kw:dict):
         return c.put('local_lr', lrs)
     below = local < lr  # fastai's `min(lr, local_lr)`: the tensor where it is below `lr`, else `lr` itself
     c.memo['alpha'] = -torch.where(below, local, lr)
-    c.put('local_lr', [t if b else lr for t,b in zip(lrs, below.tolist())])
+    local_lrs = [t if b else lr for t,b in zip(lrs, below.tolist())]
+    c.put('local_lr', local_lrs)
 
 def _larc_step(c:ParamItems, kw:dict):
     "`larc_step`: `p -= local_lr * (grad_avg or grad)`"
-    xs = [g if a is None else a for a,g in zip(c.arg('grad_avg', kw), c.grads)]
+    avgs = c.arg('grad_avg', kw)
+    xs = [g if a is None else a for a,g in zip(avgs, c.grads)]
     a = c.memo.pop('alpha', None)
-    if a is None: return _add_scaled(c.data, xs, [float(-v) for v in c.arg('local_lr', kw)])  # `local_lr` from elsewhere
+    if a is None:  # `local_lr` from elsewhere
+        alphas = [float(-v) for v in c.arg('local_lr', kw)]
+        return _add_scaled(c.data, xs, alphas)
     torch._foreach_addcmul_(c.data, xs, list(a.unbind()), value=1.)  # as `add_(alpha=)` rounds (tested)
 
 # %% ../nbs/01f_eager.ipynb #ea0015
@@ -143,21 +180,28 @@ def _debiased(mom:float, steps:list) -> list:
     d = {s: debias(mom, 1-mom, s) for s in set(steps)}
     return [d[s] for s in steps]
 
+def _rms(ts:list) -> Tensor:
+    "Each tensor's RMS norm, `t.pow(2).mean().sqrt()`, stacked"
+    sqs = torch._foreach_pow(ts, 2)
+    return torch.stack([t.mean() for t in sqs]).sqrt()
+
 def _lamb_step(c:ParamItems, kw:dict):
     "`lamb_step`: Adam's step times a trust ratio of RMS norms"
     lr,mom,sqr_mom,eps = [c.hp(k, kw) for k in ('lr','mom','sqr_mom','eps')]
     steps = c.arg('step', kw)
-    db1,db2 = _debiased(mom, steps),_debiased(sqr_mom, steps)
-    r1 = torch.stack([t.mean() for t in torch._foreach_pow(c.data, 2)]).sqrt()
+    db1 = _debiased(mom, steps)
+    db2 = _debiased(sqr_mom, steps)
+    r1 = _rms(c.data)
     st = torch._foreach_div(c.arg('grad_avg', kw), _one_scalar(db1))
     den = torch._foreach_div(c.arg('sqr_avg', kw), _one_scalar(db2))
     torch._foreach_sqrt_(den)
     torch._foreach_add_(den, eps)
     torch._foreach_div_(st, den)
-    r2 = torch.stack([t.mean() for t in torch._foreach_pow(st, 2)]).sqrt()
+    r2 = _rms(st)
     q = r1/r2
     a = torch.where(q > 10, -lr*10, -lr * q)  # fastai's `min(r1/r2, 10)`
-    a = torch.where((r1 == 0) | (r2 == 0), -lr*1, a)
+    either_zero = (r1 == 0) | (r2 == 0)
+    a = torch.where(either_zero, -lr*1, a)
     torch._foreach_addcmul_(c.data, st, list(a.unbind()), value=1.)
 
 _MULTI = {larc_layer_lr: _larc_layer_lr, larc_step: _larc_step, lamb_step: _lamb_step}
@@ -167,7 +211,8 @@ class LoopSteps:
     "fastai's loop, on each live parameter's stepped tensor"
     def bucket(self, eng, b:Bucket, hyper:dict):
         for i,j,_,_ in b.windows(eng.chunk): self.window(eng, b, i, j, hyper)
-    def extra(self, eng, b:Bucket, i:int, n:int, hyper:dict): self.window(eng, b, i, i+1, hyper, n)
+    def extra(self, eng, b:Bucket, i:int, n:int, hyper:dict):
+        self.window(eng, b, i, i+1, hyper, n)
     def window(self, eng, b:Bucket, i:int, j:int, hyper:dict, turn:int=0):
         if not any(b.has_grad[i:j]): return
         x,g = b.kind.to_step(b, i, j)
@@ -183,9 +228,14 @@ def loop_one(o, b:Bucket, k:int, x, g, i:int, hyper:dict):
     for cb in o.cbs: state = _update(state, cb(t, **{**state, **hyper}))
     o.state[p] = state
 
+def _part(x, b:Bucket, k:int, i:int) -> Tensor:
+    "Parameter `k`'s part of `x`, what `to_step` gave from parameter `i`"
+    return x[k-i] if isinstance(x, list) else b.slot(x, k, b.lo(i))
+
 def _stepped_param(b:Bucket, k:int, x, g, i:int) -> Tensor:
     "A `Parameter` over parameter `k`'s part of `x`, `.grad` of `g`"
-    d,gr = (x[k-i],g[k-i]) if isinstance(x, list) else (b.slot(x, k, b.lo(i)),b.slot(g, k, b.lo(i)))
+    d = _part(x, b, k, i)
+    gr = _part(g, b, k, i)
     if isinstance(d, nn.Parameter) and d.grad is gr: return d
     t = nn.Parameter(d.detach(), requires_grad=False)
     t.grad = gr
@@ -204,7 +254,12 @@ def _as_before(b:Bucket, i:int, d:dict):
 def _transcendental(cb, hyper:dict) -> bool:
     "Whether `cb` must step a parameter a run (SAdam's softplus)"
     if base_fn(cb) is not radam_step: return False
-    return bool(hyper.get('beta', cb.keywords.get('beta') if isinstance(cb, partial) else None))
+    return bool(hyper.get('beta', _keywords(cb).get('beta')))
+
+def _step_run(cb, it:_Item, b:Bucket, a:int, c:int, sw:StateWindow, hyper:dict, shaped:bool=False):
+    "fastai's `cb` on run `a` to `c` as `it`, called as fastai's loop calls it, its new state put back"
+    state = run_state(b, a, c, sw, shaped)
+    put_state(b, a, c, cb(it, **{**state, **hyper}), sw, shaped)
 
 class RunSteps(LoopSteps):
     "A `plan` of fastai's functions, elementwise ones once a run"
@@ -227,17 +282,21 @@ class RunSteps(LoopSteps):
         x,g = b.kind.to_step(b, i, j)
         ks = scalar_keys(b, i, j)  # the window's own: a bucket's would be read again in each window
         rs = b.runs(i, j, ks)
-        lo,sw = b.lo(i),StateWindow(b, i, j)
+        lo = b.lo(i)
+        sw = StateWindow(b, i, j)
         for what in self.plan:
-            if what[0] == 'run' and _transcendental(what[1], hyper):
+            cb = what[1]
+            if what[0] == 'run' and _transcendental(cb, hyper):
                 for a,c in b.runs(i, j, ks, single=True):
                     it = _Item(b.slot(x, a, lo), b.slot(g, a, lo))
-                    put_state(b, a, c, what[1](it, **{**run_state(b, a, c, sw, True), **hyper}), sw, True)
+                    _step_run(cb, it, b, a, c, sw, hyper, shaped=True)
             elif what[0] == 'run':
                 for a,c in rs:
                     it = _Item(b.part(x, a, c, lo), b.part(g, a, c, lo))
-                    put_state(b, a, c, what[1](it, **{**run_state(b, a, c, sw), **hyper}), sw)
-            else: what[2](self._params(b, x, g, rs, lo, hyper, sw), what[3])
+                    _step_run(cb, it, b, a, c, sw, hyper)
+            else:
+                items = self._params(b, x, g, rs, lo, hyper, sw)
+                what[2](items, what[3])
         sw.close()
         if b.kind.in_place:
             for k in sorted(b.apart):
@@ -246,6 +305,10 @@ class RunSteps(LoopSteps):
 
     def _params(self, b:Bucket, x, g, rs:list, lo:int, hyper:dict, sw:StateWindow) -> ParamItems:
         ks = [k for a,c in rs for k in range(a, c)]
-        def tensors(key): return [sw.slot(key, k) if key in b.dicts[k] else None for k in ks] if key in sw.x else None
-        xs,gs = [b.slot(x, k, lo) for k in ks],[b.slot(g, k, lo) for k in ks]
-        return ParamItems(xs, gs, [b.dicts[k] for k in ks], hyper, tensors)
+        def tensors(key):
+            if key not in sw.x: return None
+            return [sw.slot(key, k) if key in b.dicts[k] else None for k in ks]
+        xs = [b.slot(x, k, lo) for k in ks]
+        gs = [b.slot(g, k, lo) for k in ks]
+        states = [b.dicts[k] for k in ks]
+        return ParamItems(xs, gs, states, hyper, tensors)

@@ -10,7 +10,7 @@ from fastai.torch_basics import *
 from .lowbit import DenseStore, flat_part
 
 # %% auto #0
-__all__ = ['slottable', 'overlapping', 'same_values', 'set_data', 'Kind', 'Slots', 'merge_writes', 'Workspace', 'Bucket',
+__all__ = ['slottable', 'overlapping', 'same_values', 'set_data', 'Kind', 'merge_writes', 'Workspace', 'Bucket', 'Slots',
            'scalar_keys']
 
 # %% ../nbs/01e_flat.ipynb #fl0006
@@ -26,19 +26,20 @@ def _offsets(sizes:list, align:int=_align) -> tuple:
 
 def _alias(buf:Tensor, offset:int, shape, stride) -> Tensor:
     "A `shape`, `stride` tensor over `buf` from element `offset`"
-    return buf.new_empty(0).set_(buf.untyped_storage(), buf.storage_offset() + offset, shape, stride)
+    start = buf.storage_offset() + offset  # in the storage
+    return buf.new_empty(0).set_(buf.untyped_storage(), start, shape, stride)
 
 def _aliases(buf:Tensor, offs:list, specs:list) -> list:
     "`_alias` of `buf` at each of `offs`, shaped as each of `specs` (a tensor of its own, with its own version counter)"
-    st,base = buf.untyped_storage(),buf.storage_offset()
-    return [buf.new_empty(0).set_(st, base + o, s, stride) for o,(s,stride) in zip(offs, specs)]
+    return [_alias(buf, o, *spec) for o,spec in zip(offs, specs)]
 
 # %% ../nbs/01e_flat.ipynb #fl0009
 def _dense(t:Tensor) -> bool:
     "Whether `t` fills its memory exactly, in some dimension order"
     if t.is_contiguous(): return True
     n = 1
-    for st,sz in sorted((st, sz) for sz,st in zip(t.shape, t.stride()) if sz != 1):
+    dims = [(st, sz) for sz,st in zip(t.shape, t.stride()) if sz != 1]
+    for st,sz in sorted(dims):
         if st != n: return False
         n *= sz
     return True
@@ -47,19 +48,33 @@ def _packed_stride(shape) -> tuple:
     "The strides of a contiguous tensor of `shape`: a non-dense parameter's slot"
     return torch.empty(shape, device='meta').stride()
 
+def _slot_spec(p:Tensor) -> tuple:
+    "The shape and strides of `p`'s slot: its own where it is dense, else packed"
+    if _dense(p): return p.shape,p.stride()
+    return p.shape,_packed_stride(p.shape)
+
+def _plain(t:Tensor) -> bool:
+    "Whether `t` is a plain strided tensor (not a subclass such as a DTensor, not sparse)"
+    return type(t) in (Tensor, nn.Parameter) and t.layout is torch.strided
+
 def slottable(t:Tensor) -> bool:
     "Whether `t` can take a slot: plain, strided, dense"
-    return type(t) in (Tensor, nn.Parameter) and t.layout is torch.strided and _dense(t)
+    return _plain(t) and _dense(t)
+
+def _extent(t:Tensor) -> int:
+    "How many elements `t`'s memory spans, from its first"
+    if t.is_contiguous(): return t.numel()
+    return 1 + sum((n-1) * abs(s) for n,s in zip(t.shape, t.stride()))
 
 def overlapping(ts:list) -> set:
     "The ids of tensors in `ts` whose memory overlaps another's"
     spans = []
     for t in {id(t): t for t in ts}.values():
-        # a DTensor: its own
-        if type(t) not in (Tensor, nn.Parameter) or t.layout is not torch.strided or t.numel() == 0: continue
+        if not _plain(t) or t.numel() == 0: continue  # a DTensor: its own
         a = t.storage_offset()
-        c = a + t.numel() if t.is_contiguous() else a + 1 + sum((n-1) * abs(s) for n,s in zip(t.shape, t.stride()))
-        spans.append((t.untyped_storage().data_ptr(), a * t.element_size(), c * t.element_size(), id(t)))
+        c = a + _extent(t)
+        size = t.element_size()
+        spans.append((t.untyped_storage().data_ptr(), a * size, c * size, id(t)))
     res,reach = set(),{}  # by storage: how far the spans so far reach, and whose
     for st,a,c,i in sorted(spans):
         far = reach.get(st)
@@ -69,14 +84,16 @@ def overlapping(ts:list) -> set:
 
 def _in_slot(t:Tensor, at:int, offset:int, spec:tuple, dtype) -> bool:
     "Whether `t` is the slot at `offset` of the storage at address `at`, as `spec` says"
-    if type(t) not in (Tensor, nn.Parameter) or t.layout is not torch.strided or t.dtype != dtype: return False
-    if t.storage_offset() != offset or t.shape != spec[0] or t.stride() != tuple(spec[1]): return False
+    if not _plain(t) or t.dtype != dtype: return False
+    shape,stride = spec
+    if t.storage_offset() != offset or t.shape != shape or t.stride() != tuple(stride): return False
     return t.untyped_storage().data_ptr() == at
 
 def _same_slot(t:Tensor|None, v:Tensor) -> bool:
     "Whether `t` is view `v`'s memory, dtype, shape and strides"
     if t is None or t.layout is not torch.strided: return False  # a sparse gradient has no slot
-    return t.data_ptr() == v.data_ptr() and t.dtype == v.dtype and t.shape == v.shape and t.stride() == v.stride()
+    if t.data_ptr() != v.data_ptr(): return False
+    return t.dtype == v.dtype and t.shape == v.shape and t.stride() == v.stride()
 
 def same_values(x:Tensor, v:Tensor) -> bool:
     "Whether `x` holds `v`'s values in another dtype, each exactly (a cast that lost nothing: `model.float()`)"
@@ -101,7 +118,9 @@ class Kind:
     def state_dtype(self, b:Bucket): return b.dtype  # the dtype of what is stepped, and of the optimizer state
     def build(self, b:Bucket):
         "Fill the bucket's weights and gradients (`w`, `g`), and the kind's own (`own`)"
-        if b.flat: b.w,b.g = b.hold_weights(),b.grad_buffer()  # a list bucket keeps the tensors
+        if not b.flat: return  # a list bucket keeps the tensors
+        b.w = b.hold_weights()
+        b.g = b.grad_buffer()
     def finish(self, b:Bucket):
         "After the fit: the parameters in fastai's fp32 layout"
     def value(self, b:Bucket, i:int) -> Tensor:
@@ -113,7 +132,9 @@ class Kind:
     # ---- the eager step
     def to_step(self, b:Bucket, i:int, j:int) -> tuple:
         "What is stepped for parameters `i` to `j`, and its gradients"
-        return (b.part(b.w, i, j), b.part(b.g, i, j)) if b.flat else (b.params[i:j], [p.grad for p in b.params[i:j]])
+        if b.flat: return b.part(b.w, i, j),b.part(b.g, i, j)
+        ps = b.params[i:j]
+        return ps,[p.grad for p in ps]
     def fold(self, b:Bucket, i:int, j:int, x, turn:int=0):
         "What `to_step` gave, stepped, into the model's weights"
     def written(self, b:Bucket, idx:list):
@@ -123,8 +144,9 @@ class Kind:
     # ---- the gradients
     def checked(self, b:Bucket) -> list:
         "The gradients the finite check reads"
+        if not b.flat: return [p.grad for p in b.params if p.grad is not None]
         apart = [b.params[i].grad for i in sorted(b.apart)]
-        return [b.g] + apart if b.flat else [p.grad for p in b.params if p.grad is not None]
+        return [b.g] + apart
     def stepped(self, b:Bucket, i:int) -> Tensor:
         "Parameter `i`'s stepped tensor, its gradient in `.grad`"
         return b.params[i]
@@ -160,14 +182,11 @@ class Kind:
         "In a kernel: the new values of the kind's tensors, from stepped `x` (`nearest`: the store's rounding to bf16)"
         return dict(w=x)
 
-class Slots:
-    "A kind's own flat buffer in a bucket (`b.own`: compensations, fp32 values), and each parameter's slot of it"
-    def __init__(self, b:Bucket, buf:Tensor): self.buf,self.slots = buf,b.views(buf)
-
 # %% ../nbs/01e_flat.ipynb #fl0014
 def merge_writes(fine:Tensor, coarse:Tensor):
     "`fine` takes `coarse` where a write changed it"
-    fine.copy_(torch.where(coarse != fine.to(coarse.dtype), coarse.float(), fine))
+    changed = coarse != fine.to(coarse.dtype)
+    fine.copy_(torch.where(changed, coarse.float(), fine))
 
 # %% ../nbs/01e_flat.ipynb #fl0017
 class Workspace:
@@ -177,12 +196,18 @@ class Workspace:
         "The first `n` elements of reused buffer `slot` (`dtype`, `device`)"
         key = (torch.device(device), slot, dtype)
         w = self.bufs.get(key)
-        if w is None or w.numel() < n: w = self.bufs[key] = torch.empty(n, device=device, dtype=dtype)
+        if w is None or w.numel() < n:  # none yet, or too small: a new one, kept
+            w = self.bufs[key] = torch.empty(n, device=device, dtype=dtype)
         return w if w.numel() == n else w[:n]
 
 def _flat_keys(p:Tensor, v) -> bool:
     "Whether state `v` of `p` goes into a flat state buffer: a float tensor shaped like `p`"
-    return isinstance(v, Tensor) and v.layout is torch.strided and v.shape == p.shape and v.is_floating_point()
+    if not isinstance(v, Tensor) or v.layout is not torch.strided: return False
+    return v.shape == p.shape and v.is_floating_point()
+
+def _ptrs(ts:list) -> list:
+    "Where each of `ts` lies: its data pointer"
+    return [t.data_ptr() for t in ts]
 
 class Bucket:
     "Parameters sharing group, kind, device, dtype and `do_wd`"
@@ -190,10 +215,14 @@ class Bucket:
                  store=None, align:int|None=None,
                  commit:bool=True, # False: the parameters keep their fp32 data until `commit` (the engine's set-up)
                 ):
-        self.params,self.kind,self.flat,self.group,self.base = params,kind,flat,group,base
+        self.params = params
+        self.kind = kind
+        self.flat = flat
+        self.group = group
+        self.base = base
         self.workspace = workspace if workspace is not None else Workspace()  # the engine's, shared (not the engine)
         self.store = store or DenseStore()  # how the optimizer's state is held (`mpx.lowbit`)
-        self.specs = [(p.shape, p.stride() if _dense(p) else _packed_stride(p.shape)) for p in params]  # dense slots
+        self.specs = [_slot_spec(p) for p in params]  # dense slots
         self.sizes = [p.numel() for p in params]
         self.offs,self.n = _offsets(self.sizes, align or self.store.block)  # slots on the store's blocks
         self.dtype,self.device = params[0].dtype,params[0].device
@@ -206,7 +235,9 @@ class Bucket:
         self.dicts = [None]*len(params)  # each parameter's state dict, as last adopted
         self.has_grad = [False]*len(params)  # each parameter has a gradient now
         self.apart = set()  # parameters whose gradient could not be adopted (sparse): stepped one at a time
-        self._grads,self._runs,self._seen = None,None,None
+        self._grads = None  # the ids of the gradients `adopt_grads` saw last
+        self._runs = None  # what `runs` was asked last, and its answer
+        self._seen = None  # the ids of the state dicts `adopt_states` took last, and of their tensors
         self.clip = None  # `(lo, hi)`: `lo`, `end` and `part` confined to these elements (`clipped`)
         self.shows,self._undo = None,None  # what the parameters show once committed (`build` says), and how to undo it
         kind.build(self)
@@ -237,22 +268,26 @@ class Bucket:
     def _note_slots(self):
         "Where each gradient and weight lies as the set-up leaves it"
         if self.flat and self.g is not None:
-            self.grad_slots = [g if _same_slot(g, v) else v for g,v in zip(self.own_grads(), self.views(self.g))]
-        self.gptrs = [g.data_ptr() for g in self.grad_slots] if self.grad_slots is not None else None  # where each slot lies
-        self.ptrs = [p.data_ptr() for p in self.params] if self.flat else None
+            gs,vs = self.own_grads(),self.views(self.g)
+            self.grad_slots = [g if _same_slot(g, v) else v for g,v in zip(gs, vs)]  # a gradient in its slot stays
+        self.gptrs = _ptrs(self.grad_slots) if self.grad_slots is not None else None  # where each slot lies
+        self.ptrs = _ptrs(self.params) if self.flat else None
         self.versions = [p._version for p in self.params]
 
     def __repr__(self):
         how = 'flat' if self.flat else 'list'
         return f"Bucket(group {self.group}, {type(self.kind).__name__}, {len(self.params)} tensors, {how})"
-    def zeros(self, dtype) -> Tensor: return torch.zeros(self.n, dtype=dtype, device=self.device)
+    def zeros(self, dtype) -> Tensor:
+        return torch.zeros(self.n, dtype=dtype, device=self.device)
     def views(self, buf:Tensor) -> list:
         "Each parameter's slot of flat `buf`, shaped and strided like it"
         return _aliases(buf, self.offs, self.specs)
     def point(self, buf:Tensor, grads:Tensor|None=None) -> list:
         "Make each parameter's data its slot of `buf`, and its gradient (where it has one) its slot of `grads`, if given"
         # all or none; the data and gradients replaced, `(p, data, grad)`, returned
-        vs,gs,done = self.views(buf),(repeat(None) if grads is None else self.views(grads)),[]
+        vs = self.views(buf)
+        gs = repeat(None) if grads is None else self.views(grads)
+        done = []
         try:
             for p,v,g in zip(self.params, vs, gs):
                 done.append((p, p.data, p.grad))
@@ -269,15 +304,17 @@ class Bucket:
         return done
     def packed(self, ts:list, dtype=None) -> Tensor|None:
         "The flat buffer `ts` fill already, each in its slot (else None)"
-        dtype,t0 = dtype or self.dtype,next((t for t in ts if t is not None), None)
-        if t0 is None or type(t0) not in (Tensor, nn.Parameter) or t0.layout is not torch.strided: return None
+        dtype = dtype or self.dtype
+        t0 = next((t for t in ts if t is not None), None)
+        if t0 is None or not _plain(t0): return None
         if t0.dtype != dtype or t0.device != self.device: return None
         st = t0.untyped_storage()
         if st.nbytes() != self.n * t0.element_size(): return None  # the buffer holds these tensors and nothing else
         at = st.data_ptr()
-        if not all(t is None or _in_slot(t, at, o, spec, dtype) for t,o,spec in zip(ts, self.offs, self.specs)):
-            return None
-        return torch.empty(0, dtype=dtype, device=self.device).set_(st, 0, (self.n,), (1,))
+        for t,o,spec in zip(ts, self.offs, self.specs):
+            if t is not None and not _in_slot(t, at, o, spec, dtype): return None
+        buf = torch.empty(0, dtype=dtype, device=self.device)
+        return buf.set_(st, 0, (self.n,), (1,))
     def hold_weights(self, dtype=None) -> Tensor:
         "The parameters' data as one flat buffer: theirs already, else a new one"
         buf = self.packed([p.data for p in self.params], dtype)
@@ -301,11 +338,15 @@ class Bucket:
         for v,g in zip(self.views(buf), gs):
             if g is None: v.zero_()  # a stale value must not reach the finite check
         return buf
-    def lo(self, i:int) -> int: return self.offs[i] if self.clip is None else max(self.offs[i], self.clip[0])
+    def lo(self, i:int) -> int:
+        "Where the span of parameters from `i` begins"
+        if self.clip is None: return self.offs[i]
+        return max(self.offs[i], self.clip[0])
     def end(self, j:int) -> int:
         "Where the span of parameters `i` to `j` ends"
         e = self.offs[j] if j < len(self.offs) else self.n  # spans tile the buffer, padding included
-        return e if self.clip is None else min(e, self.clip[1])
+        if self.clip is None: return e
+        return min(e, self.clip[1])
     @contextmanager
     def clipped(self, lo:int, hi:int):
         "Within: spans confined to elements `lo` to `hi` (a window)"
@@ -325,17 +366,19 @@ class Bucket:
         if k not in self.state_bufs: self.store.new(self, k, dtype)
     def adopt_weights(self):
         "Take moved `data` back into its slot, and tell the kind of writes"
-        if self.flat and [p.data_ptr() for p in self.params] != self.ptrs:
+        if self.flat and _ptrs(self.params) != self.ptrs:
             self._take_back_grads()  # a cast by hand casts the gradients too
             for i,p in enumerate(self.params):
                 if p.data_ptr() != self.ptrs[i]: self._take_back(i, p)
         vs = [p._version for p in self.params]
         if vs == self.versions: return
-        self.kind.written(self, [i for i,(v,u) in enumerate(zip(vs, self.versions)) if v != u])
+        changed = [i for i,(v,u) in enumerate(zip(vs, self.versions)) if v != u]
+        self.kind.written(self, changed)
         self.versions = vs
     def _take_back(self, i:int, p:Tensor):
         "Parameter `i`'s data, assigned anew: its slot again, holding the values assigned"
-        x,v = p.data,self.slot(self.w, i)
+        x = p.data
+        v = self.slot(self.w, i)
         set_data(p, v)
         if same_values(x, v): return  # cast by hand (`model.float()`): nothing written, nothing lost
         if x.dtype == torch.float32 and not self.kind.in_place:  # an fp32 value: held as a load holds it, exactly
@@ -346,7 +389,7 @@ class Bucket:
         self.versions[i] = None  # written, whatever its version now
     def _take_back_grads(self):
         "Gradient slots whose data was assigned anew (`model.float()` casts `p.grad.data`): in their slots again"
-        if self.grad_slots is None or [g.data_ptr() for g in self.grad_slots] == self.gptrs: return
+        if self.grad_slots is None or _ptrs(self.grad_slots) == self.gptrs: return
         for i,(g,at) in enumerate(zip(self.grad_slots, self.gptrs)):
             if g.data_ptr() == at: continue
             x = g.data
@@ -354,11 +397,13 @@ class Bucket:
             g.copy_(x)
     def recast(self) -> int|None:
         "The first parameter whose data was assigned values its slot cannot take as they are (not fp32), or None"
-        if not self.flat: return next((i for i,p in enumerate(self.params) if p.dtype != self.dtype), None)
-        moved = (i for i,p in enumerate(self.params) if p.data_ptr() != self.ptrs[i])
-        v = lambda i: self.slot(self.w, i)
-        return next((i for i in moved if self.params[i].dtype not in (torch.float32, v(i).dtype)
-                     and not same_values(self.params[i].data, v(i))), None)
+        if not self.flat:  # a list bucket: a parameter of another dtype
+            return next((i for i,p in enumerate(self.params) if p.dtype != self.dtype), None)
+        for i,p in enumerate(self.params):
+            if p.data_ptr() == self.ptrs[i]: continue  # not moved
+            v = self.slot(self.w, i)
+            if p.dtype not in (torch.float32, v.dtype) and not same_values(p.data, v): return i
+        return None
     def adopt_grads(self):
         "Note which parameters have a gradient, and adopt new ones"
         gs = [p.grad for p in self.params]
@@ -409,24 +454,29 @@ class Bucket:
         self._seen = (list(map(id, ds)), self._held(ds))
     def _adopt_packed(self, ds:list, state_dtype):
         "State that every dict holds in slots of one buffer: that buffer"
-        for k in (set(ds[0]) - set(self.state_bufs) if ds else ()):
+        if not ds: return
+        for k in set(ds[0]) - set(self.state_bufs):
             vs = [d.get(k) for d in ds]
             if not all(isinstance(v, Tensor) for v in vs): continue
             buf = self.packed(vs, state_dtype)
             if buf is not None: self.state_bufs[k],self.state_held[k] = buf,vs
     def _held(self, ds:list) -> tuple:
         "The sizes of dicts `ds`, and the ids of their state tensors"
-        return (list(map(len, ds)), *(list(map(id, map(dict.get, ds, repeat(k)))) for k in self.state_held))
+        held = (list(map(id, map(dict.get, ds, repeat(k)))) for k in self.state_held)
+        return (list(map(len, ds)), *held)
     def _states_same(self, ds:list, same:bool=False) -> bool:
         "Whether `ds` are the dicts adopted, with the same tensors"
-        if self._seen is None or not (same or list(map(id, ds)) == self._seen[0]): return False
+        if self._seen is None: return False
+        if not (same or list(map(id, ds)) == self._seen[0]): return False  # other dicts
         return self._held(ds) == self._seen[1]  # a few list comparisons in C
     def runs(self, i:int, j:int, keys:list, single:bool=False) -> list:
         "Runs `(a, c)` of live parameters in `i` to `j` with equal `keys` (theirs)"
         one = keys.count(keys[0]) == len(keys)  # one key for all (the usual): the runs follow the live parameters alone
-        memo = (i, j, single, tuple(self.has_grad), None if one else tuple(keys), tuple(sorted(self.apart)))
+        memo_keys = None if one else tuple(keys)
+        memo = (i, j, single, tuple(self.has_grad), memo_keys, tuple(sorted(self.apart)))
         if self._runs is not None and self._runs[0] == memo: return self._runs[1]
-        res,cur,key = [],None,None
+        res = []
+        cur,key = None,None  # the run growing, and its key
         for k in range(i, j):
             if not self.has_grad[k] or (k in self.apart and self.kind.in_place):
                 cur = None
@@ -455,15 +505,22 @@ class Bucket:
         out = []
         for i,j,lo,hi in res:
             whole = j > i+1 or i in self.apart  # several parameters, or a sparse gradient's: never cut
-            out += [(i, j, lo, hi)] if whole else [(i, j, a, min(a+step, hi)) for a in range(lo, hi, step)]
+            if whole: out.append((i, j, lo, hi))
+            else: out += [(i, j, a, min(a+step, hi)) for a in range(lo, hi, step)]
         return out
+class Slots:
+    "A kind's own flat buffer in a bucket (`b.own`: compensations, fp32 values), and each parameter's slot of it"
+    def __init__(self, b:Bucket, buf:Tensor):
+        self.buf,self.slots = buf,b.views(buf)
 
 # %% ../nbs/01e_flat.ipynb #fl0026
 def scalar_keys(b:Bucket, i:int=0, j:int|None=None) -> list:
     "Parameters `i` to `j`'s scalar state: `step`, `do_wd`, state keys"
     ds = [d or {} for d in b.dicts[i:j]]
-    steps,wds = [d.get('step', 0) for d in ds],[d.get('do_wd', True) for d in ds]
+    steps = [d.get('step', 0) for d in ds]
+    wds = [d.get('do_wd', True) for d in ds]
     cols = [steps, wds, *([k in d for d in ds] for k in b.state_bufs)]
     # one key: `runs` sees it at once
-    if all(c.count(c[0]) == len(c) for c in cols): return [tuple(c[0] for c in cols)]*len(ds)
+    if all(c.count(c[0]) == len(c) for c in cols):
+        return [tuple(c[0] for c in cols)]*len(ds)
     return list(zip(*cols))

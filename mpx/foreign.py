@@ -9,6 +9,7 @@ from fastai.torch_basics import *
 from fastai.optimizer import *
 from .plumbing import Ledger
 from .flat import *
+from .eager import _part
 
 # %% auto #0
 __all__ = ['ForeignSteps', 'LookaheadSync']
@@ -21,52 +22,58 @@ class ForeignSteps:
         o = eng.inner
         # a Lookahead's own sync must see the swap
         outer = o if isinstance(o, OptimWrapper) and not eng.lookaheads else eng.opt
-        led.set(outer, 'step', partial(self.step, eng, getattr(outer, 'step'), isinstance(outer, OptimWrapper)))
-        if isinstance(o, OptimWrapper): led.set(o, 'load_state_dict', partial(self.load_state, eng, o.opt))
+        windowed = isinstance(outer, OptimWrapper)  # a torch optimizer alone: a window at a time
+        led.set(outer, 'step', partial(self.step, eng, getattr(outer, 'step'), windowed))
+        if isinstance(o, OptimWrapper):
+            led.set(o, 'load_state_dict', partial(self.load_state, eng, o.opt))
 
     def load_state(self, eng, topt, sd:dict):
         "torch's `load_state_dict`, each state tensor it cast to a parameter held in half kept as the checkpoint's"
         topt.load_state_dict(sd)  # torch casts floating state to its parameter's dtype (bf16, where the mode holds it)
         saved = [k for g in sd['param_groups'] for k in g['params']]
-        for k,p in zip(saved, (p for g in topt.param_groups for p in g['params'])):
-            home,now = eng.home.get(id(p)),topt.state.get(p, {})
+        params = (p for g in topt.param_groups for p in g['params'])
+        for k,p in zip(saved, params):
+            home = eng.home.get(id(p))
+            now = topt.state.get(p, {})
             if home is None or home[0].kind.in_place: continue  # stepped as it lies: torch's cast is its dtype
             for key,v in sd['state'].get(k, {}).items():
                 t = now.get(key)
-                if isinstance(v, Tensor) and isinstance(t, Tensor) and v.is_floating_point() and t.dtype != v.dtype:
+                if not (isinstance(v, Tensor) and isinstance(t, Tensor)): continue
+                if v.is_floating_point() and t.dtype != v.dtype:
                     now[key] = v.to(t.device)  # what the fp32 step reads, as torch holds it for an fp32 parameter
 
     @torch.no_grad()
     def step(self, eng, step:Callable, windowed:bool, closure=None):
         "The optimizer's own `step` on the stepped tensors"
         eng.adopt_changes()
-        if windowed: wins = [[(b, i, j)] for b in eng.buckets for i,j,_,_ in b.windows(eng.chunk)]  # a window at a time
+        if windowed:  # a window at a time
+            wins = [[(b, i, j)] for b in eng.buckets for i,j,_,_ in b.windows(eng.chunk)]
         else: wins = [[(b, 0, len(b.params)) for b in eng.buckets]]
         for w in wins: self._swapped(eng, step, w, windowed)
-        for k in {id(b.kind): b.kind for b in eng.buckets}.values(): k.tick()
+        kinds = {id(b.kind): b.kind for b in eng.buckets}  # each kind once
+        for k in kinds.values(): k.tick()
         eng.handed_out = False
 
     def _swapped(self, eng, step:Callable, wins:list, only:bool):
         wins = [(b, i, j) for b,i,j in wins if any(b.has_grad[i:j])]
         xs = [b.kind.to_step(b, i, j) for b,i,j in wins]
-        ps = [(p, _part(x, b, k, i), _part(g, b, k, i))
-              for (b,i,j),(x,g) in zip(wins, xs) for k,p in enumerate(b.params[i:j], i) if b.has_grad[k]]
+        ps = []  # each live parameter, with what is stepped for it
+        for (b,i,j),(x,g) in zip(wins, xs):
+            for k,p in enumerate(b.params[i:j], i):
+                if b.has_grad[k]: ps.append((p, _part(x, b, k, i), _part(g, b, k, i)))
         with Ledger() as led:
             for p,d,gr in ps:
                 led.defer(partial(_put, p, p.data, p.grad))
                 _put(p, d.detach(), gr)
             if only:
-                topt,keep = eng.inner.opt,set(id(p) for p,*_ in ps)
+                topt = eng.inner.opt
+                keep = set(id(p) for p,*_ in ps)
                 groups = [{**g, 'params': [p for p in g['params'] if id(p) in keep]} for g in topt.param_groups]
                 led.set(topt, 'param_groups', groups)
             step()
         for (b,i,j),(x,_) in zip(wins, xs):
             b.kind.fold(b, i, j, x)
             b.versions = [p._version for p in b.params]  # the swaps are the engine's, not a write of a callback
-
-def _part(x, b:Bucket, k:int, i:int) -> Tensor:
-    "Parameter `k`'s part of `x`, what `to_step` gave from parameter `i`"
-    return x[k-i] if isinstance(x, list) else b.slot(x, k, b.lo(i))
 
 def _put(p:Tensor, data:Tensor, grad:Tensor|None):
     "`p.data = data`, `p.grad = grad`, whatever their dtypes"
@@ -75,6 +82,10 @@ def _put(p:Tensor, data:Tensor, grad:Tensor|None):
     p.grad = grad
 
 # %% ../nbs/01h_foreign.ipynb #fo0007
+def _place(eng, gi:int, p:Tensor, n:int=0) -> int:
+    "Where group `gi` lists `p` the `n`th time"
+    return eng.places[(gi, id(p))][n]
+
 class LookaheadSync:
     "`Lookahead`'s step, its slow weights synced in bulk"
     def __init__(self): self.slow = {}  # id(la) -> (the slow weights adopted, their flat buffers)
@@ -98,14 +109,17 @@ class LookaheadSync:
         bufs = {}
         for b in eng.buckets:
             if not b.flat: continue
-            buf = bufs[id(b)] = b.zeros(b.kind.state_dtype(b))  # a flat bucket's copies in one buffer
-            for i,j,_,_ in b.windows(eng.chunk): b.part(buf, i, j).copy_(b.kind.to_step(b, i, j)[0])
+            buf = b.zeros(b.kind.state_dtype(b))  # a flat bucket's copies in one buffer
+            bufs[id(b)] = buf
+            for i,j,_,_ in b.windows(eng.chunk):
+                x,_ = b.kind.to_step(b, i, j)
+                b.part(buf, i, j).copy_(x)
         res = []
         for gi,pg in enumerate(eng.lists):
             row = []
             for k,p in enumerate(pg):
                 b,i = eng.home[id(p)]
-                if id(b) in bufs and b.group == gi and eng.places[(gi, id(p))][0] == k:
+                if id(b) in bufs and b.group == gi and _place(eng, gi, p) == k:
                     row.append(b.slot(bufs[id(b)], i))
                     continue
                 x,_ = b.kind.to_step(b, i, i+1)
@@ -122,12 +136,14 @@ class LookaheadSync:
         bufs = {}
         for b in eng.buckets:
             if not b.flat: continue
-            buf = bufs[id(b)] = b.zeros(b.kind.state_dtype(b))
+            buf = b.zeros(b.kind.state_dtype(b))
+            bufs[id(b)] = buf
+            group_slow = la.slow_weights[b.group]
             for i,p in enumerate(b.params):
-                k = eng.places[(b.group, id(p))][0]
+                k = _place(eng, b.group, p)
                 v = b.slot(buf, i)
-                v.copy_(la.slow_weights[b.group][k])
-                la.slow_weights[b.group][k] = v
+                v.copy_(group_slow[k])
+                group_slow[k] = v
         self.slow[id(la)] = (la.slow_weights, bufs)
         return bufs
 
@@ -141,7 +157,8 @@ class LookaheadSync:
             s.add_(d, alpha=la.alpha)
             x.copy_(s)
         else:
-            ss = [la.slow_weights[b.group][eng.places[(b.group, id(p))][0]] for p in b.params[i:j]]
+            group_slow = la.slow_weights[b.group]
+            ss = [group_slow[_place(eng, b.group, p)] for p in b.params[i:j]]
             fast = [t.detach() for t in x]
             torch._foreach_add_(ss, torch._foreach_sub(fast, ss), alpha=la.alpha)
             torch._foreach_copy_(fast, ss)
@@ -150,7 +167,8 @@ class LookaheadSync:
     def _sync_extra(self, eng, la:Lookahead, gi:int, n:int, p:Tensor):
         "Sync an extra place of `p`, with its own slow weight"
         b,i = eng.home[id(p)]
-        s = la.slow_weights[gi][eng.places[(gi, id(p))][n - (b.group != gi)]]
+        away = b.group != gi  # `n` counts the home place, in another group
+        s = la.slow_weights[gi][_place(eng, gi, p, n - away)]
         x,_ = b.kind.to_step(b, i, i+1)
         fast = _part(x, b, i, i).detach()
         s.add_(fast - s, alpha=la.alpha)
@@ -163,4 +181,3 @@ class LookaheadSync:
             got = self.slow.get(id(la))
             if got is not None and la.slow_weights is not None:
                 la.slow_weights = L(L(s.clone() for s in pg) for pg in la.slow_weights)
-        self.slow = {}

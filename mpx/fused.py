@@ -68,6 +68,10 @@ def default_chunk(device) -> int:
 # %% ../nbs/01a_fused.ipynb #fz0012
 _grad = operator.attrgetter('grad')
 
+def _once(xs) -> list:
+    "Each object in `xs` once (by identity), in order"
+    return list({id(x): x for x in xs}.values())
+
 class FusedSteps:
     "The optimizer step of one fit, over flat buffers"
     def __init__(self,
@@ -78,17 +82,22 @@ class FusedSteps:
         chunk:int|None=None, # Most elements a window holds (None: `default_chunk` of the device)
         opt_state='fp32', # The optimizer's state: 'fp32', 'bf16', '8bit', '4bit', a `register_store` name or a `Store` (`mpx.lowbit`)
     ):
-        self.opt,self.fused,self.chunk,self.opt_state = opt,Fused.of(fused),chunk,opt_state
+        self.opt = opt
+        self.fused = Fused.of(fused)
+        self.chunk = chunk
+        self.opt_state = opt_state
         self.ledger,self.done = Ledger(),False
         if ledger is not None: ledger.defer(self.undo)
         self.lookaheads,self.inner = unwrap(opt)
         self.reason = why_not_fused(opt)
         self.own_step = self.reason is None
         self.lists = [list(pg) for pg in self.inner.param_lists]
-        self.phase,self.found,self.handed_out = StepPhase.READY,None,False  # `found`: the finite check's device flag
+        self.phase = StepPhase.READY
+        self.found = None  # the finite check's device flag
+        self.handed_out = False
         self.workspace,self.warned = Workspace(),set()  # scratch buffers its buckets share, and what `say` said
-        # `lazy`: `state_dict` gives `LazyTensor`s (a streamed checkpoint)
-        self._st,self._st_ids,self.lazy = None,None,False
+        self._st,self._st_ids = None,None
+        self.lazy = False  # `state_dict` gives `LazyTensor`s (a streamed checkpoint)
         # helpers: the engine is their argument, never their attribute
         self.lookahead,self.foreign = LookaheadSync(),ForeignSteps()
         self.dense,self.low = DenseStore(),make_store(opt_state)
@@ -110,7 +119,9 @@ class FusedSteps:
 
     def _layout(self, kind_of:Callable|None=None):
         "Lay out every group's buckets and extras, kinds from `kind_of`"
-        self.home,self.places,self.groups,base,built = {},{},[],0,[]
+        self.home,self.places,self.groups = {},{},[]
+        base = 0
+        built = []
         st = self.inner.state if self.own_step else {}
         tied = overlapping([p for pg in self.lists for p in pg])  # stepped where they lie, so they stay tied
         for gi,pg in enumerate(self.lists):
@@ -122,7 +133,8 @@ class FusedSteps:
                 own = self.own_step and self.fused is not Fused.LOOP  # the engine's own step: a parameter may take a slot
                 flat = not kind.in_place or (own and slottable(p) and id(p) not in tied)
                 store = self.low if flat and p.numel() >= MIN_LOWBIT else self.dense
-                key = (id(kind), p.device, p.dtype, bool(st.get(p, {}).get('do_wd', True)), flat, id(store))
+                do_wd = bool(st.get(p, {}).get('do_wd', True))
+                key = (id(kind), p.device, p.dtype, do_wd, flat, id(store))
                 keys.setdefault(key, (kind, flat, store, []))[3].append(p)
                 self.home[id(p)] = None
             bs = []
@@ -171,7 +183,8 @@ class FusedSteps:
 
     def _install(self):
         "Install `step` and `zero_grad`, or a swap around a foreign step"
-        led,o,widened = self.ledger,self.inner,any(not b.kind.in_place for b in self.buckets)  # all through the ledger
+        led,o = self.ledger,self.inner  # all through the ledger
+        widened = any(not b.kind.in_place for b in self.buckets)
         if not self.own_step:
             if self.fused is Fused.COMPILE: self.warn_eager(self.reason)
             if widened: self.foreign.install(self, led)
@@ -189,15 +202,16 @@ class FusedSteps:
         for b in self.buckets:
             if b.kind.in_place: continue  # a parameter that is its own fp32 value
             for i,p in enumerate(b.params): copies_as_fp32(self.ledger, p, partial(_value_of, weakref.ref(b), i))
-        owners = {id(o): o for o in (self.opt, self.inner, *self.lookaheads)}
-        for o in owners.values(): self.ledger.keep_out_of_copies(o)
+        for o in _once((self.opt, self.inner, *self.lookaheads)): self.ledger.keep_out_of_copies(o)
 
     def stale(self, opt) -> bool:
         "Whether `opt` is no longer the optimizer laid out"
         if opt is not self.opt: return True  # another object (`create_opt`)
         pl = unwrap(opt)[1].param_lists  # or other parameter lists
         if len(pl) != len(self.lists): return True
-        return any(len(a) != len(b) or any(x is not y for x,y in zip(a, b)) for a,b in zip(pl, self.lists))
+        for a,b in zip(pl, self.lists):
+            if len(a) != len(b) or any(x is not y for x,y in zip(a, b)): return True
+        return False
 
     def refresh(self):
         "Adopt what changed since the last step"
@@ -222,7 +236,7 @@ class FusedSteps:
             for n,p in self.extras[gi]:
                 b,i = self.home[id(p)]
                 if b.has_grad[i]: b.stepper.extra(self, b, i, n, hyper)
-        for k in {id(b.kind): b.kind for b in self.buckets}.values(): k.tick()
+        for k in _once(b.kind for b in self.buckets): k.tick()
         self.handed_out = False
 
     def adopt_changes(self, full:bool=True):
@@ -249,9 +263,8 @@ class FusedSteps:
         self.steps_to_host()  # the step counts from the device
         sd = type(self.inner).state_dict(self.inner)
         if self.low.views: return sd
-        if self.lazy: fp32 = lambda v: LazyTensor(v.float, torch.float32, v.shape) if isinstance(v, LowBitState) else v
-        else: fp32 = lambda v: v.float() if isinstance(v, LowBitState) else v  # low-bit state dequantised
-        return {**sd, 'state': [{k: fp32(v) for k,v in s.items()} for s in sd['state']]}
+        state = [{k: _in_fp32(v, self.lazy) for k,v in s.items()} for s in sd['state']]
+        return {**sd, 'state': state}
 
 
     def _recompose(self):
@@ -269,7 +282,7 @@ class FusedSteps:
 
     def steps_to_host(self):
         "Device step counts into fastai's state dicts (one host sync)"
-        for st in {id(b.stepper): b.stepper for b in self.buckets if b.stepper is not None}.values():
+        for st in _once(b.stepper for b in self.buckets if b.stepper is not None):
             if hasattr(st, 'to_host'): st.to_host(self)  # only a compiled stepper has any: a no-op otherwise
 
     def undo(self):
@@ -286,7 +299,9 @@ class FusedSteps:
 
     def recast(self) -> Tensor|None:
         "The first parameter assigned values its layout cannot hold as they are (`model.half()`), or None"
-        return next((b.params[i] for b in self.buckets if (i := b.recast()) is not None), None)
+        for b in self.buckets:
+            i = b.recast()
+            if i is not None: return b.params[i]
 
     def take_back(self):
         "Parameters assigned anew (cast by hand, `model.float()`) back in their slots, holding the values assigned"
@@ -295,7 +310,8 @@ class FusedSteps:
     def fp32_of(self, p:Tensor) -> Callable|None:
         "How to make `p`'s fp32 value where the engine holds it otherwise (None: `p` is it)"
         h = self.home.get(id(p))
-        return None if h is None or h[0].kind.in_place else partial(_value_now, *h)
+        if h is None or h[0].kind.in_place: return None
+        return partial(_value_now, *h)
 
     def assign(self, p:Tensor, x:Tensor, at:int|None=None) -> bool:
         "Parameter `p` takes fp32 value `x` (`at`: its flat elements from `at`); False where the engine holds it not"
@@ -313,22 +329,25 @@ class FusedSteps:
         # `Lookahead`'s own state beside: loaded whole (a torch optimizer's: `Learner.load`'s own)
         if not self.own_step or self.lookaheads:
             return self.opt.load_state_dict(read_stored(sd))
-        if len(sd['hypers']) != len(o.param_lists) or len(sd['state']) != sum(map(len, o.param_lists)):
-            n,groups = len(sd['state']),len(sd['hypers'])
+        n,groups = len(sd['state']),len(sd['hypers'])
+        if groups != len(o.param_lists) or n != sum(map(len, o.param_lists)):
             raise ValueError(f"the checkpoint's optimizer state has {n} parameters in {groups} groups")
         o.hypers = sd['hypers']
         ps = o.all_params().itemgot(0)
-        o.state = {p: {k: self._stored(p, k, v) for k,v in s.items()} for p,s in zip(ps, sd['state'])}
+        state = {}
+        for p,s in zip(ps, sd['state']): state[p] = {k: self._stored(p, k, v) for k,v in s.items()}
+        o.state = state
 
     def _stored(self, p:Tensor, k:str, v):
         "State `k` of `p` from a checkpoint, into its store where its bucket keeps one, a piece at a time"
         if not isinstance(v, (Stored, Tensor)): return v
         h = self.home.get(id(p))
         flat = h is not None and h[0].flat and v.dtype.is_floating_point and v.shape == p.shape
-        if not flat: return (v.load() if isinstance(v, Stored) else v).to(p.device)
+        if not flat: return read_stored(v).to(p.device)
         b,i = h
         b.state_new(k, b.kind.state_dtype(b))
-        for at,x in pieces(v) if p.is_contiguous() else [(None, read_stored(v))]:
+        parts = pieces(v) if p.is_contiguous() else [(None, read_stored(v))]
+        for at,x in parts:
             b.store.put(b, k, i, x.to(b.device), at)
         return b.state_held[k][i]
 
@@ -346,8 +365,9 @@ class FusedSteps:
             # a dict replaced since the last step too
             ds = [self.inner.state.get(p) for p in b.params] if self.own_step else b.dicts
             for i,d in enumerate(ds):
+                if d is None: continue
                 for k,vs in b.state_held.items():
-                    if d is not None and d.get(k) is vs[i]: d[k] = b.store.value(b, k, i)  # fp32 (dequantised), its own
+                    if d.get(k) is vs[i]: d[k] = b.store.value(b, k, i)  # fp32 (dequantised), its own
         self.lookahead.finish(self)
 
     @torch.no_grad()
@@ -406,7 +426,8 @@ class FusedSteps:
     def grads_in_flight(self) -> dict:
         "Gradients accumulated since the last step that `undo` would drop"
         idle = self.phase is StepPhase.READY  # no gradient accumulated, none pending: nothing to carry
-        res = {k: v for b in self.buckets for k,v in b.kind.carried(b, idle).items()}
+        res = {}
+        for b in self.buckets: res.update(b.kind.carried(b, idle))
         # by `id` of parameter; 'at': where the step stands
         return {**res, 'at': self.phase} if res else {}
     def end_step(self):
@@ -419,6 +440,11 @@ class FusedSteps:
         self.phase = grads['at']
 
 _in_place = Kind()
+
+def _in_fp32(v, lazy:bool=False):
+    "State value `v`, low-bit state dequantised (`lazy`: as a `LazyTensor`)"
+    if not isinstance(v, LowBitState): return v
+    return LazyTensor(v.float, torch.float32, v.shape) if lazy else v.float()
 
 def _value_of(ref:weakref.ref, i:int) -> Tensor: return _value_now(ref(), i)  # the bucket, not pointed back at
 

@@ -17,13 +17,17 @@ __all__ = ['MIN_LOWBIT', 'MODE_BYTES', 'dynamic_map', 'root_map', 'quantize', 'd
 # %% ../nbs/01i_lowbit.ipynb #lb0006
 def dynamic_map(signed:bool=True, exp_bits:int=7, bits:int=8) -> Tensor:
     "Dettmers' dynamic quantisation map of `2**bits` values"
-    vals,free = [],bits - 1  # the bits after the sign (or the indicator bit, unsigned)
+    vals = []
+    free = bits - 1  # the bits after the sign (or the indicator bit, unsigned)
     def level(i:int, n:int):
         edges = torch.linspace(0.1, 1, n + 1)
-        means = ((edges[:-1] + edges[1:]) / 2 * 10.**(i - exp_bits + 1)).tolist()
-        vals.extend(means + ([-m for m in means] if signed else []))
-    for i in range(exp_bits): level(i, 2**(i + free - exp_bits + (0 if signed else 1)))
-    if 2**(free - exp_bits) > 1: level(exp_bits - 1, 2**(free - exp_bits) - 1)
+        mids = (edges[:-1] + edges[1:]) / 2
+        means = (mids * 10.**(i - exp_bits + 1)).tolist()
+        vals.extend(means)
+        if signed: vals.extend(-m for m in means)
+    spare = free - exp_bits  # the bits beyond the exponent's
+    for i in range(exp_bits): level(i, 2**(i + spare + (0 if signed else 1)))
+    if 2**spare > 1: level(exp_bits - 1, 2**spare - 1)
     vals = sorted(vals + [0., 1.])
     if signed: vals[0] = -1.
     return torch.tensor(vals)
@@ -48,11 +52,13 @@ def quantize(x:Tensor, qmap:Tensor, block:int) -> tuple:
         step //= 2
     up = (codes + 1).clamp_max(n - 1)
     lo,hi = qmap[codes],qmap[up]
-    return torch.where(y - lo >= (hi - lo) * .5, up, codes),scale
+    nearer_up = y - lo >= (hi - lo) * .5
+    return torch.where(nearer_up, up, codes),scale
 
 def dequantize(codes:Tensor, scale:Tensor, qmap:Tensor, block:int) -> Tensor:
     "The fp32 values of `codes`, each block times its scale"
-    return (qmap[codes.long()].reshape(-1, block) * scale.view(-1, 1)).view(codes.shape)
+    rows = qmap[codes.long()].reshape(-1, block)
+    return (rows * scale.view(-1, 1)).view(codes.shape)
 
 # %% ../nbs/01i_lowbit.ipynb #lb0012
 def pack4(codes:Tensor) -> Tensor:
@@ -64,14 +70,17 @@ def unpack4(packed:Tensor) -> Tensor:
     "`pack4`'s codes, as int32"
     # a broadcast, not a stack: a kernel fuses it
     shifts = torch.tensor([4, 0], dtype=torch.int32, device=packed.device)
-    return ((packed.to(torch.int32).unsqueeze(-1) >> shifts) & 15).flatten(-2)
+    wide = packed.to(torch.int32).unsqueeze(-1)
+    return ((wide >> shifts) & 15).flatten(-2)
 
 # %% ../nbs/01i_lowbit.ipynb #lb0015
 class LowBitState:
     "A state dict's handle on low-bit state: it reads as its fp32 values"
     __slots__ = ('_b', 'k', 'i')
     # its bucket owns it: no strong pointer back
-    def __init__(self, b, k:str, i:int): self._b,self.k,self.i = weakref.ref(b),k,i
+    def __init__(self, b, k:str, i:int):
+        self._b = weakref.ref(b)
+        self.k,self.i = k,i
     @property
     def b(self):
         "The bucket holding the state (an error once its fit has ended)"
@@ -91,7 +100,8 @@ class LowBitState:
     def __repr__(self):
         b = self._b()
         if b is None: return f"LowBitState({self.k!r}, of an ended fit)"
-        return f"LowBitState({self.k!r}, {b.store.name}, shape={tuple(b.specs[self.i][0])})"
+        shape = tuple(b.specs[self.i][0])
+        return f"LowBitState({self.k!r}, {b.store.name}, shape={shape})"
     def refusal(self, name:str) -> AttributeError:
         "The error for a write in place (`name`): how to write the state instead"
         s = self.b.store.name
@@ -110,11 +120,13 @@ class LowBitState:
         "A torch function runs on the handles' fp32 values (writes refused)"
         kwargs = kwargs or {}
         name = getattr(func, '__name__', str(func))
-        target = kwargs.get('out', args[0] if args and name.endswith('_') and not name.endswith('__') else None)
+        in_place = name.endswith('_') and not name.endswith('__')
+        target = kwargs.get('out', args[0] if args and in_place else None)
         if isinstance(target, LowBitState): raise target.refusal(name)
         def read(o):
             if isinstance(o, LowBitState): return o.float()
-            return [read(v) for v in o] if type(o) in (list, tuple) else o
+            if type(o) in (list, tuple): return [read(v) for v in o]
+            return o
         return func(*map(read, args), **{k: read(v) for k,v in kwargs.items()})
 
 def _read(name:str) -> Callable:
@@ -126,6 +138,10 @@ for _name in ('__add__ __radd__ __sub__ __rsub__ __mul__ __rmul__ __truediv__ __
               '__matmul__ __rmatmul__ __neg__ __abs__ __lt__ __le__ __gt__ __ge__ __getitem__ __len__ __iter__ '
               '__array__').split():
     setattr(LowBitState, _name, _read(_name))
+
+def _handles(b, k:str) -> list:
+    "State `k`'s handle for each parameter of bucket `b`"
+    return [LowBitState(b, k, i) for i in range(len(b.params))]
 
 def flat_part(t:Tensor, at:int|None, n:int) -> Tensor:
     "`t` itself, or (`at` given) its flat elements `at` to `at + n` (`t` contiguous): where a piece of a load goes"
@@ -179,7 +195,8 @@ class Store:
     def kernel_nearest(self, x:Tensor) -> Tensor:
         "fp32 `x` rounded to bf16, still fp32, in a kernel over this store (a kind's fold)"
         # through a conversion only where this store's own options keep its round trip: inductor folds it otherwise
-        if self.kernel_options.get('emulate_precision_casts') and _casts_kept(x.device.type): return x.to(torch.bfloat16).float()
+        through_casts = self.kernel_options.get('emulate_precision_casts') and _casts_kept(x.device.type)
+        if through_casts: return x.to(torch.bfloat16).float()
         return bf16_nearest(x)  # on the bits
 
 class DenseStore(Store):
@@ -189,15 +206,20 @@ class DenseStore(Store):
     def new(self, b, k:str, dtype):
         b.state_bufs[k] = b.zeros(dtype)
         b.state_held[k] = b.views(b.state_bufs[k])
-    def put(self, b, k:str, i:int, v:Tensor, at:int|None=None): flat_part(b.state_held[k][i], at, v.numel()).copy_(v)
-    def value(self, b, k:str, i:int) -> Tensor: return b.state_held[k][i].clone(memory_format=torch.preserve_format)
-    def zero(self, b, k:str, a:int, c:int): b.part(b.state_bufs[k], a, c).zero_()
+    def put(self, b, k:str, i:int, v:Tensor, at:int|None=None):
+        flat_part(b.state_held[k][i], at, v.numel()).copy_(v)
+    def value(self, b, k:str, i:int) -> Tensor:
+        return b.state_held[k][i].clone(memory_format=torch.preserve_format)
+    def zero(self, b, k:str, a:int, c:int):
+        b.part(b.state_bufs[k], a, c).zero_()
     def load_window(self, b, k:str, i:int, j:int, scratch:Tensor|None=None) -> Tensor:
         return b.part(b.state_bufs[k], i, j)
     def store_window(self, b, k:str, i:int, j:int, x:Tensor): pass
-    def kernel_io(self, b, k:str, a:int, c:int) -> dict: return {k: b.part(b.state_bufs[k], a, c)}
+    def kernel_io(self, b, k:str, a:int, c:int) -> dict:
+        return {k: b.part(b.state_bufs[k], a, c)}
     def kernel_load(self, t:dict, k:str) -> Tensor: return t[k]
-    def kernel_store(self, t:dict, k:str, x:Tensor, keep:Tensor) -> dict: return {k: where_skipped(keep, t[k], x)}
+    def kernel_store(self, t:dict, k:str, x:Tensor, keep:Tensor) -> dict:
+        return {k: where_skipped(keep, t[k], x)}
 
 class BF16Store(DenseStore):
     "State tensors rounded to bf16 (`opt_state='bf16'`)"
@@ -205,13 +227,17 @@ class BF16Store(DenseStore):
     def bytes(self, dtype) -> float: return 2.
     def new(self, b, k, dtype):
         b.state_bufs[k] = b.zeros(torch.bfloat16)
-        b.state_held[k] = [LowBitState(b, k, i) for i in range(len(b.params))]
-    def put(self, b, k, i, v, at=None): flat_part(b.slot(b.state_bufs[k], i), at, v.numel()).copy_(v)
-    def value(self, b, k, i): return b.slot(b.state_bufs[k], i).float()
+        b.state_held[k] = _handles(b, k)
+    def put(self, b, k, i, v, at=None):
+        slot = b.slot(b.state_bufs[k], i)
+        flat_part(slot, at, v.numel()).copy_(v)
+    def value(self, b, k, i):
+        return b.slot(b.state_bufs[k], i).float()
     def load_window(self, b, k, i, j, scratch=None):
         scratch.copy_(b.part(b.state_bufs[k], i, j))
         return scratch
-    def store_window(self, b, k, i, j, x): b.part(b.state_bufs[k], i, j).copy_(x)
+    def store_window(self, b, k, i, j, x):
+        b.part(b.state_bufs[k], i, j).copy_(x)
     # `kernel_store` is the dense one: `where_skipped`'s conversion rounds as `store_window`'s copy
     def kernel_load(self, t, k): return t[k].float()
     # with bf16 state, a pure bf16 kernel's tensors are all bf16, and inductor's vectors then hold 32 lanes: its bit
@@ -230,7 +256,8 @@ def probe_casts(device) -> bool:
     import torch._inductor.config as inductor  # imported with `torch.compile`, never at mpx's import
     try:
         trip = torch.compile(_round_trip, dynamic=False, options={'emulate_precision_casts': True})
-        _casts[dev] = hasattr(inductor, 'emulate_precision_casts') and bool(trip(torch.full((8,), 1 + 2**-10, device=device)).ne(0).all())
+        known = hasattr(inductor, 'emulate_precision_casts')
+        _casts[dev] = known and bool(trip(torch.full((8,), 1 + 2**-10, device=device)).ne(0).all())
     except Exception: _casts[dev] = False  # no kernel builds here: the compiled steps fall back and say why
     return _casts[dev]
 
@@ -249,14 +276,15 @@ def where_skipped(keep:Tensor, old:Tensor, new:Tensor) -> Tensor:
     # chosen in fp32, then cast once (a kernel that keeps its casts would otherwise cast `new` there and back first)
     if old.dtype != torch.uint8: return torch.where(keep, old.float(), new.float()).to(old.dtype)
     # bytes (4-bit codes) through a mask: inductor's CPU blend of bytes is slow
-    return old ^ ((old ^ new) & torch.where(keep, 0, 255).to(torch.uint8))
-
+    flips = (old ^ new) & torch.where(keep, 0, 255).to(torch.uint8)
+    return old ^ flips
 
 # %% ../nbs/01i_lowbit.ipynb #lb0015c
 def bf16_nearest(x:Tensor) -> Tensor:
     "fp32 `x` rounded to the nearest bf16, still fp32 (a NaN: the caller's)"
     b = x.view(torch.int32)
-    return ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).view(torch.float32)  # the low 16 bits dropped, rounded first
+    rounded = b + 0x7FFF + ((b >> 16) & 1)
+    return (rounded & -65536).view(torch.float32)  # the low 16 bits dropped, rounded first
 
 # %% ../nbs/01i_lowbit.ipynb #lb0018
 class Float8Codes:
@@ -266,20 +294,23 @@ class Float8Codes:
         "`x` scaled to its codes' values, and the block scales"
         xb = x.reshape(-1, self.block)
         scale = xb.abs().amax(-1).clamp_min(1e-12)
-        return (xb * (256 / scale).view(-1, 1)).view(x.shape),scale
+        y = (xb * (256 / scale).view(-1, 1)).view(x.shape)
+        return y,scale
     def encode(self, x:Tensor, qmap=None) -> tuple:
         y,scale = self.scaled(x)
         return y.to(torch.float8_e4m3fn).view(torch.uint8),scale
     def decode(self, codes:Tensor, scale:Tensor, qmap=None) -> Tensor:
         # in a kernel the codes come typed e4m3, and this view is no bit cast
         x = codes.view(torch.float8_e4m3fn).float()
-        return (x.reshape(-1, self.block) * (scale / 256).view(-1, 1)).view(x.shape)
+        rows = x.reshape(-1, self.block)
+        return (rows * (scale / 256).view(-1, 1)).view(x.shape)
     # ---- compiled
     def typed(self, codes:Tensor) -> Tensor: return codes.view(torch.float8_e4m3fn)
     def kernel_code(self, old:Tensor, x:Tensor, keep:Tensor, qmap=None) -> tuple:
         "New codes of `x` (`old` where `keep`), typed e4m3, and the block scales"
         y,scale = self.scaled(x)
-        return torch.where(keep, old.float(), y).to(torch.float8_e4m3fn),scale  # an e4m3 number casts back to itself
+        codes = torch.where(keep, old.float(), y).to(torch.float8_e4m3fn)  # an e4m3 number casts back to itself
+        return codes,scale
 
 class MapCodes:
     "4-bit codes: nearest of a 16-value map, in blocks of 128, two a byte"
@@ -309,38 +340,53 @@ class QuantStore(BF16Store):
                                         'realize_acc_reads_threshold', 'realize_cpu_acc_reads_threshold')}
     def __init__(self, bits:int=8):
         self.codes = Float8Codes() if bits == 8 else MapCodes()
-        self.bits,self.name,self.block = bits,f'{bits}bit',self.codes.block
+        self.bits,self.name = bits,f'{bits}bit'
+        self.block = self.codes.block
         self.maps = dict(signed=dynamic_map(True, 3, 4), unsigned=root_map(4))
     def __repr__(self): return f"QuantStore({self.bits})"
     def bytes(self, dtype) -> float: return self.bits / 8 + 4 / self.block
     def qmap(self, k:str, device) -> Tensor|None:
         "The map of key `k` on `device`, kept there (None for fp8 codes)"
         if self.bits == 8: return None
-        key = ('unsigned' if k == 'sqr_avg' else 'signed', str(device))
-        if key not in self.maps: self.maps[key] = self.maps[key[0]].to(device)
+        sign = 'unsigned' if k == 'sqr_avg' else 'signed'
+        key = (sign, str(device))
+        if key not in self.maps: self.maps[key] = self.maps[sign].to(device)
         return self.maps[key]
     def new(self, b, k, dtype):
-        b.state_bufs[k] = torch.zeros(b.n * self.bits // 8, dtype=torch.uint8, device=b.device)
+        n_bytes = b.n * self.bits // 8
+        b.state_bufs[k] = torch.zeros(n_bytes, dtype=torch.uint8, device=b.device)
         b.store_meta[k] = torch.zeros(b.n // self.block, device=b.device)
         self.zero(b, k, 0, len(b.params))
-        b.state_held[k] = [LowBitState(b, k, i) for i in range(len(b.params))]
-    def _span(self, k, lo:int, hi:int) -> slice: return slice(lo, hi) if self.bits == 8 else slice(lo//2, hi//2)
-    def _enc(self, k, x): return x.clamp_min(0).sqrt() if k == 'sqr_avg' else x  # the second moment as its square root
+        b.state_held[k] = _handles(b, k)
+    def _span(self, k, lo:int, hi:int) -> slice:
+        "Where the codes of elements `lo` to `hi` lie in the bytes"
+        return slice(lo, hi) if self.bits == 8 else slice(lo//2, hi//2)
+    def _code_bytes(self, b, k, lo:int, hi:int) -> Tensor:
+        "The bytes holding the codes of elements `lo` to `hi`"
+        return b.state_bufs[k][self._span(k, lo, hi)]
+    def _scales(self, b, k, lo:int, hi:int) -> Tensor:
+        "The scales of the blocks of elements `lo` to `hi`"
+        return b.store_meta[k][lo // self.block:hi // self.block]
+    def _enc(self, k, x):
+        return x.clamp_min(0).sqrt() if k == 'sqr_avg' else x  # the second moment as its square root
     def _dec(self, k, x): return x.square() if k == 'sqr_avg' else x
     def _store(self, b, k, lo:int, hi:int, x:Tensor):
         "Code fp32 `x` into elements `lo` to `hi` (block-aligned)"
         codes,scale = self.codes.encode(self._enc(k, x), self.qmap(k, x.device))
-        b.state_bufs[k][self._span(k, lo, hi)].copy_(codes)
-        b.store_meta[k][lo // self.block:hi // self.block].copy_(scale)
+        self._code_bytes(b, k, lo, hi).copy_(codes)
+        self._scales(b, k, lo, hi).copy_(scale)
     def _load(self, b, k, lo:int, hi:int) -> Tensor:
-        s = b.store_meta[k][lo // self.block:hi // self.block]
-        return self._dec(k, self.codes.decode(b.state_bufs[k][self._span(k, lo, hi)], s, self.qmap(k, b.device)))
+        scale = self._scales(b, k, lo, hi)
+        codes = self._code_bytes(b, k, lo, hi)
+        x = self.codes.decode(codes, scale, self.qmap(k, b.device))
+        return self._dec(k, x)
     def zero(self, b, k, a, c):
         "Zeros' codes and scales filled in, with no fp32 tensor"
         lo,hi = b.lo(a),b.end(c)
-        codes,scale = self.codes.encode(self._enc(k, torch.zeros(self.block, device=b.device)), self.qmap(k, b.device))
-        b.state_bufs[k][self._span(k, lo, hi)].fill_(codes[0])
-        b.store_meta[k][lo // self.block:hi // self.block].fill_(scale[0])
+        zeros = self._enc(k, torch.zeros(self.block, device=b.device))
+        codes,scale = self.codes.encode(zeros, self.qmap(k, b.device))
+        self._code_bytes(b, k, lo, hi).fill_(codes[0])
+        self._scales(b, k, lo, hi).fill_(scale[0])
     def put(self, b, k, i, v, at=None):
         if at is None:
             lo,hi = b.lo(i),b.end(i+1)
@@ -349,46 +395,55 @@ class QuantStore(BF16Store):
             return self._store(b, k, lo, hi, x)
         if at % self.block: raise ValueError(f"a piece of state at element {at}: not on a block of {self.block}")
         lo = b.offs[i] + at  # the blocks the piece covers alone: decoded, written, coded again
-        hi = min(-(-(lo + v.numel()) // self.block) * self.block, b.end(i+1))
+        block_end = -(-(lo + v.numel()) // self.block) * self.block  # the piece's end, rounded up to a block
+        hi = min(block_end, b.end(i+1))
         x = self._load(b, k, lo, hi)
         x[:v.numel()].copy_(v)
         self._store(b, k, lo, hi, x)
     def value(self, b, k, i):
         lo = b.lo(i)
-        return b.slot(self._load(b, k, lo, b.end(i+1)), i, lo).clone()
+        x = self._load(b, k, lo, b.end(i+1))
+        return b.slot(x, i, lo).clone()
     def load_window(self, b, k, i, j, scratch=None):
         scratch.copy_(self._load(b, k, b.lo(i), b.end(j)))
         return scratch
-    def store_window(self, b, k, i, j, x): self._store(b, k, b.lo(i), b.end(j), x)
+    def store_window(self, b, k, i, j, x):
+        self._store(b, k, b.lo(i), b.end(j), x)
     # ---- compiled: the codes and scales (and a 4-bit map) in, new codes and scales out, in the same pass
     def kernel_io(self, b, k, a, c):
         lo,hi = b.lo(a),b.end(c)
-        codes = self.codes.typed(b.state_bufs[k][self._span(k, lo, hi)])
+        codes = self.codes.typed(self._code_bytes(b, k, lo, hi))
         codes = static_rows(codes.view(-1, self.block * self.bits // 8))
-        t = {kernel_name(k, 'codes'): codes, kernel_name(k, 'scale'): b.store_meta[k][lo // self.block:hi // self.block]}
-        return {**t, kernel_name(k, 'map'): self.qmap(k, b.device)} if self.bits == 4 else t
+        scale = self._scales(b, k, lo, hi)
+        t = {kernel_name(k, 'codes'): codes, kernel_name(k, 'scale'): scale}
+        if self.bits == 4: t[kernel_name(k, 'map')] = self.qmap(k, b.device)
+        return t
     def kernel_shape(self, t):
         "The kind's flat tensors as rows of a block, of static length"
         return {k: static_rows(v.view(-1, self.block)) for k,v in t.items()}
     def kernel_load(self, t, k):
-        codes,scale,qmap = t[kernel_name(k, 'codes')],t[kernel_name(k, 'scale')],t.get(kernel_name(k, 'map'))
+        codes = t[kernel_name(k, 'codes')]
+        scale = t[kernel_name(k, 'scale')]
+        qmap = t.get(kernel_name(k, 'map'))
         return self._dec(k, self.codes.decode(codes, scale, qmap))
     def kernel_store(self, t, k, x, keep):
         c,s = kernel_name(k, 'codes'),kernel_name(k, 'scale')
-        codes,scale = self.codes.kernel_code(t[c], self._enc(k, x), keep, t.get(kernel_name(k, 'map')))
+        qmap = t.get(kernel_name(k, 'map'))
+        codes,scale = self.codes.kernel_code(t[c], self._enc(k, x), keep, qmap)
         return {c: codes, s: where_skipped(keep, t[s], scale)}
 
 # %% ../nbs/01i_lowbit.ipynb #lb0029
 MIN_LOWBIT = 4096  # elements: smaller tensors keep their state in fp32
 
-_OWN = dict(fp32=DenseStore, bf16=BF16Store, **{'8bit': partial(QuantStore, 8), '4bit': partial(QuantStore, 4)})  # core names them
+_OWN = {'fp32': DenseStore, 'bf16': BF16Store, '8bit': partial(QuantStore, 8), '4bit': partial(QuantStore, 4)}  # core names them
 
 def make_store(opt_state='fp32') -> Store:
     "The store `opt_state` names: a registered name's, a `Store` itself, or a new one of a `Store` subclass"
     if isinstance(opt_state, Store): return opt_state  # the user's own: every fit it is passed to uses it
     if isinstance(opt_state, type) and issubclass(opt_state, Store): return opt_state()
     if not is_opt_state(opt_state): raise ValueError(f"opt_state={opt_state!r} is not allowed: opt_state must be {opt_states()}")
-    store = (store_maker(opt_state) or _OWN[opt_state])()
+    maker = store_maker(opt_state) or _OWN[opt_state]
+    store = maker()
     if not isinstance(store, Store): raise TypeError(f"opt_state={opt_state!r} made {store!r}, which is not a Store")
     return store
 

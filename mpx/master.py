@@ -21,13 +21,19 @@ __all__ = ['Masters', 'MasterKind', 'MasterCopies', 'MasterPrecision']
 # %% ../nbs/04_master.ipynb #971f8fad
 _grad_of = operator.attrgetter('grad')
 
+def _versions(ts) -> list: return [t._version for t in ts]
+
+def _handed_versions(own:Masters) -> list:
+    "The versions of the masters `learn.parameters()` hands out, and of their gradients"
+    return [(m._version, g._version) for m,g in zip(own.params, own.grad_slots)]
+
 class Masters:
     "A bucket's fp32 masters and their gradients (`b.own`), flat and in slots, and what the kind saw of them"
     def __init__(self, b, masters:Tensor, grads:Tensor):
         self.masters,self.grads = masters,grads
         self.slots,self.grad_slots = b.views(masters),b.views(grads)  # each parameter's slot
         self.params = [nn.Parameter(m, requires_grad=False) for m in self.slots]  # what `learn.parameters()` hands out
-        self.handed = [(m._version, g._version) for m,g in zip(self.params, self.grad_slots)]  # their versions, as handed
+        self.handed = _handed_versions(self)  # their versions, as handed
         self.seen = None  # the model gradients' versions after a backward's take
         self.shown = None  # once `learn.parameters()` handed the masters out: the gradient each was last shown with
 
@@ -48,7 +54,8 @@ class MasterKind(Kind):
         # at the set-up's end (`Bucket.commit`): the half weights (and gradients, in their slots) shown in the model;
         # fresh gradients are cast to half each, taken into their slots at the first step (`adopt_grads`)
         b.shows = (b.w, None if gx is None else b.g)
-    def to_step(self, b, i, j): return b.part(b.own.masters, i, j),b.part(b.own.grads, i, j)
+    def to_step(self, b, i, j):
+        return b.part(b.own.masters, i, j),b.part(b.own.grads, i, j)
     def assign(self, b, i, x, at=None):
         flat_part(b.own.slots[i], at, x.numel()).copy_(x)  # the master exact, the half weight its rounding
         flat_part(b.slot(b.w, i), at, x.numel()).copy_(x)
@@ -57,29 +64,32 @@ class MasterKind(Kind):
     def fold(self, b, i, j, x, turn=0): b.part(b.w, i, j).copy_(x)
     def checked(self, b): return [b.own.grads]
     def grad_of(self, b, i): return b.own.grad_slots[i] if b.has_grad[i] else None
+    def _show(self, b, i):
+        "Master `i` shown with the gradient it steps"
+        b.own.params[i].grad = b.own.shown[i] = self.grad_of(b, i)
     def stepped(self, b, i):
         if b.own.shown is None: b.own.shown = [None]*len(b.own.params)
-        m = b.own.params[i]
-        m.grad = b.own.shown[i] = b.own.grad_slots[i] if b.has_grad[i] else None
-        return m
+        self._show(b, i)
+        return b.own.params[i]
     def value(self, b, i): return b.own.slots[i].clone()
     def take(self, b, fresh:bool):
         "After a backward: the half gradients into the fp32 ones"
-        (b.own.grads.copy_ if fresh else b.own.grads.add_)(b.g)
+        if fresh: b.own.grads.copy_(b.g)
+        else: b.own.grads.add_(b.g)
         for i in sorted(b.apart):  # a sparse gradient, added densely
             if fresh: b.own.grad_slots[i].zero_()
             b.own.grad_slots[i].add_(b.params[i].grad)
             b.params[i].grad.zero_()
         if b.apart or not fresh: b.g.copy_(b.own.grads)
-        b.own.seen = [g._version for g in b.grad_slots]  # autograd's own writes (it adds into `p.grad`) are not a callback's
+        b.own.seen = _versions(b.grad_slots)  # autograd's own writes (it adds into `p.grad`) are not a callback's
         if b.own.shown is None: return
         # as a backward sets `p.grad`
-        for i,(m,g,l) in enumerate(zip(b.own.params, b.own.grad_slots, b.has_grad)): m.grad = b.own.shown[i] = g if l else None
+        for i in range(len(b.own.params)): self._show(b, i)
     def merge(self, b, handed_out:bool=False):
         "Model gradients a callback wrote or assigned since: taken"
         self._take_assigned(b)
         if handed_out: self._show_handed(b)
-        now = [g._version for g in b.grad_slots]
+        now = _versions(b.grad_slots)
         if b.own.seen is not None and now != b.own.seen:
             for i,(v,u) in enumerate(zip(now, b.own.seen)):
                 if v != u: merge_writes(b.own.grad_slots[i], b.grad_slots[i])
@@ -87,8 +97,8 @@ class MasterKind(Kind):
     def _take_assigned(self, b):
         "Gradients assigned to the masters through `learn.parameters()`"
         # None: not stepped (as fastai's loop skips it), a tensor: taken
-        # never handed out, or none assigned
-        if b.own.shown is None or all(map(operator.is_, map(_grad_of, b.own.params), b.own.shown)): return
+        if b.own.shown is None: return  # never handed out
+        if all(map(operator.is_, map(_grad_of, b.own.params), b.own.shown)): return  # or none assigned
         for i,(m,s) in enumerate(zip(b.own.params, b.own.shown)):
             g = m.grad
             if g is s: continue
@@ -97,11 +107,11 @@ class MasterKind(Kind):
                 b.own.grad_slots[i].copy_(g)
                 b.slot(b.g, i).copy_(b.own.grad_slots[i])  # shown in the model too
                 b.has_grad[i] = True
-            m.grad = b.own.shown[i] = b.own.grad_slots[i] if b.has_grad[i] else None
+            self._show(b, i)
             b.forget_grads()  # the next step asks the model's gradients again
     def _show_handed(self, b):
         "Masters or gradients written through `learn.parameters()`, shown"
-        now = [(m._version, g._version) for m,g in zip(b.own.params, b.own.grad_slots)]
+        now = _handed_versions(b.own)
         for i,((m,g),(m0,g0)) in enumerate(zip(now, b.own.handed)):
             if m != m0: b.slot(b.w, i).copy_(b.own.slots[i])
             if g != g0: b.slot(b.g, i).copy_(b.own.grad_slots[i])
@@ -124,7 +134,10 @@ class MasterKind(Kind):
     def carried(self, b, idle:bool=False) -> dict:
         "The fp32 and half gradients of a step under way, by `id`"
         if idle: return {}  # no step under way: the model's gradients are the last step's, already taken
-        return {id(p): ('master', gx.clone(), g.clone()) for p,gx,g,l in zip(b.params, b.own.grad_slots, b.grad_slots, b.has_grad) if l}
+        res = {}
+        for p,gx,g,l in zip(b.params, b.own.grad_slots, b.grad_slots, b.has_grad):
+            if l: res[id(p)] = ('master', gx.clone(), g.clone())
+        return res
     def restore(self, b, grads:dict):
         "What `carried` took from an earlier layout, into this one"
         for i,p in enumerate(b.params):
@@ -135,9 +148,10 @@ class MasterKind(Kind):
             p.grad = b.grad_slots[i]
             b.has_grad[i] = True
         b.forget_grads()
-        b.own.seen = [g._version for g in b.grad_slots]
+        b.own.seen = _versions(b.grad_slots)
     def kernel_io(self, b, a, c, turn=0):
-        return dict(x=b.part(b.own.masters, a, c), gx=b.part(b.own.grads, a, c), w=b.part(b.w, a, c)),{}
+        bufs = dict(x=b.own.masters, gx=b.own.grads, w=b.w)
+        return {k: b.part(t, a, c) for k,t in bufs.items()},{}
     @staticmethod
     def kernel_widen(t, s): return t['x'],t['gx']
     @staticmethod
@@ -156,10 +170,14 @@ class MasterCopies(FitState):
         learn:Learner, # The learner whose model is halved
         dtype:torch.dtype, # The model's dtype during the fit: torch.float16 or torch.bfloat16
     ):
-        halved,ours = halvable(learn.model),{id(p) for p in opt_params(learn.opt)}
-        self.halves,self.kind,self.plain = {id(t) for t in halved},MasterKind(dtype),Kind()
-        owners = [m for m in learn.model.modules() if any(id(p) in self.halves for p in m.parameters(recurse=False))]
-        self.hooks = [m.register_load_state_dict_pre_hook(_LoadHook(self._load_masters)) for m in owners]
+        halved = halvable(learn.model)
+        ours = {id(p) for p in opt_params(learn.opt)}
+        self.halves = {id(t) for t in halved}
+        self.kind,self.plain = MasterKind(dtype),Kind()
+        self.hooks = []
+        for m in learn.model.modules():  # the modules whose `load_state_dict` can reach a master
+            if any(id(p) in self.halves for p in m.parameters(recurse=False)):
+                self.hooks.append(m.register_load_state_dict_pre_hook(_LoadHook(self._load_masters)))
         self.rest = HalvedRest([t for t in halved if id(t) not in ours], dtype, learn.model)  # last: it halves
     def kind_of(self, p) -> Kind: return self.kind if id(p) in self.halves else self.plain
     def undo(self):
@@ -169,8 +187,10 @@ class MasterCopies(FitState):
         "`module.load_state_dict` mid-fit: the values into the masters, whole"
         homes = getattr(self.engine, 'home', {})
         for n,p in module.named_parameters(recurse=False):
-            v,home = state_dict.get(prefix + n),homes.get(id(p))
-            if isinstance(v, Tensor) and v.shape == p.shape and home is not None and home[0].kind is self.kind:
+            v = state_dict.get(prefix + n)
+            home = homes.get(id(p))
+            mastered = home is not None and home[0].kind is self.kind
+            if mastered and isinstance(v, Tensor) and v.shape == p.shape:
                 # the model's half weight then rounds it: merged, it changes nothing
                 with torch.no_grad(): home[0].own.slots[home[1]].copy_(v)
 
@@ -208,13 +228,16 @@ class MasterPrecision(PrecisionCallback):
         opt_state='fp32', # The optimizer's state: 'fp32', 'bf16', '8bit', '4bit', a `register_store` name or a `Store` (`mpx.lowbit`)
     ):
         super().__init__(amp_mode, check_finite, fused, schedule_skips, opt_state)
-        check_args(dynamic=dynamic, **({} if flat_master is None else dict(flat_master=flat_master)))
+        check_args(dynamic=dynamic)
         if flat_master is not None:
+            check_args(flat_master=flat_master)
             warn_user("flat_master has no effect: the fp32 masters are always flat, one buffer a parameter group "
                       "(split by weight decay), whatever `fused` says. Drop it", FutureWarning)
         args = dict(loss_scale=loss_scale, growth_interval=growth_interval, growth_factor=growth_factor,
                     backoff_factor=backoff_factor, min_scale=min_scale, max_scale=max_scale, hysteresis=hysteresis)
-        check_mode_args('master', self.amp_mode, dynamic, **passed(**args), **({'dynamic': dynamic} if dynamic else {}))
+        given = passed(**args)
+        if dynamic: given['dynamic'] = dynamic
+        check_mode_args('master', self.amp_mode, dynamic, **given)
         self.scaler = None if self.amp_mode is AMPMode.BF16 else _scaler(dynamic, **args)
         self._check_schedule_skips()
 
@@ -238,7 +261,8 @@ class MasterPrecision(PrecisionCallback):
             "(GANLearner.wgan) with AMP (learn.to_fp16() or learn.to_bf16()) or pure bf16 (learn.to_bf16(pure=True)), "
             "or pass clip=None")
     def _new_fit_state(self):  # under FSDP2 its fp32 shards are the masters (`mpx.parallel`)
-        return ShardedMasters(self.learn) if is_sharded(self.model) else MasterCopies(self.learn, self.amp_mode.dtype)
+        if is_sharded(self.model): return ShardedMasters(self.learn)
+        return MasterCopies(self.learn, self.amp_mode.dtype)
     def _begin_fit(self):
         super()._begin_fit()
         # what `GradientClip` clips

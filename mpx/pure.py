@@ -19,26 +19,25 @@ __all__ = ['stream_key', 'stream_key_t', 'random_bits16', 'round_stochastic', 'f
 # %% ../nbs/05_pure.ipynb #pb000007
 _hi = -65536  # 0xFFFF0000 as an int32: the bits of an fp32 that a bf16 keeps
 
-def _mix32(x:int) -> int:
-    "Mueller's 32-bit integer hash of a Python int"
-    x &= 0xFFFFFFFF
-    for _ in range(2): x = ((x ^ (x >> 16)) * 0x45d9f3b) & 0xFFFFFFFF
-    return x ^ (x >> 16)
-
-def stream_key(seed:int, count:int, turn:int=0) -> int:
-    "The int32 key of step `count` (and `turn`) of stream `seed`"
-    k = _mix32(_mix32(_mix32(seed) + count) + turn)
-    return k - 2**32 if k >= 2**31 else k
-
-def _mix32_t(x:Tensor) -> Tensor:
-    "`_mix32` of each int64 of `x`"
+def _mix32(x:int|Tensor) -> int|Tensor:
+    "Mueller's 32-bit integer hash of a Python int, or of each int64 of a tensor"
     x = x & 0xFFFFFFFF
     for _ in range(2): x = ((x ^ (x >> 16)) * 0x45d9f3b) & 0xFFFFFFFF
     return x ^ (x >> 16)
 
+def _int32(k:int) -> int:
+    "Unsigned 32-bit `k` as a signed int32"
+    return k - 2**32 if k >= 2**31 else k
+
+def stream_key(seed:int, count:int, turn:int=0) -> int:
+    "The int32 key of step `count` (and `turn`) of stream `seed`"
+    k = _mix32(_mix32(_mix32(seed) + count) + turn)
+    return _int32(k)
+
 def stream_key_t(mixed:Tensor, count:Tensor, turn:Tensor) -> Tensor:
     "`stream_key` in a kernel: from `_mix32(seed)` (as an int32), the count on the device and the turn"
-    k = _mix32_t(_mix32_t((mixed.long() & 0xFFFFFFFF) + count) + turn.long())
+    step_key = _mix32((mixed.long() & 0xFFFFFFFF) + count)
+    k = _mix32(step_key + turn.long())
     return torch.where(k >= 2**31, k - 2**32, k).int()
 
 def random_bits16(idx:Tensor, key) -> Tensor:
@@ -50,14 +49,17 @@ def random_bits16(idx:Tensor, key) -> Tensor:
 def round_stochastic(x:Tensor, key, base=0) -> Tensor:
     "fp32 `x` rounded stochastically to a bf16 neighbour, still fp32"
     # up with probability (dropped bits)/2**16: `x` (flat) plus 16 random bits, the low 16 bits dropped
-    idx = (torch.arange(x.numel(), device=x.device, dtype=torch.int32) + base).view(x.shape)
-    return ((x.view(torch.int32) + random_bits16(idx, key)) & _hi).view(torch.float32)
+    pos = torch.arange(x.numel(), device=x.device, dtype=torch.int32)
+    idx = (pos + base).view(x.shape)
+    bits = x.view(torch.int32) + random_bits16(idx, key)
+    return (bits & _hi).view(torch.float32)
 
 # %% ../nbs/05_pure.ipynb #pb000013
 @torch.no_grad()
 def fold_kahan(xs:list, ws:list, cs:list, r:list|None=None, t:list|None=None):
     "Write fp32 `xs` into bf16 weights `ws` and compensations `cs`"
-    r,t = _fp32_like(xs, r),_fp32_like(xs, t)
+    r = _fp32_like(xs, r)
+    t = _fp32_like(xs, t)
     torch._foreach_copy_(ws, xs)  # w = bf16(x), to nearest
     torch._foreach_copy_(t, ws)
     torch.ops.aten._foreach_sub.List_out(xs, t, out=r)  # x - w, exact in fp32
@@ -71,11 +73,13 @@ def fold_kahan(xs:list, ws:list, cs:list, r:list|None=None, t:list|None=None):
 
 def _fp32_like(xs:list, given:list|None) -> list:
     "`given` (reused fp32 tensors shaped like `xs`), else new ones"
-    return given if given is not None else [torch.empty_like(x, dtype=torch.float32) for x in xs]
+    if given is not None: return given
+    return [torch.empty_like(x, dtype=torch.float32) for x in xs]
 
 def split_kahan(x:Tensor) -> tuple:
     "fp32 `x` as a canonical pair of bf16 weight and compensation"
-    w,c = torch.empty_like(x, dtype=torch.bfloat16),torch.empty_like(x, dtype=torch.bfloat16)
+    w = torch.empty_like(x, dtype=torch.bfloat16)
+    c = torch.empty_like(x, dtype=torch.bfloat16)
     fold_kahan([x], [w], [c])
     return w,c
 
@@ -97,31 +101,35 @@ class BF16Kind(Kind):
         "Each fp32 weight split into the kind's bf16 storage"
         # the fp32 weights as one buffer: the one a former fit left, else a parameter at a time
         x = b.hold_weights(torch.float32)
-        b.w,b.g = b.zeros(torch.bfloat16),b.zeros(torch.bfloat16)
+        b.w = b.zeros(torch.bfloat16)
+        b.g = b.zeros(torch.bfloat16)
         self.split(b, x)
         b.shows = (b.w, None)  # the parameters, bf16: at the set-up's end (`Bucket.commit`)
     def split(self, b, x:Tensor): b.w.copy_(x)  # to nearest
-    def assign(self, b, i, x, at=None): flat_part(b.slot(b.w, i), at, x.numel()).copy_(x)  # as `split` does
+    def assign(self, b, i, x, at=None):
+        flat_part(b.slot(b.w, i), at, x.numel()).copy_(x)  # as `split` does
     def to_step(self, b, i, j):
         "The fp32 values and gradients of parameters `i` to `j`"
         n = b.end(j) - b.lo(i)
-        x,g = b.workspace(b.device, n, 'stepped'),b.workspace(b.device, n, 'stepped_grad')
+        x = b.workspace(b.device, n, 'stepped')
+        g = b.workspace(b.device, n, 'stepped_grad')
         self.widen(b, i, j, x)
         g.copy_(b.part(b.g, i, j))
         for k in sorted(k for k in b.apart if i <= k < j):  # summed in fp32
-            b.slot(g, k, b.lo(i)).copy_(b.params[k].grad.float().to_dense())
+            grad = b.params[k].grad.float().to_dense()
+            b.slot(g, k, b.lo(i)).copy_(grad)
         return x,g
     def widen(self, b, i, j, x): x.copy_(b.part(b.w, i, j))
-    def kernel_io(self, b, a, c, turn=0): return dict(w=b.part(b.w, a, c), g=b.part(b.g, a, c)),{}
     @staticmethod
     def kernel_widen(t, s): return t['w'].float(),t['g'].float()
     def finish(self, b):
         "Each weight back in fp32, in one buffer the next fit takes"
-        for i,(p,v) in enumerate(zip(b.params, b.views(b.zeros(torch.float32)))):
+        fp32 = b.views(b.zeros(torch.float32))
+        for i,(p,v) in enumerate(zip(b.params, fp32)):
             v.copy_(self.value(b, i))
             set_data(p, v)  # a parameter with a gradient keeps it, in fp32
-    def value(self, b, i:int) -> Tensor: return b.params[i].data.float()
-    def values(self, b) -> list: return [self.value(b, i) for i in range(len(b.params))]
+    def values(self, b) -> list:
+        return [self.value(b, i) for i in range(len(b.params))]
     def carried(self, b, idle=False) -> dict:
         return {id(p): ('bf16', p.grad.clone()) for p in b.params if p.grad is not None}
     def restore(self, b, grads:dict):
@@ -140,27 +148,41 @@ class KahanKind(BF16Kind):
     def assign(self, b, i, x, at=None):
         w,c = b.slot(b.w, i),b.own.slots[i]
         if not w.is_contiguous(): return fold_kahan([x], [w], [c])  # another order of its elements (transposed): whole
-        a,n = at or 0,x.numel()
-        self._fold_whole(b, x.reshape(-1), w.view(-1)[a:a+n], c.view(-1)[a:a+n])
+        a = at or 0
+        span = slice(a, a + x.numel())  # the flat elements `x` gives
+        self._fold_whole(b, x.reshape(-1), w.view(-1)[span], c.view(-1)[span])
     def _fold_whole(self, b, x, w, c, chunk:int=1<<20):
         "`fold_kahan` of flat `x` into `w` and `c`, a chunk at a time"
         for a in range(0, x.numel(), chunk):
-            xa = x[a:a+chunk]
-            rest,total = self._scratch(b, xa, 'kahan_rest'),self._scratch(b, xa, 'kahan_sum')
-            fold_kahan([xa], [w[a:a+chunk]], [c[a:a+chunk]], rest, total)
-    def written(self, b, idx:list): torch._foreach_zero_([b.own.slots[i] for i in idx])  # what was written, exactly
+            span = slice(a, a + chunk)
+            self._fold(b, x[span], w[span], c[span])
+    def _fold(self, b, x, w, c):
+        "`fold_kahan` of `x` into `w` and `c`, its temporaries in the workspace"
+        rest = self._scratch(b, x, 'kahan_rest')
+        total = self._scratch(b, x, 'kahan_sum')
+        fold_kahan([x], [w], [c], rest, total)
+    def written(self, b, idx:list):
+        torch._foreach_zero_([b.own.slots[i] for i in idx])  # what was written, exactly
+    def _parts(self, b, i, j) -> tuple:
+        "The bf16 weights and compensations of parameters `i` to `j`"
+        return b.part(b.w, i, j),b.part(b.own.buf, i, j)
     def widen(self, b, i, j, x):
-        widen_kahan([x], [b.part(b.w, i, j)], [b.part(b.own.buf, i, j)], self._scratch(b, x, 'kahan_sum'))
+        w,c = self._parts(b, i, j)
+        widen_kahan([x], [w], [c], self._scratch(b, x, 'kahan_sum'))
     def fold(self, b, i, j, x, turn=0):
-        rest,total = self._scratch(b, x, 'kahan_rest'),self._scratch(b, x, 'kahan_sum')
-        fold_kahan([x], [b.part(b.w, i, j)], [b.part(b.own.buf, i, j)], rest, total)
+        w,c = self._parts(b, i, j)
+        self._fold(b, x, w, c)
     def _scratch(self, b, x, slot:str) -> list:
         "The fp32 scratch buffer `slot` for a window's bf16 operands"
         return [b.workspace(b.device, x.numel(), slot)]
-    def value(self, b, i): return b.params[i].data.float().add_(b.own.slots[i].float())
-    def kernel_io(self, b, a, c, turn=0): return dict(w=b.part(b.w, a, c), c=b.part(b.own.buf, a, c), g=b.part(b.g, a, c)),{}
+    def value(self, b, i):
+        return b.params[i].data.float().add_(b.own.slots[i].float())
+    def kernel_io(self, b, a, c, turn=0):
+        w,comp = self._parts(b, a, c)
+        return dict(w=w, c=comp, g=b.part(b.g, a, c)),{}
     @staticmethod
-    def kernel_widen(t, s): return t['w'].float() + t['c'].float(),t['g'].float()
+    def kernel_widen(t, s):
+        return t['w'].float() + t['c'].float(),t['g'].float()
     @staticmethod
     def kernel_fold(t, s, x, nearest=None):
         "`fold_kahan` in a kernel, rounding to bf16 by `nearest` (the store's; else on the bits)"
@@ -173,46 +195,58 @@ class KahanKind(BF16Kind):
 
 class Stream:
     "Stochastic rounding's stream: a seed, and the steps taken (those a compiled fit skipped counted on the device)"
-    def __init__(self, seed:int=0, count:int=0): self.seed,self._count,self.skipped = seed,count,None
+    def __init__(self, seed:int=0, count:int=0):
+        self.seed,self._count = seed,count
+        self.skipped = None
     def __repr__(self): return f"Stream(seed={self.seed}, count={self.count})"
     @property
     def count(self) -> int:
         "The steps taken (one host sync where a compiled fit skipped steps on the device since)"
-        if self.skipped is not None: self._count,self.skipped = self._count - int(self.skipped.item()),None
+        if self.skipped is not None:
+            self._count -= int(self.skipped.item())
+            self.skipped = None
         return self._count
     @count.setter
-    def count(self, n:int): self._count,self.skipped = int(n),None
+    def count(self, n:int):
+        self._count = int(n)
+        self.skipped = None
     def to_host(self):
         "The count whole on the host, the device's count of skips dropped (one sync where there is one)"
         if self.skipped is not None: self.count = self.count
     def tick(self): self._count += 1  # each step the engine runs: a skipped one is taken off on the device
+    def _skips(self, device) -> Tensor:
+        "The device's count of skipped steps, zero where there was none"
+        if self.skipped is None: self.skipped = torch.zeros((), dtype=torch.int64, device=device)
+        return self.skipped
     def skip_on_device(self, found:Tensor):
         "A compiled step skipped where `found` (the device's flag) is not one taken (no sync)"
-        if self.skipped is None: self.skipped = torch.zeros((), dtype=torch.int64, device=found.device)
-        self.skipped.add_((found.reshape(()) != 0).long())
+        self._skips(found.device).add_((found.reshape(()) != 0).long())
     def on(self, device) -> tuple:
         "For a kernel on `device`: the steps the host counted, and those skipped on the device (no sync)"
-        if self.skipped is None: self.skipped = torch.zeros((), dtype=torch.int64, device=device)
-        return self._count,self.skipped
-    def __getstate__(self): return dict(seed=self.seed, _count=self.count, skipped=None)  # pickled whole on the host
+        return self._count,self._skips(device)
+    def __getstate__(self):
+        return dict(seed=self.seed, _count=self.count, skipped=None)  # pickled whole on the host
 
 class StochasticKind(BF16Kind):
     "bf16 weights rounded stochastically after each step"
     def __init__(self, stream:Stream|None=None): self.stream = stream or Stream()
     def tick(self): self.stream.tick()
-    def _base(self, b, i:int) -> int: return (b.base + b.lo(i)) % 2**31  # parameter `i`'s first index in the stream
+    def _base(self, b, i:int) -> int:
+        return (b.base + b.lo(i)) % 2**31  # parameter `i`'s first index in the stream
     def fold(self, b, i, j, x, turn=0):
         key = stream_key(self.stream.seed, self.stream.count, turn)
-        b.part(b.w, i, j).copy_(round_stochastic(x, key, self._base(b, i)))  # exact: every value is a bf16 now
+        w = round_stochastic(x, key, self._base(b, i))
+        b.part(b.w, i, j).copy_(w)  # exact: every value is a bf16 now
     def kernel_io(self, b, a, c, turn=0):
         t,_ = super().kernel_io(b, a, c)
-        mixed = _mix32(self.stream.seed)  # the seed's part of the key, as an int32
+        mixed = _int32(_mix32(self.stream.seed))  # the seed's part of the key, as an int32
         count,skipped = self.stream.on(b.device)
-        s = dict(count=count, skipped=skipped, mixed=mixed - 2**32 if mixed >= 2**31 else mixed, turn=turn)
-        return t,{**s, 'base': self._base(b, a)}
+        base = self._base(b, a)
+        return t,dict(count=count, skipped=skipped, mixed=mixed, turn=turn, base=base)
     @staticmethod
     def kernel_fold(t, s, x, nearest=None):
-        key = stream_key_t(s['mixed'], s['count'] - s['skipped'], s['turn'])
+        count = s['count'] - s['skipped']  # the steps taken
+        key = stream_key_t(s['mixed'], count, s['turn'])
         return dict(w=round_stochastic(x, key, s['base']))
 
 class FrozenKind(BF16Kind):
@@ -222,14 +256,19 @@ class FrozenKind(BF16Kind):
         b.w.copy_(x)
     def assign(self, b, i, x, at=None):
         flat_part(b.own.slots[i], at, x.numel()).copy_(x)
-        flat_part(b.slot(b.w, i), at, x.numel()).copy_(x)
-    def to_step(self, b, i, j): return b.part(b.own.buf, i, j),super().to_step(b, i, j)[1]
+        super().assign(b, i, x, at)
+    def to_step(self, b, i, j):
+        _,g = super().to_step(b, i, j)  # nothing widened: the kept fp32 values are stepped
+        return b.part(b.own.buf, i, j),g
     def widen(self, b, i, j, x): pass
     def written(self, b, idx):
         for i in idx: merge_writes(b.own.slots[i], b.slot(b.w, i))
     def fold(self, b, i, j, x, turn=0): b.part(b.w, i, j).copy_(x)
-    def value(self, b, i): return exact_fp32(b.params[i].data, b.own.slots[i])
-    def kernel_io(self, b, a, c, turn=0): return dict(x=b.part(b.own.buf, a, c), w=b.part(b.w, a, c), g=b.part(b.g, a, c)),{}
+    def value(self, b, i):
+        return exact_fp32(b.params[i].data, b.own.slots[i])
+    def kernel_io(self, b, a, c, turn=0):
+        t,s = super().kernel_io(b, a, c)
+        return dict(x=b.part(b.own.buf, a, c), **t),s
     @staticmethod
     def kernel_widen(t, s): return t['x'],t['g'].float()
     @staticmethod
@@ -241,6 +280,10 @@ def _rest_value(rest:HalvedRest, t:Tensor, kept:Tensor) -> Tensor:
     rest.take_back()
     return exact_fp32(t.detach(), kept)
 
+def _trained(ps:list) -> set:
+    "The ids of the parameters in `ps` that are trained"
+    return {id(p) for p in ps if p.requires_grad}
+
 class BF16Weights(FitState):
     "A pure-bf16 fit's half model, and its weights' kinds"
     def __init__(self,
@@ -248,12 +291,15 @@ class BF16Weights(FitState):
         update:str='kahan', # 'kahan' (a bf16 compensation per weight) or 'stochastic'
         stream:Stream|None=None, # Stochastic rounding's stream (`seed`, `count`), carried across fits
     ):
-        halved,ps = halvable(learn.model),opt_params(learn.opt)
-        self.halves,self.trained = {id(t) for t in halved},{id(p) for p in ps if p.requires_grad}
+        halved = halvable(learn.model)
+        ps = opt_params(learn.opt)
+        self.halves = {id(t) for t in halved}
+        self.trained = _trained(ps)
         self.train = KahanKind() if update == 'kahan' else StochasticKind(stream)
         self.frozen,self.plain = FrozenKind(),Kind()
         ours = {id(p) for p in ps}
-        self.rest = HalvedRest([t for t in halved if id(t) not in ours], torch.bfloat16, learn.model)
+        unstepped = [t for t in halved if id(t) not in ours]
+        self.rest = HalvedRest(unstepped, torch.bfloat16, learn.model)
     def kind_of(self, p) -> Kind:
         if id(p) not in self.halves: return self.plain
         return self.train if id(p) in self.trained else self.frozen
@@ -262,12 +308,13 @@ class BF16Weights(FitState):
     def take_back(self): self.rest.take_back()
     def same(self, learn) -> bool:
         "Whether a fit beginning now would halve and train the same tensors"
-        trained = {id(p) for p in opt_params(learn.opt) if p.requires_grad}
+        trained = _trained(opt_params(learn.opt))
         return trained == self.trained and not halvable(learn.model)  # no fp32 tensor to halve: none new
     def fp32_of(self, t:Tensor) -> Callable|None:
         "How to make the fp32 value of `t`, halved and not stepped (else None)"
         found = self.rest.find(t)
-        return None if found is None else partial(_rest_value, self.rest, *found)
+        if found is None: return None
+        return partial(_rest_value, self.rest, *found)
     def assign(self, t:Tensor, x:Tensor, at:int|None=None) -> bool:
         "`t`, halved and not stepped, takes fp32 value `x` (`at`: its flat elements from `at`), else False"
         found = self.rest.find(t)
@@ -278,22 +325,31 @@ class BF16Weights(FitState):
         flat_part(u.data, at, x.numel()).copy_(x)
         return True
 
-    def _buckets(self, kind) -> list: return [b for b in getattr(self.engine, 'buckets', []) if b.kind is kind]
+    def _buckets(self, kind) -> list:
+        buckets = getattr(self.engine, 'buckets', [])  # none before the engine's set-up
+        return [b for b in buckets if b.kind is kind]
+    def _own_slots(self, kind) -> dict:
+        "Each slot of the own buffers (`b.own`) of `kind`'s buckets, by parameter"
+        res = {}
+        for b in self._buckets(kind):
+            if b.own is not None: res.update(zip(b.params, b.own.slots))
+        return res
     @property
     def comp(self) -> dict:
         "Each Kahan-compensated weight's compensation"
-        return {p: c for b in self._buckets(self.train) if b.own is not None for p,c in zip(b.params, b.own.slots)}
+        return self._own_slots(self.train)
     @property
     def fp32_kept(self) -> dict:
         "The exact fp32 values kept aside, by tensor"
-        frozen = {p: x for b in self._buckets(self.frozen) for p,x in zip(b.params, b.own.slots)}
-        return {**{t: c for t,c,_ in self.rest.halved}, **frozen}
+        halved = {t: c for t,c,_ in self.rest.halved}
+        return {**halved, **self._own_slots(self.frozen)}
     def value_of(self, p:Tensor) -> Tensor:
         "The fp32 value of parameter `p` during the fit"
         h = self.engine.home.get(id(p)) if self.engine is not None else None
         if h is None: return self.fp32_kept.get(p, p.data.float())
         b,i = h
-        return b.kind.values(b)[i] if isinstance(b.kind, BF16Kind) else p.data
+        if not isinstance(b.kind, BF16Kind): return p.data
+        return b.kind.values(b)[i]
 
 # %% ../nbs/05_pure.ipynb #pb000023
 class PureBF16(PrecisionCallback):
@@ -310,7 +366,8 @@ class PureBF16(PrecisionCallback):
         super().__init__(AMPMode.BF16, check_finite, fused, schedule_skips, opt_state)
         self._check_schedule_skips()
         check_mode_args('pure', AMPMode.BF16, update=update, seed=seed)
-        self.update,self.seed,self.stream = update,seed,Stream(seed)
+        self.update,self.seed = update,seed
+        self.stream = Stream(seed)
     @property
     def bf16_weights(self) -> BF16Weights|None:
         "During a fit, its `BF16Weights`"
@@ -323,7 +380,9 @@ class PureBF16(PrecisionCallback):
     def _new_fit_state(self): return BF16Weights(self.learn, self.update, self.stream)
 
     # ---- the stream's step count rides in checkpoints where a loss scale would
-    def _scaler_state(self) -> dict: return dict(count=self.stream.count) if self.stream.count else {}
+    def _scaler_state(self) -> dict:
+        if not self.stream.count: return {}
+        return dict(count=self.stream.count)
     def _load_scaler_state(self, sd:dict):
         if 'count' not in sd: return self.reset_scaler()
         self.stream.count = sd['count']

@@ -7,7 +7,7 @@ import pytest
 # DESIGN.md's arrows: `learner -> (amp, master, pure, fp8, advisor) -> callback -> (fused, plumbing, scaler, hardware, patches) -> core`;
 # the step engine's pieces (flat, eager, compiled, foreign, lowbit) sit beside fused, and `warn` beside core
 TIERS = dict(core=0, warn=0, hardware=1, scaler=1, fused=1, flat=1, eager=1, compiled=1, foreign=1, lowbit=1, plumbing=1, patches=1, progress=1, parallel=1, callback=2, distributed=4, amp=3, master=3, pure=3, fp8=3, advisor=3,
-             learner=4, test_learners=5, test_utils=6, all=5, trial=1, memory=1)  # trial, memory: the advisor's parts
+             learner=4, test_learners=5, test_utils=6, all=5, trial=1, memory=1, checkpoint=1)  # trial, memory: the advisor's parts; checkpoint: the callback's
 MODE_MODULES = {'amp', 'master', 'pure', 'fp8'}  # no mode imports another mode
 EXTRA = dict(advisor={'fp8'})  # the advisor is no mode: its report says what `to_fp8()` would convert (`fp8_table`, `real_fp8`)
 
@@ -214,6 +214,16 @@ from mpx.trial import *
 learn = learner()
 xb,yb = learn.dls.one_batch()
 with fp32_trial(learn.model) as m: assert set(time_steps(m, (xb,), (yb,), learn.loss_func, n=1)) >= {'fp32'}
+''',
+    checkpoint='''
+from mpx.checkpoint import *
+class Host(CheckpointState):
+    "The least a callback mixing it in gives it: a model, no fit under way"
+    fused_steps = fit_state = _outer = None
+    def __init__(self, model): self.model = model
+h = Host(nn.Linear(2, 3))
+assert not h.layout_kept and torch.equal(h.fp32_value(h.model.weight), h.model.weight.detach())
+assert h.load_fp32_model_state({'weight': torch.zeros(3, 2), 'bias': torch.ones(3)}) and h.model.bias.sum() == 3
 ''',
     memory='''
 from mpx.memory import *
