@@ -285,6 +285,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                               'mpx.compiled._static_chain': ('compiled.html#_static_chain', 'mpx/compiled.py'),
                               'mpx.compiled._static_why': ('compiled.html#_static_why', 'mpx/compiled.py'),
                               'mpx.compiled._step_of': ('compiled.html#_step_of', 'mpx/compiled.py'),
+                              'mpx.compiled._why': ('compiled.html#_why', 'mpx/compiled.py'),
                               'mpx.compiled._zeros_state': ('compiled.html#_zeros_state', 'mpx/compiled.py'),
                               'mpx.compiled.compile_plan': ('compiled.html#compile_plan', 'mpx/compiled.py'),
                               'mpx.compiled.find_nonfinite': ('compiled.html#find_nonfinite', 'mpx/compiled.py')},

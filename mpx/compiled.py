@@ -202,6 +202,11 @@ def _failure_key(b, chain:tuple) -> tuple:
     "What a kernel that failed to build is remembered by, as kernels are: its kind, its store and its steps (the others compile)"
     return type(b.kind),type(b.store),_chain_key(chain)
 
+def _why(e:BaseException) -> str:
+    "An exception's type and its message's first line (none: the type alone)"
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0][:200]}" if lines else type(e).__name__
+
 def _known_options(options:dict) -> dict:
     "The inductor `options` this torch knows (the others said once)"
     import torch._inductor.config as inductor  # imported with `torch.compile`, never at mpx's import
@@ -453,10 +458,9 @@ class CompiledSteps:
             step(t, hyper, run)
         except Exception as e:
             if torch._C._len_torch_dispatch_stack(): raise
-            first_line = str(e).strip().splitlines()[0][:200]
             steps = ', '.join(f.__name__ for f,_ in chain)
             _failed[_failure_key(b, chain)] = (f"torch.compile failed for {type(b.kind).__name__} with {type(b.store).__name__} "
-                                               f"stepping {steps} ({type(e).__name__}: {first_line})")
+                                               f"stepping {steps} ({_why(e)})")
             return False  # nothing changed
         return True
 
@@ -496,7 +500,5 @@ def find_nonfinite(gs:list) -> Tensor|None:
             return f(*_rows(gs), torch.zeros((), device=gs[0].device))
     except Exception as e:
         if torch._C._len_torch_dispatch_stack(): raise
-        msg = str(e).strip()
-        first_line = msg.splitlines()[0][:200] if msg else ''
-        _failed['finite check'] = f"torch.compile failed on this machine ({type(e).__name__}: {first_line})"
+        _failed['finite check'] = f"torch.compile failed on this machine ({_why(e)})"
         return None

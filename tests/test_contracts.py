@@ -126,6 +126,17 @@ def test_failed_kernel_stays_its_own(monkeypatch):
     with KernelRuns() as runs: _stepped_linear(lambda o: FusedSteps(o, fused='compile', opt_state='8bit'))
     assert runs.n > 0
 
+def test_failed_kernel_without_a_message(monkeypatch):
+    "A kernel that fails with no message steps eagerly all the same, the reason naming the exception's type (once an `IndexError`)"
+    from mpx import compiled
+    monkeypatch.setattr(compiled, '_failed', {})
+    def fails(*args): raise RuntimeError()
+    monkeypatch.setattr(compiled, '_kernel', fails)
+    got = _stepped_linear(lambda o: FusedSteps(o, fused='compile'))
+    assert all(map(torch.equal, got, _stepped_linear(lambda o: FusedSteps(o))))
+    assert ("torch.compile failed for Kind with DenseStore stepping weight_decay, average_grad, average_sqr_grad, step_stat, "
+            "adam_step (RuntimeError)") in compiled._failed.values()  # no `compiled` mark: no kernel is built, the case runs anywhere
+
 class NoSecondMoment(Cloned):
     "A store whose kernel half fails on a second moment alone (a user's bug in one step chain): Adam's kernel fails, SGD's builds"
     name = 'no-second-moment'
