@@ -74,6 +74,7 @@ def _once(xs) -> list:
 
 class FusedSteps:
     "The optimizer step of one fit, over flat buffers"
+    # ---- the set-up: buckets laid out, a stepper chosen for each, the optimizer's step swapped for the engine's
     def __init__(self,
         opt, # The learner's optimizer: fastai's (maybe inside `Lookahead`s), an `OptimWrapper`, or another
         kind_of:Callable|None=None, # `kind_of(p) -> Kind` for each parameter (None: `Kind()`, in place)
@@ -111,12 +112,10 @@ class FusedSteps:
         self._install()
         self._copies()
         for b in self.buckets: b.settle()  # the set-up complete: the fp32 values the layout replaced freed
-
     def __repr__(self):
         how = f"{self.fused.value}" if self.own_step else f"{type(self.inner).__name__}'s own step"
         undone = ', undone' if self.done else ''
         return f"FusedSteps({type(self.opt).__name__}, {how}: {len(self.buckets)} buckets{undone})"
-
     def _layout(self, kind_of:Callable|None=None):
         "Lay out every group's buckets and extras, kinds from `kind_of`"
         self.home,self.places,self.groups = {},{},[]
@@ -150,7 +149,6 @@ class FusedSteps:
         self.takes = any(b.kind.takes for b in self.buckets)  # a kind keeps gradients of its own: the phase matters
         self.extras = [self._extra_places(gi) for gi in range(len(self.lists))]
         self.refresh()
-
     def _commit(self, built:list):
         "Show every bucket's layout in the model, all or none: until the set-up ends each fp32 value is kept"
         done = []
@@ -161,7 +159,6 @@ class FusedSteps:
         except BaseException:  # an out-of-memory error, Ctrl-C: the model as it was, every value exact
             for b in reversed(done): b.uncommit()
             raise
-
     def _extra_places(self, gi:int) -> list:
         "Group `gi`'s extra places, as `(n, p)`"
         seen,res = {},[]
@@ -171,7 +168,6 @@ class FusedSteps:
             away = self.home[id(p)][0].group != gi
             if n or away: res.append((n + away, p))  # `n`: the places of `p` stepped before this one
         return res
-
     def _choose(self):
         "Choose each bucket's stepper from `opt.cbs` and `fused`"
         if not self.own_step: return
@@ -180,7 +176,6 @@ class FusedSteps:
         eager = RunSteps(p) if p is not None else LoopSteps()
         chosen = compile_plan(self, p) if self.fused is Fused.COMPILE else eager
         for b in self.buckets: b.stepper = chosen if b.flat else LoopSteps()
-
     def _install(self):
         "Install `step` and `zero_grad`, or a swap around a foreign step"
         led,o = self.ledger,self.inner  # all through the ledger
@@ -196,7 +191,6 @@ class FusedSteps:
         for la in self.lookaheads: led.set(la, 'step', partial(self.lookahead.step, self, la))
         for x in [o, *self.lookaheads]:
             if not _own_zero_grad(x): led.set(x, 'zero_grad', self.zero_grad)
-
     def _copies(self):
         "Copies and pickles of the parameters hold their fp32 values, and of the optimizers, none of the engine"
         for b in self.buckets:
@@ -204,6 +198,7 @@ class FusedSteps:
             for i,p in enumerate(b.params): copies_as_fp32(self.ledger, p, partial(_value_of, weakref.ref(b), i))
         for o in _once((self.opt, self.inner, *self.lookaheads)): self.ledger.keep_out_of_copies(o)
 
+    # ---- a step: what changed since the last one adopted, then each group's buckets stepped
     def stale(self, opt) -> bool:
         "Whether `opt` is no longer the optimizer laid out"
         if opt is not self.opt: return True  # another object (`create_opt`)
@@ -212,7 +207,6 @@ class FusedSteps:
         for a,b in zip(pl, self.lists):
             if len(a) != len(b) or any(x is not y for x,y in zip(a, b)): return True
         return False
-
     def refresh(self):
         "Adopt what changed since the last step"
         st = self.inner.state if self.own_step else None
@@ -224,7 +218,17 @@ class FusedSteps:
             if not b.kind.takes: b.adopt_grads()  # a taking kind's gradients: in `take`
             if self.own_step: b.adopt_states(st, b.kind.state_dtype(b), same)
         self._st,self._st_ids = st,ids
-
+    def adopt_changes(self, full:bool=True):
+        "Before a step (`full`) or a finite check: what changed adopted"
+        if full and self.takes and self.phase.pending: raise RuntimeError(
+            f"mpx: opt.step() came in step phase {self.phase.value!r}: after a backward whose gradients the engine "
+            "has not taken (`take`, at after_backward). Step after the backward's after_backward event")
+        if full: self.refresh()  # the finite check reads only gradients: weights and state wait for the step
+        for b in self.buckets:  # the taking kinds take what callbacks wrote into the model's gradients
+            if b.kind.takes:
+                b.adopt_grads()
+                b.kind.merge(b, self.handed_out)
+            elif not full: b.adopt_grads()
     @torch.no_grad()
     def step(self, closure=None):
         "fastai's `Optimizer.step`: each group's buckets, then its extras"
@@ -238,138 +242,29 @@ class FusedSteps:
                 if b.has_grad[i]: b.stepper.extra(self, b, i, n, hyper)
         for k in _once(b.kind for b in self.buckets): k.tick()
         self.handed_out = False
-
-    def adopt_changes(self, full:bool=True):
-        "Before a step (`full`) or a finite check: what changed adopted"
-        if full and self.takes and self.phase.pending: raise RuntimeError(
-            f"mpx: opt.step() came in step phase {self.phase.value!r}: after a backward whose gradients the engine "
-            "has not taken (`take`, at after_backward). Step after the backward's after_backward event")
-        if full: self.refresh()  # the finite check reads only gradients: weights and state wait for the step
-        for b in self.buckets:  # the taking kinds take what callbacks wrote into the model's gradients
-            if b.kind.takes:
-                b.adopt_grads()
-                b.kind.merge(b, self.handed_out)
-            elif not full: b.adopt_grads()
-
-    def will_compile(self) -> bool:
-        "Whether the next step is compiled on every bucket"
-        if self.fused is not Fused.COMPILE or not self.own_step: return False
-        self.refresh()
-        if tuple(self.inner.cbs) != self.cbs: self._recompose()
-        return all(isinstance(b.stepper, CompiledSteps) and b.stepper.why_not(self, b) is None for b in self.buckets)
-
-    def _state_dict(self) -> dict:
-        "fastai's `state_dict`, in fastai's layout"
-        self.steps_to_host()  # the step counts from the device
-        sd = type(self.inner).state_dict(self.inner)
-        if self.low.views: return sd
-        state = [{k: _in_fp32(v, self.lazy) for k,v in s.items()} for s in sd['state']]
-        return {**sd, 'state': state}
-
-
     def _recompose(self):
         "A callback edited `opt.cbs`: choose the steppers again"
         self.steps_to_host()  # the compiled step's counts to the host first
         why = why_not_lowbit(self.opt, self.fused, self.opt_state)
         if why: raise ValueError(f"opt.cbs changed mid-fit: {why}")
         self._choose()
-
+    def will_compile(self) -> bool:
+        "Whether the next step is compiled on every bucket"
+        if self.fused is not Fused.COMPILE or not self.own_step: return False
+        self.refresh()
+        if tuple(self.inner.cbs) != self.cbs: self._recompose()
+        return all(isinstance(b.stepper, CompiledSteps) and b.stepper.why_not(self, b) is None for b in self.buckets)
     def warn_eager(self, why:str):
         "Warn once an engine why `fused='compile'` steps eagerly"
         if why in self.warned: return
         self.warned.add(why)
         warn_user(f"fused='compile' steps eagerly here: {why}")
-
     def steps_to_host(self):
         "Device step counts into fastai's state dicts (one host sync)"
         for st in _once(b.stepper for b in self.buckets if b.stepper is not None):
             if hasattr(st, 'to_host'): st.to_host(self)  # only a compiled stepper has any: a no-op otherwise
 
-    def undo(self):
-        "Put storage and methods back (a no-op the second time)"
-        if self.done: return
-        self.done = True
-        self.ledger.close()
-
-    def rest(self):
-        "Between fits, the layout kept: late writes taken, counts to the host, scratch freed"
-        for b in self.buckets: b.adopt_weights()  # a weight written after the last step (a compensation reset)
-        self.steps_to_host()
-        self.workspace.bufs.clear()
-
-    def recast(self) -> Tensor|None:
-        "The first parameter assigned values its layout cannot hold as they are (`model.half()`), or None"
-        for b in self.buckets:
-            i = b.recast()
-            if i is not None: return b.params[i]
-
-    def take_back(self):
-        "Parameters assigned anew (cast by hand, `model.float()`) back in their slots, holding the values assigned"
-        for b in self.buckets: b.adopt_weights()
-
-    def fp32_of(self, p:Tensor) -> Callable|None:
-        "How to make `p`'s fp32 value where the engine holds it otherwise (None: `p` is it)"
-        h = self.home.get(id(p))
-        if h is None or h[0].kind.in_place: return None
-        return partial(_value_now, *h)
-
-    def assign(self, p:Tensor, x:Tensor, at:int|None=None) -> bool:
-        "Parameter `p` takes fp32 value `x` (`at`: its flat elements from `at`); False where the engine holds it not"
-        h = self.home.get(id(p))
-        if h is None or h[0].kind.in_place: return False
-        b,i = h
-        b.kind.assign(b, i, x.to(b.device, torch.float32), at)
-        # held as a fit beginning from `x` holds it: not a write for the kind to take
-        b.versions[i] = b.params[i]._version
-        return True
-
-    def load_state(self, sd:dict):
-        "fastai's `load_state_dict`, each state tensor into its store (a streamed checkpoint's read then)"
-        o = self.inner
-        # `Lookahead`'s own state beside: loaded whole (a torch optimizer's: `Learner.load`'s own)
-        if not self.own_step or self.lookaheads:
-            return self.opt.load_state_dict(read_stored(sd))
-        n,groups = len(sd['state']),len(sd['hypers'])
-        if groups != len(o.param_lists) or n != sum(map(len, o.param_lists)):
-            raise ValueError(f"the checkpoint's optimizer state has {n} parameters in {groups} groups")
-        o.hypers = sd['hypers']
-        ps = o.all_params().itemgot(0)
-        state = {}
-        for p,s in zip(ps, sd['state']): state[p] = {k: self._stored(p, k, v) for k,v in s.items()}
-        o.state = state
-
-    def _stored(self, p:Tensor, k:str, v):
-        "State `k` of `p` from a checkpoint, into its store where its bucket keeps one, a piece at a time"
-        if not isinstance(v, (Stored, Tensor)): return v
-        h = self.home.get(id(p))
-        flat = h is not None and h[0].flat and v.dtype.is_floating_point and v.shape == p.shape
-        if not flat: return read_stored(v).to(p.device)
-        b,i = h
-        b.state_new(k, b.kind.state_dtype(b))
-        parts = pieces(v) if p.is_contiguous() else [(None, read_stored(v))]
-        for at,x in parts:
-            b.store.put(b, k, i, x.to(b.device), at)
-        return b.state_held[k][i]
-
-    def _finish(self):
-        "The end of the fit: fastai's fp32 layout, late writes included"
-        self.steps_to_host()  # the device's step counts written back first
-        for b in self.buckets:
-            # a write after the last step, or before a mid-fit save, reaches the masters (or resets a compensation)
-            b.adopt_weights()
-            # a gradient in its slot stays there (the next fit takes the buffer as it is), else it is cast
-            if b.committed: b.kind.finish(b)
-            else: b.uncommit()  # a set-up that failed: each parameter's fp32 value as it was, exact
-            # so does dense state: each dict's tensor is already fastai's, in its slot
-            if b.store.views: continue
-            # a dict replaced since the last step too
-            ds = [self.inner.state.get(p) for p in b.params] if self.own_step else b.dicts
-            for i,d in enumerate(ds):
-                if d is None: continue
-                for k,vs in b.state_held.items():
-                    if d.get(k) is vs[i]: d[k] = b.store.value(b, k, i)  # fp32 (dequantised), its own
-        self.lookahead.finish(self)
-
+    # ---- the gradients: fastai's `zero_grad`, a taking kind's own (the master mode's), the step's phase
     @torch.no_grad()
     def zero_grad(self):
         "fastai's `zero_grad`, one op a flat bucket"
@@ -387,13 +282,6 @@ class FusedSteps:
         self.end_step()
     def _taking(self) -> list: return [b for b in self.buckets if b.kind.takes]
     @torch.no_grad()
-    def take(self):
-        "After a backward: the taking kinds take the model's gradients"
-        for b in self._taking():
-            b.adopt_grads()
-            b.kind.take(b, self.phase.fresh)
-        self.phase = StepPhase.TAKEN
-    @torch.no_grad()
     def before_backward(self):
         "Before a backward (in a step's second, callbacks' writes taken)"
         fresh = self.phase.fresh
@@ -403,6 +291,13 @@ class FusedSteps:
             b.adopt_grads()
             b.kind.merge(b, self.handed_out)
             b.kind.clear(b)
+    @torch.no_grad()
+    def take(self):
+        "After a backward: the taking kinds take the model's gradients"
+        for b in self._taking():
+            b.adopt_grads()
+            b.kind.take(b, self.phase.fresh)
+        self.phase = StepPhase.TAKEN
     def checked(self) -> list:
         "The gradients the finite check reads, one a flat bucket"
         self.adopt_changes(full=False)  # the gradients adopted first
@@ -423,6 +318,9 @@ class FusedSteps:
         self.handed_out = True  # a caller may write into them: the step asks their version counters
         seen = {id(p): p for pg in self.lists for p in pg}
         return [b.kind.stepped(b, i) for b,i in (self.home[k] for k in seen)]
+    def end_step(self):
+        "The step is over (taken or skipped): the next backward's gradients are the next step's first"
+        self.phase = StepPhase.BACKWARD if self.phase.pending else StepPhase.READY
     def grads_in_flight(self) -> dict:
         "Gradients accumulated since the last step that `undo` would drop"
         idle = self.phase is StepPhase.READY  # no gradient accumulated, none pending: nothing to carry
@@ -430,14 +328,98 @@ class FusedSteps:
         for b in self.buckets: res.update(b.kind.carried(b, idle))
         # by `id` of parameter; 'at': where the step stands
         return {**res, 'at': self.phase} if res else {}
-    def end_step(self):
-        "The step is over (taken or skipped): the next backward's gradients are the next step's first"
-        self.phase = StepPhase.BACKWARD if self.phase.pending else StepPhase.READY
     def restore_grads(self, grads:dict):
         "Put back what `grads_in_flight` took from an earlier layout"
         if not grads: return
         for b in self.buckets: b.kind.restore(b, grads)
         self.phase = grads['at']
+
+    # ---- checkpoints: fastai's state dict, and each tensor's fp32 value, a tensor at a time
+    def _state_dict(self) -> dict:
+        "fastai's `state_dict`, in fastai's layout"
+        self.steps_to_host()  # the step counts from the device
+        sd = type(self.inner).state_dict(self.inner)
+        if self.low.views: return sd
+        state = [{k: _in_fp32(v, self.lazy) for k,v in s.items()} for s in sd['state']]
+        return {**sd, 'state': state}
+    def fp32_of(self, p:Tensor) -> Callable|None:
+        "How to make `p`'s fp32 value where the engine holds it otherwise (None: `p` is it)"
+        h = self.home.get(id(p))
+        if h is None or h[0].kind.in_place: return None
+        return partial(_value_now, *h)
+    def assign(self, p:Tensor, x:Tensor, at:int|None=None) -> bool:
+        "Parameter `p` takes fp32 value `x` (`at`: its flat elements from `at`); False where the engine holds it not"
+        h = self.home.get(id(p))
+        if h is None or h[0].kind.in_place: return False
+        b,i = h
+        b.kind.assign(b, i, x.to(b.device, torch.float32), at)
+        # held as a fit beginning from `x` holds it: not a write for the kind to take
+        b.versions[i] = b.params[i]._version
+        return True
+    def load_state(self, sd:dict):
+        "fastai's `load_state_dict`, each state tensor into its store (a streamed checkpoint's read then)"
+        o = self.inner
+        # `Lookahead`'s own state beside: loaded whole (a torch optimizer's: `Learner.load`'s own)
+        if not self.own_step or self.lookaheads:
+            return self.opt.load_state_dict(read_stored(sd))
+        n,groups = len(sd['state']),len(sd['hypers'])
+        if groups != len(o.param_lists) or n != sum(map(len, o.param_lists)):
+            raise ValueError(f"the checkpoint's optimizer state has {n} parameters in {groups} groups")
+        o.hypers = sd['hypers']
+        ps = o.all_params().itemgot(0)
+        state = {}
+        for p,s in zip(ps, sd['state']): state[p] = {k: self._stored(p, k, v) for k,v in s.items()}
+        o.state = state
+    def _stored(self, p:Tensor, k:str, v):
+        "State `k` of `p` from a checkpoint, into its store where its bucket keeps one, a piece at a time"
+        if not isinstance(v, (Stored, Tensor)): return v
+        h = self.home.get(id(p))
+        flat = h is not None and h[0].flat and v.dtype.is_floating_point and v.shape == p.shape
+        if not flat: return read_stored(v).to(p.device)
+        b,i = h
+        b.state_new(k, b.kind.state_dtype(b))
+        parts = pieces(v) if p.is_contiguous() else [(None, read_stored(v))]
+        for at,x in parts:
+            b.store.put(b, k, i, x.to(b.device), at)
+        return b.state_held[k][i]
+
+    # ---- between fits and at the end: writes by hand taken back, the layout kept at rest, or fastai's fp32 layout back
+    def recast(self) -> Tensor|None:
+        "The first parameter assigned values its layout cannot hold as they are (`model.half()`), or None"
+        for b in self.buckets:
+            i = b.recast()
+            if i is not None: return b.params[i]
+    def take_back(self):
+        "Parameters assigned anew (cast by hand, `model.float()`) back in their slots, holding the values assigned"
+        for b in self.buckets: b.adopt_weights()
+    def rest(self):
+        "Between fits, the layout kept: late writes taken, counts to the host, scratch freed"
+        for b in self.buckets: b.adopt_weights()  # a weight written after the last step (a compensation reset)
+        self.steps_to_host()
+        self.workspace.bufs.clear()
+    def undo(self):
+        "Put storage and methods back (a no-op the second time)"
+        if self.done: return
+        self.done = True
+        self.ledger.close()
+    def _finish(self):
+        "The end of the fit: fastai's fp32 layout, late writes included"
+        self.steps_to_host()  # the device's step counts written back first
+        for b in self.buckets:
+            # a write after the last step, or before a mid-fit save, reaches the masters (or resets a compensation)
+            b.adopt_weights()
+            # a gradient in its slot stays there (the next fit takes the buffer as it is), else it is cast
+            if b.committed: b.kind.finish(b)
+            else: b.uncommit()  # a set-up that failed: each parameter's fp32 value as it was, exact
+            # so does dense state: each dict's tensor is already fastai's, in its slot
+            if b.store.views: continue
+            # a dict replaced since the last step too
+            ds = [self.inner.state.get(p) for p in b.params] if self.own_step else b.dicts
+            for i,d in enumerate(ds):
+                if d is None: continue
+                for k,vs in b.state_held.items():
+                    if d.get(k) is vs[i]: d[k] = b.store.value(b, k, i)  # fp32 (dequantised), its own
+        self.lookahead.finish(self)
 
 _in_place = Kind()
 

@@ -358,12 +358,12 @@ class QuantStore(BF16Store):
         b.store_meta[k] = torch.zeros(b.n // self.block, device=b.device)
         self.zero(b, k, 0, len(b.params))
         b.state_held[k] = _handles(b, k)
-    def _span(self, k, lo:int, hi:int) -> slice:
+    def _span(self, lo:int, hi:int) -> slice:
         "Where the codes of elements `lo` to `hi` lie in the bytes"
         return slice(lo, hi) if self.bits == 8 else slice(lo//2, hi//2)
     def _code_bytes(self, b, k, lo:int, hi:int) -> Tensor:
         "The bytes holding the codes of elements `lo` to `hi`"
-        return b.state_bufs[k][self._span(k, lo, hi)]
+        return b.state_bufs[k][self._span(lo, hi)]
     def _scales(self, b, k, lo:int, hi:int) -> Tensor:
         "The scales of the blocks of elements `lo` to `hi`"
         return b.store_meta[k][lo // self.block:hi // self.block]
