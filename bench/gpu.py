@@ -199,15 +199,17 @@ def rows(name, r, peak) -> list:
     return [[name, k, f"{med(t)*1e3:.1f}", f"{r['samples']/med(t):,.0f} {r['unit']}/s", f"{ratio(f, t):.2f}x", f"{r['flops']/med(t)/1e12:.1f}", f"{r['flops']/med(t)/1e12/peak:.1%}",
              f"{r['mem'][k]:.2f}", r['skipped'][k]] for k,t in r['t'].items()]
 
-def summary(name, t) -> list:
+def summary(name, t, failed:dict) -> list:
     "mpx against the raw loops (speed as a share of theirs), mpx bf16's speed-up over fp32 and TF32, pure bf16's over mpx bf16"
-    r = lambda a,b,fmt: format(ratio(t[a], t[b]), fmt) if a in t and b in t else 'failed'
+    def r(a, b, fmt, unit=''):
+        if a in t and b in t: return format(ratio(t[a], t[b]), fmt) + unit
+        return 'failed' if a in failed or b in failed else 'not run'  # `--modes` left it out
     return [name, r('raw AMP bf16 loop', 'mpx bf16', '.1%'), r('raw AMP bf16 loop', 'mpx bf16 check_finite=False', '.1%'),
             r('raw AMP fp16 loop', 'mpx fp16', '.1%'),
             r('raw AMP bf16 loop fused AdamW', 'mpx bf16 Adam compile', '.1%'),
-            r('mpx bf16 Adam compile', 'mpx pure kahan Adam compile', '.2f')+'x',
-            r('fp32', 'mpx bf16', '.2f')+'x', r('tf32', 'mpx bf16', '.2f')+'x',
-            r('mpx bf16', 'mpx pure bf16 kahan', '.2f')+'x'*('mpx pure bf16 kahan' in t)]
+            r('mpx bf16 Adam compile', 'mpx pure kahan Adam compile', '.2f', 'x'),
+            r('fp32', 'mpx bf16', '.2f', 'x'), r('tf32', 'mpx bf16', '.2f', 'x'),
+            r('mpx bf16', 'mpx pure bf16 kahan', '.2f', 'x')]
 
 def bookkeeping(sizes=(100, 1000), numel=1024, rounds=7, k=5) -> list:
     "`master_bookkeeping.py`'s fastai and mpx steps (fastai's SGD; mpx fused and per-parameter) on `DEV`, timed between two syncs: rows"
@@ -546,7 +548,7 @@ def main(args):
                'mpx fp16 / raw fp16 loop speed:', 'mpx bf16 Adam compile / raw loop fused AdamW (>= 95%):',
                'pure kahan Adam compile vs mpx bf16 Adam compile (>= 1.0x):',
                'mpx bf16 vs fp32:', 'mpx bf16 vs tf32:', 'pure kahan vs mpx bf16:'],
-              [summary(n, r['t']) for n,r in res.items()])
+              [summary(n, r['t'], r['failed']) for n,r in res.items()])
         plot(res, args.plots, name)
     if 'profile' in only:
         print("# the GPT under torch.profiler, one epoch each after two warm ones, per training step (all its batches)")
