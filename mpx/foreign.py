@@ -181,3 +181,4 @@ class LookaheadSync:
             got = self.slow.get(id(la))
             if got is not None and la.slow_weights is not None:
                 la.slow_weights = L(L(s.clone() for s in pg) for pg in la.slow_weights)
+        self.slow = {}  # the fit's flat buffers not held past it

@@ -177,3 +177,15 @@ def test_bf16_kinds_ops(update):
         with CountOps() as c: opt.step()
         return c.n
     assert ops(10) == ops(100) <= (30 if update == 'kahan' else 40)  # stochastic: the counter-based hash, a dozen integer ops
+
+def test_lookahead_sync_holds_nothing_after_the_fit():
+    "`Lookahead`'s slow weights sit in the engine's flat buffers during a fit; once it ends (`undo`) the sync holds none of them"
+    m = nn.Linear(4, 3)
+    opt = _look(list(m.parameters()), lr=1e-2)
+    fs = FusedSteps(opt)
+    for _ in range(4):
+        for p in m.parameters(): p.grad = torch.ones_like(p)
+        opt.step()
+    assert fs.lookahead.slow, 'the slow weights were never adopted: this case checks nothing'
+    fs.undo()
+    assert fs.lookahead.slow == {}
