@@ -134,8 +134,8 @@ def _cast_floats(x, dtype):
     "The floating tensors of `x` (a batch's inputs) in `dtype`"
     return apply(lambda t: t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t, x)
 
-_in_flight = ('_checked', '_found', '_norms_due', '_epoch_start', '_batch_skipped')  # put aside by a nested fit
-_not_pickled = ('ledger', 'fit_state', 'fused_steps', '_autocast', '_loss_autocast', '_entered', '_norms', '_outer')
+_in_flight = ('_checked', '_found', '_norms_due', '_epoch_start', '_batch_skipped', '_given')  # put aside by a nested fit
+_not_pickled = ('ledger', 'fit_state', 'fused_steps', '_autocast', '_loss_autocast', '_entered', '_norms', '_outer', '_given')
 
 def _check_opt_state(opt_state:str, fused:Fused) -> str:
     "`opt_state`, or a `ValueError` where `fused` cannot hold it"
@@ -176,6 +176,7 @@ class PrecisionCallback(Callback, ScaleTelemetry, CheckpointState):
         self._autocast,self._loss_autocast,self._entered = None,None,None  # the autocast contexts, and the one entered
         self._norms,self._norms_due = None,False
         self._checked,self._found = False,False  # this step was checked, and found non-finite
+        self._given = None  # a training batch's output as the model gave it, between `after_pred` and `after_loss`
         self._outer = None  # during a fit, what each fit or validation nested in it put aside
         self._began_kept = None  # whether the fit under way took the layout the last one kept (None: no fit began here)
 
@@ -346,7 +347,7 @@ class PrecisionCallback(Callback, ScaleTelemetry, CheckpointState):
             raise
         self._settle_overflows()
         self.fused_steps.rest()
-        self._autocast,self._loss_autocast,self._norms,self._outer = None,None,None,None
+        self._autocast,self._loss_autocast,self._norms,self._outer,self._given = None,None,None,None,None
     def before_validate(self):
         if self.layout_kept: self._take_back()  # `get_preds` or `validate` between fits
     def _take_back(self, refuse:bool=True):
@@ -383,7 +384,7 @@ class PrecisionCallback(Callback, ScaleTelemetry, CheckpointState):
             self._close_step()
         finally: self._end_fit()  # whatever failed before, the fit is undone
         self._settle_overflows()
-        self._autocast,self._loss_autocast,self._norms,self._outer = None,None,None,None
+        self._autocast,self._loss_autocast,self._norms,self._outer,self._given = None,None,None,None,None
         if self.scaler is not None: self.scaler.pull(keep=False)  # between fits the scale is a host value
     def _nest(self):
         "Begin a nested fit or validation: put aside the outer one's step"
@@ -423,12 +424,16 @@ class PrecisionCallback(Callback, ScaleTelemetry, CheckpointState):
         if self.input_dtype is not None: self.learn.xb = _cast_floats(self.xb, self.input_dtype)
         self._enter(self._autocast)
     def after_pred(self):
-        self.learn.pred = to_float32(self.pred)
+        given = self.pred
+        self.learn.pred = to_float32(given)  # the loss and the callbacks before it see fp32
+        self._given = given if self.training and self.learn.pred is not given else None
         self._enter(self._loss_autocast)  # a half model's layers in the loss (a GAN's critic) meet fp32 tensors there
     def after_loss(self):
-        "Leave autocast: the loss in fp32, whatever dtype the loss made"
+        "Leave autocast: the loss in fp32, whatever dtype the loss made; the output's fp32 copy not held through the backward"
         self._end_forward()
         if len(self.yb): self.learn.loss_grad,self.learn.loss = to_float32(self.loss_grad),to_float32(self.loss)
+        given,self._given = self._given,None
+        if given is not None: self.learn.pred = Widened(given)  # made fp32 again where read (`mpx.patches`)
     def before_backward(self):
         if self.scaling: self.learn.loss_grad = self._scale_loss(self.loss_grad)
     def after_batch(self):

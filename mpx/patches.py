@@ -13,9 +13,10 @@ import fastai.callback.fp16 as fastai_fp16
 import pickle, cloudpickle
 from .parallel import is_sharded, save_sharded, load_sharded
 from .plumbing import Ledger, LazyTensor, save_streamed, load_streamed, read_stored
+from .core import to_float32
 
 # %% auto #0
-__all__ = ['check_fastai_version', 'is_mpx_precision', 'check_one_precision']
+__all__ = ['check_fastai_version', 'is_mpx_precision', 'check_one_precision', 'Widened']
 
 # %% ../nbs/01c_patches.ipynb #7a695868
 from .warn import warn_user
@@ -146,6 +147,25 @@ def _set_precision(self:Learner, cb:Callback|None=None):
     self.remove_cbs([c for c in self.cbs if is_mpx_precision(c) or isinstance(c, _fastai_types)])
     if cb is None: _float_(self.model)
     return self if cb is None else self.add_cb(cb)
+
+# %% ../nbs/01c_patches.ipynb #wd000002
+class Widened:
+    "A batch's output as the model gave it (16-bit), made fp32 where `Learner.pred` is read"
+    __slots__ = ('given',)
+    def __init__(self, given): self.given = given
+    def __reduce__(self): return to_float32,(self.given,)  # a copy or a pickle holds the fp32 values
+
+class _Pred:
+    "`Learner.pred`: a `Widened` output made fp32 at its first read, and kept"
+    def __get__(self, learn, owner=None):
+        if learn is None: return self
+        try: v = learn.__dict__['pred']
+        except KeyError: raise AttributeError('pred') from None  # fastai's `GetAttr` looks further, as without this
+        if isinstance(v, Widened): v = learn.__dict__['pred'] = to_float32(v.given)
+        return v
+    def __set__(self, learn, v): learn.__dict__['pred'] = v
+
+Learner.pred = _Pred()
 
 # %% ../nbs/01c_patches.ipynb #fc4208d9
 @contextmanager
