@@ -93,7 +93,8 @@ def _settle_overflows(self:ScaleTelemetry):
     new,self._lazy_from = self._newest_overflow(),None
     if new is self.last_overflow: return
     self.last_overflow = new
-    where = " (with fused=True the warning names the first parameter whose gradient went non-finite)"
+    where = (" (a step skipped on the device, unwaited for: with skip_on_device=False, or fused=True on a CPU, the host reads "
+             "each step's check, and the warning names the first parameter whose gradient went non-finite)")
     self._warn_if_stuck(self.step_log.skips, new.scale, self._at_floor, where)
 
 # %% ../nbs/02_callback.ipynb #cb000014
@@ -268,7 +269,7 @@ class PrecisionCallback(Callback, ScaleTelemetry, CheckpointState):
         s,grads = self.scaler,self._step_grads()
         if s is not None and lazy: s.to_device(training_device(self.dls, self.model))  # the scale's state stays there
         # a compiled step's unscaled gradients: read once, compiled (the eager kernel writes them back)
-        found = find_nonfinite(grads) if s is None and lazy else None
+        found = find_nonfinite(grads) if s is None and lazy and self.fused is Fused.COMPILE else None
         if found is None: found = unscale_and_find_inf_(grads) if s is None else s.unscale_(grads)
         scale = 1.0 if s is None else s.dev['scale'] if lazy else s.scale
         return scale,(found if lazy else bool(found.item()))
@@ -472,11 +473,16 @@ class PrecisionCallback(Callback, ScaleTelemetry, CheckpointState):
         if lazy: return self._skip_on_device(self._found)
         self._batch_skipped = self._found
         if self._found: self._skip(scale)
+    skip_on_device = None  # None: a step's verdict stays on the device where the data is not on the CPU; True, False: always, never
     def _on_device(self) -> bool:
-        "Whether this step is skipped on the device, compiled"
-        return self.fused is Fused.COMPILE and self.fused_steps is not None and self.fused_steps.will_compile()
+        "Whether this step is skipped on the device (no host read): compiled, or the engine's eager step putting back its writes"
+        fs = self.fused_steps
+        if fs is None: return False
+        if self.fused is Fused.COMPILE and fs.will_compile(): return True
+        on = self.device_type != 'cpu' if self.skip_on_device is None else self.skip_on_device  # a CPU's read waits for nothing
+        return on and fs.skips_on_device()
     def _skip_on_device(self, found:Tensor):
-        "Skip a compiled step where `found`, with no host sync"
+        "Skip the step where `found`, with no host sync"
         self.fused_steps.found = found
         if self._norms is not None: self._norms.restore_where(found)
         if not self.schedule_skips: self._batch_skipped = bool(found.item())

@@ -397,8 +397,8 @@ class CompiledSteps:
                     ds.advance(b, any(base_fn(cb) is step_stat for cb in eng.inner.cbs))
                 return
         self.to_host(eng, b)
-        # a step skipped on the device: the eager one must not run
-        if eng.found is not None and bool(eng.found): return
+        # a step skipped on the device: the eager one puts back what it writes, or (a bucket it cannot guard) must not run
+        if eng.found is not None and not eng.guards(b) and bool(eng.found): return
         eng.warn_eager(why)
         if turn: self.eager.extra(eng, b, runs[0][0], turn, hyper)
         else: self.eager.bucket(eng, b, hyper)

@@ -12,8 +12,8 @@ from fastai.optimizer import _update
 from .flat import *
 
 # %% auto #0
-__all__ = ['ELEMENTWISE', 'base_fn', 'fn_name', 'plan', 'StateWindow', 'run_state', 'put_state', 'ParamItems', 'LoopSteps',
-           'loop_one', 'RunSteps']
+__all__ = ['ELEMENTWISE', 'base_fn', 'fn_name', 'plan', 'StateWindow', 'run_state', 'put_state', 'SkipGuard', 'ParamItems',
+           'LoopSteps', 'loop_one', 'RunSteps']
 
 # %% ../nbs/01f_eager.ipynb #ea0006
 def base_fn(cb) -> Callable:
@@ -106,6 +106,26 @@ def put_state(b:Bucket, a:int, c:int, new:dict|None, sw:StateWindow, shaped:bool
             for d,t in zip(b.dicts[a:c], held): d[k] = t
         else:
             for d in b.dicts[a:c]: d[k] = v
+
+# %% ../nbs/01f_eager.ipynb #sg000002
+class SkipGuard:
+    "What a window's step writes, kept aside, and put back where `skip` (the finite check's verdict, on the device) is set"
+    def __init__(self, b:Bucket, i:int, j:int, skip:Tensor):
+        self.skip = skip
+        self.ts = b.kind.step_writes(b, i, j) + [t for k in b.state_bufs for t in b.store.window_writes(b, k, i, j)]
+        if not b.flat: self.ts += [v for d in b.dicts[i:j] if d for v in d.values() if _is_float(v)]  # fastai's own tensors
+        self.kept = [_kept(b, n, t) for n,t in enumerate(self.ts)]
+        if self.ts: torch._foreach_copy_(self.kept, self.ts)
+    def put_back(self):
+        "Each tensor as the window found it, where the step is skipped (no host sync)"
+        for t,k in zip(self.ts, self.kept): torch.where(self.skip, k, t, out=t)
+
+def _is_float(v) -> bool: return isinstance(v, Tensor) and v.is_floating_point()
+
+def _kept(b:Bucket, n:int, t:Tensor) -> Tensor:
+    "Where a window keeps the `n`-th tensor it writes: the engine's workspace (a flat bucket's), else a tensor of its own"
+    if not b.flat: return torch.empty_like(t)
+    return b.workspace(b.device, t.numel(), ('kept', n), t.dtype).view(t.shape)
 
 # %% ../nbs/01f_eager.ipynb #ea0011
 class ParamItems:
@@ -215,10 +235,12 @@ class LoopSteps:
         self.window(eng, b, i, i+1, hyper, n)
     def window(self, eng, b:Bucket, i:int, j:int, hyper:dict, turn:int=0):
         if not any(b.has_grad[i:j]): return
+        guard = eng.guard(b, i, j)  # None where the host knows the step is taken
         x,g = b.kind.to_step(b, i, j)
         for k in range(i, j):
             if b.has_grad[k]: loop_one(eng.inner, b, k, x, g, i, hyper)
         b.kind.fold(b, i, j, x, turn)
+        if guard is not None: guard.put_back()
 
 def loop_one(o, b:Bucket, k:int, x, g, i:int, hyper:dict):
     "fastai's step functions on parameter `k` of `b`"
@@ -279,6 +301,7 @@ class RunSteps(LoopSteps):
 
     def window(self, eng, b:Bucket, i:int, j:int, hyper:dict, turn:int=0):
         if not any(b.has_grad[i:j]): return
+        guard = eng.guard(b, i, j)  # None where the host knows the step is taken
         x,g = b.kind.to_step(b, i, j)
         ks = scalar_keys(b, i, j)  # the window's own: a bucket's would be read again in each window
         rs = b.runs(i, j, ks)
@@ -302,6 +325,7 @@ class RunSteps(LoopSteps):
             for k in sorted(b.apart):
                 if i <= k < j: loop_one(eng.inner, b, k, x, g, i, hyper)  # a sparse gradient
         b.kind.fold(b, i, j, x, turn)
+        if guard is not None: guard.put_back()
 
     def _params(self, b:Bucket, x, g, rs:list, lo:int, hyper:dict, sw:StateWindow) -> ParamItems:
         ks = [k for a,c in rs for k in range(a, c)]

@@ -139,6 +139,10 @@ class Kind:
         "What `to_step` gave, stepped, into the model's weights"
     def written(self, b:Bucket, idx:list):
         "Parameters `idx` were written in place since the last step"
+    def step_writes(self, b:Bucket, i:int, j:int) -> list:
+        "The tensors a step of parameters `i` to `j` writes (`to_step` and `fold`): put back where it is skipped on the device"
+        if b.flat: return [b.part(b.w, i, j)]
+        return [p.data for p in b.params[i:j]]
     def tick(self):
         "Once after each optimizer step"
     # ---- the gradients

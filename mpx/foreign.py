@@ -42,6 +42,22 @@ class ForeignSteps:
                 if v.is_floating_point() and t.dtype != v.dtype:
                     now[key] = v.to(t.device)  # what the fp32 step reads, as torch holds it for an fp32 parameter
 
+    def install_found(self, eng, led:Ledger) -> bool:
+        "Hand a torch optimizer that takes it (a fused one) the finite check's verdict at each step: whether it takes it"
+        o = eng.inner
+        if eng.lookaheads or not isinstance(o, OptimWrapper) or not getattr(o.opt, '_step_supports_amp_scaling', False):
+            return False
+        led.set(o, 'step', partial(self.found_step, eng, o.step))
+        return True
+
+    def found_step(self, eng, step:Callable, closure=None):
+        "The torch optimizer's step, skipped on the device where the verdict says so, as `GradScaler` hands it (no host read)"
+        topt = eng.inner.opt
+        if eng.found is None: return step()
+        topt.found_inf = eng.found.reshape(()).float()  # its own step counts are taken back where it is set
+        try: return step()
+        finally: del topt.found_inf
+
     @torch.no_grad()
     def step(self, eng, step:Callable, windowed:bool, closure=None):
         "The optimizer's own `step` on the stepped tensors"

@@ -17,10 +17,10 @@ from .flat import _flat_keys
 from .eager import *
 from .compiled import CompiledSteps, compile_plan
 from .foreign import ForeignSteps, LookaheadSync
-from .lowbit import DenseStore, LowBitState, make_store, MIN_LOWBIT
+from .lowbit import Store, DenseStore, LowBitState, make_store, MIN_LOWBIT
 
 # %% auto #0
-__all__ = ['why_not_fused', 'why_not_lowbit', 'StepPhase', 'default_chunk', 'FusedSteps']
+__all__ = ['why_not_fused', 'why_not_lowbit', 'StepPhase', 'default_chunk', 'Verdict', 'Unsettled', 'FusedSteps']
 
 # %% ../nbs/01a_fused.ipynb #fz0006
 def why_not_fused(opt) -> str|None:
@@ -65,6 +65,34 @@ def default_chunk(device) -> int:
     "Elements a window holds on `device`: cache-sized on a CPU"
     return 1<<17 if torch.device(device).type == 'cpu' else 1<<22
 
+# %% ../nbs/01a_fused.ipynb #vd000002
+class Verdict:
+    "A step's finite-check flag on its way to the host: copied with no wait, read a step later"
+    def __init__(self, found:Tensor):
+        self.host = found.detach().reshape(-1)[:1].to('cpu', non_blocking=True)  # pinned, from a GPU
+        self.ready = None
+        if found.device.type != 'cpu':
+            self.ready = torch.Event(found.device)
+            self.ready.record()
+    def skipped(self) -> bool:
+        "Whether the step was skipped (a wait only where the copy, queued a step ago, is not done)"
+        if self.ready is not None: self.ready.synchronize()
+        return bool(self.host.numpy()[0])
+
+_missing = object()
+
+class Unsettled:
+    "A step whose verdict stayed on the device, with the state dicts it changed: `(dict, as found, as left)`"
+    def __init__(self, found:Tensor, dicts:list): self.verdict,self.dicts = Verdict(found),dicts
+    def settle(self):
+        "Where the step was skipped, each dict as the step found it, but for what was written since"
+        if not self.verdict.skipped(): return
+        for d,was,left in self.dicts:
+            for k in set(was) | set(left):
+                if d.get(k, _missing) is not left.get(k, _missing): continue  # a callback's write since: it stays
+                if k in was: d[k] = was[k]
+                else: d.pop(k, None)
+
 # %% ../nbs/01a_fused.ipynb #fz0012
 _grad = operator.attrgetter('grad')
 
@@ -95,6 +123,10 @@ class FusedSteps:
         self.lists = [list(pg) for pg in self.inner.param_lists]
         self.phase = StepPhase.READY
         self.found = None  # the finite check's device flag
+        self.steps_itself = False  # its own `step` replaces the optimizer's (`_install`)
+        self.hands_found = False  # a torch optimizer's own step takes the finite check's verdict (a fused one)
+        self.unsettled = None  # the last step's verdict on its way to the host, and the dicts it changed (`settle`)
+        self._skip,self._noted = None,{}  # during a step skipped or not on the device: its flag, and the dicts as found
         self.handed_out = False
         self.workspace,self.warned = Workspace(),set()  # scratch buffers its buckets share, and what `say` said
         self._st,self._st_ids = None,None
@@ -183,11 +215,13 @@ class FusedSteps:
         if not self.own_step:
             if self.fused is Fused.COMPILE: self.warn_eager(self.reason)
             if widened: self.foreign.install(self, led)
+            else: self.hands_found = self.foreign.install_found(self, led)
             return
-        if self.fused is Fused.COMPILE or not self.low.views: led.set(o, 'state_dict', self._state_dict)
+        led.set(o, 'state_dict', self._state_dict)  # the counts of a step skipped on the device settled first
         if not self.lookaheads: led.set(o, 'load_state_dict', self.load_state)  # each loaded state tensor into its store
         if self.fused is Fused.LOOP and not widened: return  # fastai's own loop on the parameters themselves
         led.set(o, 'step', self.step)
+        self.steps_itself = True
         for la in self.lookaheads: led.set(la, 'step', partial(self.lookahead.step, self, la))
         for x in [o, *self.lookaheads]:
             if not _own_zero_grad(x): led.set(x, 'zero_grad', self.zero_grad)
@@ -208,7 +242,8 @@ class FusedSteps:
             if len(a) != len(b) or any(x is not y for x,y in zip(a, b)): return True
         return False
     def refresh(self):
-        "Adopt what changed since the last step"
+        "Adopt what changed since the last step (its verdict first, where the device kept it)"
+        self.settle()
         st = self.inner.state if self.own_step else None
         ids = list(map(id, st.values())) if st is not None else None
         # no state dict replaced (`clear_state`, `load_state_dict` replace them)
@@ -235,11 +270,15 @@ class FusedSteps:
         if closure is not None: raise NotImplementedError("fastai optimizers currently do not support closure")
         self.adopt_changes()
         if tuple(self.inner.cbs) != self.cbs: self._recompose()
-        for gi,hyper in enumerate(self.inner.hypers):
-            for b in self.groups[gi]: b.stepper.bucket(self, b, hyper)
-            for n,p in self.extras[gi]:
-                b,i = self.home[id(p)]
-                if b.has_grad[i]: b.stepper.extra(self, b, i, n, hyper)
+        self._skip = None if self.found is None else self.found.reshape(()) != 0  # the windows' `SkipGuard`s read it
+        try:
+            for gi,hyper in enumerate(self.inner.hypers):
+                for b in self.groups[gi]: b.stepper.bucket(self, b, hyper)
+                for n,p in self.extras[gi]:
+                    b,i = self.home[id(p)]
+                    if b.has_grad[i]: b.stepper.extra(self, b, i, n, hyper)
+            if self._noted: self.unsettled = Unsettled(self.found, [(d, was, dict(d)) for d,was in self._noted.values()])
+        finally: self._skip,self._noted = None,{}
         for k in _once(b.kind for b in self.buckets): k.tick()
         self.handed_out = False
     def _recompose(self):
@@ -259,8 +298,27 @@ class FusedSteps:
         if why in self.warned: return
         self.warned.add(why)
         warn_user(f"fused='compile' steps eagerly here: {why}")
+    def guard(self, b:Bucket, i:int, j:int) -> SkipGuard|None:
+        "A `SkipGuard` of parameters `i` to `j` of `b` where the step's verdict is on the device (else None), its dicts noted"
+        if self._skip is None: return None
+        for d,live in zip(b.dicts[i:j], b.has_grad[i:j]):
+            if live and d is not None: self._noted.setdefault(id(d), (d, dict(d)))  # a piece after the first: as the step found it
+        return SkipGuard(b, i, j, self._skip)
+    def guards(self, b:Bucket) -> bool:
+        "Whether a `SkipGuard` can put back what a step of bucket `b` writes"
+        if not b.flat and not all(type(p) in (Tensor, nn.Parameter) for p in b.params): return False  # a DTensor's own
+        return type(b.store).window_writes is not Store.window_writes  # a user's store may not say what a step writes
+    def skips_on_device(self) -> bool:
+        "Whether a step can be skipped on the device: the engine steps every bucket, and puts back what each step writes"
+        if self.hands_found: return True
+        return self.steps_itself and not self.lookaheads and all(map(self.guards, self.buckets))
+    def settle(self):
+        "The last step's verdict read (no wait: the device found it a step ago); the dicts it changed as it found them if skipped"
+        u,self.unsettled = self.unsettled,None
+        if u is not None: u.settle()
     def steps_to_host(self):
         "Device step counts into fastai's state dicts (one host sync)"
+        self.settle()
         for st in _once(b.stepper for b in self.buckets if b.stepper is not None):
             if hasattr(st, 'to_host'): st.to_host(self)  # only a compiled stepper has any: a no-op otherwise
 

@@ -179,6 +179,9 @@ class Store:
     def store_window(self, b, k:str, i:int, j:int, x:Tensor):
         "What `load_window` gave, stepped, back into the store (the same piece: write through `b.part`)"
         raise NotImplementedError
+    def window_writes(self, b, k:str, i:int, j:int) -> list:
+        "The tensors of state `k` a step of parameters `i` to `j` writes: put back where it is skipped on the device"
+        raise NotImplementedError  # a store without it: the host reads each step's verdict (`FusedSteps.skips_on_device`)
     # ---- compiled (`mpx.compiled`): the kernel's tensors in, their new values out, in the same pass
     def kernel_io(self, b, k:str, a:int, c:int) -> dict:
         "The kernel's tensors of state `k` for parameters `a` to `c`"
@@ -215,6 +218,7 @@ class DenseStore(Store):
     def load_window(self, b, k:str, i:int, j:int, scratch:Tensor|None=None) -> Tensor:
         return b.part(b.state_bufs[k], i, j)
     def store_window(self, b, k:str, i:int, j:int, x:Tensor): pass
+    def window_writes(self, b, k:str, i:int, j:int) -> list: return [b.part(b.state_bufs[k], i, j)]
     def kernel_io(self, b, k:str, a:int, c:int) -> dict:
         return {k: b.part(b.state_bufs[k], a, c)}
     def kernel_load(self, t:dict, k:str) -> Tensor: return t[k]
@@ -409,6 +413,9 @@ class QuantStore(BF16Store):
         return scratch
     def store_window(self, b, k, i, j, x):
         self._store(b, k, b.lo(i), b.end(j), x)
+    def window_writes(self, b, k, i, j):
+        lo,hi = b.lo(i),b.end(j)
+        return [self._code_bytes(b, k, lo, hi), self._scales(b, k, lo, hi)]
     # ---- compiled: the codes and scales (and a 4-bit map) in, new codes and scales out, in the same pass
     def kernel_io(self, b, k, a, c):
         lo,hi = b.lo(a),b.end(c)

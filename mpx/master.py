@@ -62,6 +62,7 @@ class MasterKind(Kind):
     def written(self, b, idx):
         for i in idx: merge_writes(b.own.slots[i], b.slot(b.w, i))  # the master takes what the write changed
     def fold(self, b, i, j, x, turn=0): b.part(b.w, i, j).copy_(x)
+    def step_writes(self, b, i, j): return [b.part(b.own.masters, i, j), b.part(b.w, i, j)]
     def checked(self, b): return [b.own.grads]
     def grad_of(self, b, i): return b.own.grad_slots[i] if b.has_grad[i] else None
     def _show(self, b, i):

@@ -163,6 +163,7 @@ class KahanKind(BF16Kind):
         fold_kahan([x], [w], [c], rest, total)
     def written(self, b, idx:list):
         torch._foreach_zero_([b.own.slots[i] for i in idx])  # what was written, exactly
+    def step_writes(self, b, i, j): return list(self._parts(b, i, j))
     def _parts(self, b, i, j) -> tuple:
         "The bf16 weights and compensations of parameters `i` to `j`"
         return b.part(b.w, i, j),b.part(b.own.buf, i, j)
@@ -224,6 +225,12 @@ class Stream:
     def on(self, device) -> tuple:
         "For a kernel on `device`: the steps the host counted, and those skipped on the device (no sync)"
         return self._count,self._skips(device)
+    def key(self, turn:int=0):
+        "`stream_key` of the steps taken and `turn`: an int, or on the device where it counts skipped steps (no sync)"
+        if self.skipped is None: return stream_key(self.seed, self._count, turn)
+        taken = (_mix32(self.seed) + self._count) - self.skipped  # the key's first sum, the skipped steps taken off there
+        k = _mix32(_mix32(taken) + turn)
+        return torch.where(k >= 2**31, k - 2**32, k).int()
     def __getstate__(self):
         return dict(seed=self.seed, _count=self.count, skipped=None)  # pickled whole on the host
 
@@ -234,8 +241,7 @@ class StochasticKind(BF16Kind):
     def _base(self, b, i:int) -> int:
         return (b.base + b.lo(i)) % 2**31  # parameter `i`'s first index in the stream
     def fold(self, b, i, j, x, turn=0):
-        key = stream_key(self.stream.seed, self.stream.count, turn)
-        w = round_stochastic(x, key, self._base(b, i))
+        w = round_stochastic(x, self.stream.key(turn), self._base(b, i))
         b.part(b.w, i, j).copy_(w)  # exact: every value is a bf16 now
     def kernel_io(self, b, a, c, turn=0):
         t,_ = super().kernel_io(b, a, c)
@@ -264,6 +270,7 @@ class FrozenKind(BF16Kind):
     def written(self, b, idx):
         for i in idx: merge_writes(b.own.slots[i], b.slot(b.w, i))
     def fold(self, b, i, j, x, turn=0): b.part(b.w, i, j).copy_(x)
+    def step_writes(self, b, i, j): return [b.part(b.own.buf, i, j), b.part(b.w, i, j)]
     def value(self, b, i):
         return exact_fp32(b.params[i].data, b.own.slots[i])
     def kernel_io(self, b, a, c, turn=0):

@@ -46,12 +46,23 @@ def precision_cb(learn:Learner) -> Callback:
     return cbs[0]
 
 # %% ../nbs/99_test_utils.ipynb #f4b90487
+def _waits_on_copy(func, args, kwargs:dict) -> bool:
+    "Whether `func` copies a device's tensor to the host and waits for it (a non-blocking copy waits for nothing)"
+    if func is torch.ops.aten._to_copy.default:
+        to = kwargs.get('device')
+        return to is not None and torch.device(to).type == 'cpu' and args[0].device.type != 'cpu' and not kwargs.get('non_blocking')
+    if func is not torch.ops.aten.copy_.default: return False
+    dst,src = args[:2]
+    blocking = not (args[2] if len(args) > 2 else kwargs.get('non_blocking', False))
+    return dst.device.type == 'cpu' and src.device.type != 'cpu' and blocking
+
 class CountSyncs(TorchDispatchMode):
-    "Context manager counting the host syncs made inside it, in `n`"
+    "Context manager counting the host reads made inside it, in `n`: `item()`-like reads, and copies to the host that wait"
     n = 0
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default: self.n += 1
-        return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default or _waits_on_copy(func, args, kwargs): self.n += 1
+        return func(*args, **kwargs)
 
 class CountOps(TorchDispatchMode):
     "Context manager counting the aten ops dispatched inside it, by name"

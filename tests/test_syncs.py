@@ -1,4 +1,4 @@
-"Host syncs, counted (never timed): one per optimizer step in every mode (fp16's scaler check, bf16's finite check), none with check_finite=False, on any model, at any parameter count, with gradient accumulation too; what a skipped step and reading the telemetry cost."
+"Host syncs, counted (never timed): on a CPU one per optimizer step in every mode (fp16's scaler check, bf16's finite check), on a GPU none (the verdict stays on the device), none with check_finite=False, on any model, at any parameter count, with gradient accumulation too; what a skipped step and reading the telemetry cost."
 from functools import partial
 import pytest, torch
 from torch import nn
@@ -33,21 +33,40 @@ def test_syncs_per_optimizer_step(mode, model, acc, device):
     "The mode adds exactly its syncs per optimizer step (not per micro-batch, not per parameter) to the same fit in fp32."
     needs_mode(mode, device)
     make,per_step = SYNCS[mode]
-    def learner(): return tiny_learner(lr=1e-2, model=MODELS[model], n_trn=4, device=device, cbs=GradientAccumulation(n_acc=32) if acc else None)  # 4 batches of 16: 4 steps, or 2 accumulated
-    base = count_syncs(learner())
-    learn = make(learner())
-    added,cb,steps = count_syncs(learn) - base,precision_cb(learn),2 if acc else 4
-    assert (cb.total_steps, cb.skipped_steps) == (steps, 0)
-    assert added == per_step * steps, f'{added} host syncs over {steps} optimizer steps'
+    if device == 'cuda': per_step = 0  # the verdict stays on the device: reads at a fit's ends only (`test_lean_step`)
+    def learner(n): return tiny_learner(lr=1e-2, model=MODELS[model], n_trn=n, device=device, cbs=GradientAccumulation(n_acc=32) if acc else None)  # n batches of 16: n steps, or n/2 accumulated
+    def added(n):
+        learn = make(learner(n))
+        res = count_syncs(learn) - count_syncs(learner(n))
+        cb = precision_cb(learn)
+        assert (cb.total_steps, cb.skipped_steps) == (n//2 if acc else n, 0)
+        return res
+    steps = 2 if acc else 4  # the steps 8 batches take beyond 4's
+    more = added(8) - added(4)
+    assert more == per_step * steps, f'{more} host syncs over {steps} more optimizer steps'
+    if device == 'cpu': assert added(4) == per_step * steps  # and nothing at a fit's ends
 
-@pytest.mark.parametrize('device', DEVICES)
-def test_skipped_step_pays_for_its_diagnosis(device):
-    "At fp16's default scale the tiny regression overflows by itself: every step still costs one sync, and only a skipped step pays (at most 4) for naming the parameter."
-    base = count_syncs(tiny_learner(lr=1e-2, device=device))
-    learn = tiny_learner(lr=1e-2, device=device).to_fp16()
+def test_skipped_step_pays_for_its_diagnosis():
+    "At fp16's default scale the tiny regression overflows by itself: on a CPU every step still costs one sync, and only a skipped step pays (at most 4) for naming the parameter."
+    base = count_syncs(tiny_learner(lr=1e-2))
+    learn = tiny_learner(lr=1e-2).to_fp16()
     added,mp = count_syncs(learn) - base,learn.mixed_precision
     assert mp.total_steps == 10 and mp.skipped_steps > 0 and mp.last_overflow is not None
     assert 10 < added <= 10 + 4*mp.skipped_steps, f'{added} host syncs over 10 steps, {mp.skipped_steps} skipped'
+
+@pytest.mark.parametrize('device', DEVICES)
+def test_skipped_step_on_the_device_reads_nothing(device):
+    "Skipped on the device (a GPU's default, forced on a CPU), overflowing steps cost no sync; the epoch's end diagnoses the last one, its step and scale."
+    def fit(n, on=True):
+        learn = tiny_learner(lr=1e-2, n_trn=n, device=device).to_fp16()
+        learn.mixed_precision.skip_on_device = on
+        return learn,count_syncs(learn)
+    (a,n4),(b,n8) = fit(4),fit(8)
+    assert n8 == n4, f'{n8 - n4} host syncs over 4 more steps'
+    mp = b.mixed_precision
+    assert mp.skipped_steps > 0 and mp.last_overflow is not None and mp.last_overflow.param is None
+    assert mp.last_overflow.step == max(i for i,s in enumerate(mp.step_log.skips) if s)
+    assert not a.mixed_precision.skipped_steps or fit(4, on=False)[0].mixed_precision.skipped_steps == a.mixed_precision.skipped_steps
 
 def test_telemetry_reads_do_not_sync():
     "Reading the step counters costs no host sync, and reading `scales` at most one."
