@@ -118,6 +118,14 @@ def raw_loop(model, batches, loss_func, dtype=None, fused=False) -> callable:
     return run
 
 adamw = partial(OptimWrapper, opt=torch.optim.AdamW)
+fused_adamw = partial(OptimWrapper, opt=partial(torch.optim.AdamW, fused=True))
+
+def _host_read(l):
+    "`to_bf16()` whose host reads each step's finite check (mpx before issue 67): the device path's reference"
+    l.to_bf16()
+    l.mixed_precision.skip_on_device = False
+    return l
+
 MODES = {  # name: (what makes a learner's precision, or the raw loop's autocast dtype), TF32 on[, the learner's optimizer]
     # the learners step torch's AdamW (wrapped) unless a third entry says otherwise: the 'Adam' modes step fastai's Adam, which
     # mpx's engine steps over flat buffers (eagerly, or in one compiled kernel)
@@ -129,6 +137,16 @@ MODES = {  # name: (what makes a learner's precision, or the raw loop's autocast
     'fastai fp16': (lambda l: l.add_cb(ffp16.MixedPrecision()), False), 'fastai bf16': (lambda l: l.add_cb(ffp16.MixedPrecision(amp_mode='bf16')), False),
     'mpx bf16 Adam': (lambda l: l.to_bf16(), False, Adam), 'mpx bf16 Adam compile': (lambda l: l.to_bf16(fused='compile'), False, Adam),
     'mpx pure kahan Adam compile': (lambda l: l.to_bf16(pure=True, fused='compile'), False, Adam),
+    # issue 67: a learner's default optimizer (fastai's Adam) under fastai's own callbacks and mpx's, the verdict on the device
+    # or read by the host; torch's fused AdamW, which takes the verdict as `GradScaler` hands it; pure stochastic compiled
+    'fastai bf16 Adam': (lambda l: l.add_cb(ffp16.MixedPrecision(amp_mode='bf16')), False, Adam),
+    'fastai fp16 Adam': (lambda l: l.add_cb(ffp16.MixedPrecision()), False, Adam),
+    'mpx fp16 Adam': (lambda l: l.to_fp16(), False, Adam), 'mpx bf16 Adam host read': (_host_read, False, Adam),
+    'mpx bf16 Adam DeviceLosses': (lambda l: l.add_cb(DeviceLosses()).to_bf16(), False, Adam),  # the recorder's reads spared too
+    'fastai bf16 Adam DeviceLosses': (lambda l: l.add_cb(DeviceLosses()).add_cb(ffp16.MixedPrecision(amp_mode='bf16')), False, Adam),
+    'mpx bf16 fused AdamW': (lambda l: l.to_bf16(), False, fused_adamw),
+    'fastai bf16 fused AdamW': (lambda l: l.add_cb(ffp16.MixedPrecision(amp_mode='bf16')), False, fused_adamw),
+    'mpx pure stochastic Adam compile': (lambda l: l.to_bf16(pure=True, update='stochastic', fused='compile'), False, Adam),
     'raw AMP bf16 loop': (torch.bfloat16, False), 'raw AMP fp16 loop': (torch.float16, False),
     'raw AMP bf16 loop fused AdamW': ((torch.bfloat16, True), False),
 }
@@ -204,7 +222,11 @@ def summary(name, t, failed:dict) -> list:
     def r(a, b, fmt, unit=''):
         if a in t and b in t: return format(ratio(t[a], t[b]), fmt) + unit
         return 'failed' if a in failed or b in failed else 'not run'  # `--modes` left it out
-    return [name, r('raw AMP bf16 loop', 'mpx bf16', '.1%'), r('raw AMP bf16 loop', 'mpx bf16 check_finite=False', '.1%'),
+    return [name, r('fastai bf16 Adam', 'mpx bf16 Adam', '.2f', 'x'), r('fastai fp16 Adam', 'mpx fp16 Adam', '.2f', 'x'),
+            r('fastai bf16 fused AdamW', 'mpx bf16 fused AdamW', '.2f', 'x'), r('fastai bf16', 'mpx bf16', '.2f', 'x'),
+            r('mpx bf16 Adam host read', 'mpx bf16 Adam', '.2f', 'x'), r('mpx bf16 Adam', 'mpx bf16 Adam DeviceLosses', '.2f', 'x'),
+            r('fastai bf16 Adam', 'fastai bf16 Adam DeviceLosses', '.2f', 'x'),
+            r('raw AMP bf16 loop', 'mpx bf16', '.1%'), r('raw AMP bf16 loop', 'mpx bf16 check_finite=False', '.1%'),
             r('raw AMP fp16 loop', 'mpx fp16', '.1%'),
             r('raw AMP bf16 loop fused AdamW', 'mpx bf16 Adam compile', '.1%'),
             r('mpx bf16 Adam compile', 'mpx pure kahan Adam compile', '.2f', 'x'),
@@ -436,7 +458,9 @@ def profile_gap(bs, smoke) -> list:
     model,batches,_,label = gpt_case(bs, smoke)
     batches,loss_func,rows = on_dev(batches),CrossEntropyLossFlat(),[]
     acts = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA]*(DEV == 'cuda')
-    for k in ('raw AMP bf16 loop', 'mpx bf16', 'mpx bf16 check_finite=False', 'fastai bf16'):
+    for k in ('raw AMP bf16 loop', 'mpx bf16 Adam', 'mpx bf16 Adam host read', 'mpx bf16 Adam DeviceLosses', 'fastai bf16 Adam',
+              'mpx bf16 fused AdamW', 'mpx bf16',
+              'fastai bf16'):
         run,learn = build(k, model, batches, loss_func); run(); run()
         with profile(activities=acts) as prof: run()
         ev,n = prof.key_averages(),len(batches)
@@ -446,7 +470,7 @@ def profile_gap(bs, smoke) -> list:
         syncs = count('cudaStreamSynchronize', 'cudaDeviceSynchronize', 'cudaEventSynchronize')
         rows.append([label, k, f"{launches:.0f}", f"{gpu:.1f}", f"{syncs:.2f}", f"{count('cudaMemcpyAsync'):.1f}",
                      f"{count('aten::item', 'aten::_local_scalar_dense'):.2f}"])
-        if k == 'mpx bf16': top = ev.table(sort_by='self_cpu_time_total', row_limit=12, max_name_column_width=50)
+        if k == 'mpx bf16 Adam': top = ev.table(sort_by='self_cpu_time_total', row_limit=12, max_name_column_width=50)
         del run, learn; gc.collect()
     return rows, top
 
@@ -544,7 +568,11 @@ def main(args):
                   rows(n, r, peak))
             for k,e in r['failed'].items(): print(f"# {n}: {k} failed: {e}")
             done(n)
-        table(['model', 'mpx bf16 / raw bf16 loop speed:', 'mpx bf16 check_finite=False / raw bf16 loop:',
+        table(['model', 'mpx bf16 Adam vs fastai bf16 Adam (>= 1.0x):', 'mpx fp16 Adam vs fastai fp16 Adam:',
+               'mpx bf16 fused AdamW vs fastai bf16 fused AdamW:', 'mpx bf16 vs fastai bf16 (torch AdamW, host read):',
+               'verdict on the device vs read by the host (mpx bf16 Adam):', 'DeviceLosses (mpx bf16 Adam):',
+               'DeviceLosses (fastai bf16 Adam):',
+               'mpx bf16 / raw bf16 loop speed:', 'mpx bf16 check_finite=False / raw bf16 loop:',
                'mpx fp16 / raw fp16 loop speed:', 'mpx bf16 Adam compile / raw loop fused AdamW (>= 95%):',
                'pure kahan Adam compile vs mpx bf16 Adam compile (>= 1.0x):',
                'mpx bf16 vs fp32:', 'mpx bf16 vs tf32:', 'pure kahan vs mpx bf16:'],
@@ -555,7 +583,7 @@ def main(args):
         rws,top = profile_gap(args.gpt_bs, smoke)
         table(['model', 'mode', 'kernel launches:', 'GPU kernel ms:', 'host syncs (stream/device/event):', 'cudaMemcpyAsync:',
                'aten::item:'], rws)
-        print("# mpx bf16, ops by self CPU time (the whole epoch):"); print(top)
+        print("# mpx bf16 Adam, ops by self CPU time (the whole epoch):"); print(top)
         done('profile')
 
 def parse():

@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
-# Issue 61's one call on a lent GPU machine (an H100/H200 image with PyTorch, no fastai, no network), within about 9 minutes,
+# One call on a lent GPU machine (an H100/H200 image with PyTorch, no fastai, no network), within about 10 minutes,
 # each part's log under $OUT as it runs, so that a run cut off still returns what it measured:
+#   L, first and alone (issue 67, the lean step): bench/gpu.py's main table and profile on the GPT and the CNN for a learner's
+#      default optimizer (fastai's Adam) under fastai's own callbacks and mpx's (the verdict on the device, and read by the
+#      host), torch's fused AdamW (handed the verdict), compiled AMP against the raw fused loop, pure kahan and stochastic
+#      compiled -> lean.log; then bench/lean_memory.py --device cuda (each mode's training peak beside the raw autocast loop,
+#      GPT-2's vocabulary) -> lean_memory.log
 #   A, side by side (correctness and memory, not timings): the tests that skip without CUDA and the engine's tests on the
 #      device (fastai puts a learner where CUDA is: every mode, compiled steps, low-bit state, kept layouts, saves,
 #      checkpoints) -> tests.log; tests/apps/test_vision.py (resnet18 and xresnet18 fine-tuned in every mode beside fp32)
@@ -16,12 +21,12 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 SMOKE=$([ "${1:-}" = --smoke ] && echo 1 || echo)
 OUT=${OUT:-/tmp/gpu_check}; mkdir -p "$OUT"
-TA=${TA:-230} TB1=${TB1:-200} TB2=${TB2:-110}  # seconds for part A, and B's two sections: about 9 minutes in all
+TL=${TL:-240} TM=${TM:-90} TA=${TA:-150} TB1=${TB1:-60} TB2=${TB2:-60}  # seconds for L's two parts, A, and B's two: 10 minutes in all
 export PYTHONUNBUFFERED=1
 if [ -z "$SMOKE" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site bench/wheels/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD; PY=python3; DEVICE=cuda
-  TESTS=${TESTS:-"tests/test_gpu.py tests/test_syncs.py tests/test_fp8.py tests/test_engine.py tests/test_compiled_steps.py
+  TESTS=${TESTS:-"tests/test_gpu.py tests/test_syncs.py tests/test_lean_step.py tests/test_fp8.py tests/test_engine.py tests/test_compiled_steps.py
          tests/test_lowbit.py tests/test_kept_layout.py tests/test_checkpoints.py tests/test_one_truth.py tests/test_pure.py
          tests/test_master.py tests/test_fused_modes.py tests/test_wrong_steps.py tests/test_visible_state.py
          tests/test_amp_integration.py tests/test_leaks.py"}
@@ -35,6 +40,18 @@ fi
 { nvidia-smi -L 2>&1; $PY -c "import sys, torch, fastai, mpx; print('python', sys.version.split()[0], 'torch', torch.__version__,
 'cuda', torch.version.cuda, 'fastai', fastai.__version__, 'mpx', mpx.__version__)"; } > "$OUT/env.log" 2>&1
 cat "$OUT/env.log"
+
+echo "# L: the lean step (issue 67), alone, at $SECONDS s"
+LEAN="fastai bf16 Adam,mpx bf16 Adam,mpx bf16 Adam host read,mpx bf16 Adam DeviceLosses,fastai bf16 Adam DeviceLosses"
+LEAN="$LEAN,fastai fp16 Adam,mpx fp16 Adam,fastai bf16 fused AdamW"
+LEAN="$LEAN,mpx bf16 fused AdamW,mpx bf16 Adam compile,raw AMP bf16 loop fused AdamW,mpx pure kahan Adam compile"
+LEAN="$LEAN,mpx pure stochastic Adam compile,fastai bf16,mpx bf16"
+(cd bench && timeout -s INT $TL $PY gpu.py "${GPU[@]}" --rounds 3 --only main,profile --models gpt,cnn --modes "$LEAN" \
+  --plots /tmp/gpu_plots > "$OUT/lean.log" 2>&1)
+grep -A4 "^| model | mpx bf16 Adam vs fastai" "$OUT/lean.log" | head -5
+LM=(); [ -n "$SMOKE" ] && LM=(--seq 32 --bs 2 --steps 2 --arms 'raw autocast,mpx AMP bf16')
+timeout $TM $PY bench/lean_memory.py --device $DEVICE "${LM[@]}" > "$OUT/lean_memory.log" 2>&1
+grep "^|" "$OUT/lean_memory.log"
 
 echo "# A: tests, vision, session memory (side by side, $TA s at most) at $SECONDS s"
 timeout -s INT -k 15 $TA $PY -m pytest -p no:cacheprovider -v -rfEs --tb=short -n $WORKERS --dist loadfile $TESTS > "$OUT/tests.log" 2>&1 &

@@ -17,7 +17,8 @@ The raw loops are PyTorch's AMP recipe as written (torch's AdamW with fastai's A
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-'mpx AMP bf16, pred read' adds a callback that reads `learn.pred` right after the loss: the fp32 copy made then is held
+The arm 'grads kept' zeroes the gradients between steps instead of dropping them, as fastai's `Optimizer.zero_grad`
+does (and mpx's engine, whose steps read them in flat buffers). 'mpx AMP bf16, pred read' adds a callback that reads `learn.pred` right after the loss: the fp32 copy made then is held
 through the backward, as every precision callback held it before issue 67 (and as fastai's own does).
 Run: `PYTHONPATH=. .venv/bin/python bench/lean_memory.py` (needs transformers: `.venv/bin/python -m pip install -c
 constraints-apps.txt transformers`, or run it with `.venv-apps/bin/python`); `--arms a,b` picks arms by a part of their
@@ -43,6 +44,7 @@ class _ReadPred:
 ARMS = {
     'raw fp32 loop': 'raw',
     'raw autocast bf16 loop': 'raw',
+    'raw autocast bf16 loop, grads kept': 'raw',  # `zero_grad(set_to_none=False)`, as fastai's `Optimizer.zero_grad` keeps them
     'fastai fp32': lambda l: l,
     'mpx AMP bf16': _mpx(),
     'mpx AMP bf16, pred read': lambda l: l.to_bf16().add_cb(_ReadPred()),
@@ -74,7 +76,7 @@ def _raw(name:str, dls, model):
             loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1))
         loss.backward()
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none='kept' not in name)
     return sm._peak()
 
 def run_one(name:str, seq:int, bs:int, steps:int) -> dict:

@@ -10,10 +10,11 @@ from .pure import *
 from .fp8 import *
 from .advisor import *
 from .learner import *
-from .progress import *  # `Learner.quiet_progress`; `QuietProgress` stays in `mpx.progress`
+from .progress import *  # `Learner.quiet_progress`, `DeviceLosses`; `QuietProgress` stays in `mpx.progress`
 
 # Star-exported: what a user writes. Helpers stay importable from their modules (`mpx.core`, `mpx.scaler`, ...).
-__all__ = ['AMPMode', 'LossScaler', 'PrecisionCallback', 'MixedPrecision', 'MasterPrecision', 'PureBF16', 'FP8Precision', 'PrecisionReport']
+__all__ = ['AMPMode', 'LossScaler', 'PrecisionCallback', 'MixedPrecision', 'MasterPrecision', 'PureBF16', 'FP8Precision', 'PrecisionReport',
+           'DeviceLosses']
 
 # Sharded training (FSDP2: `Learner.to_fsdp`, `ShardedTrainer`) is `from mpx.distributed import *`, as fastai's is
 # `from fastai.distributed import *`: it imports FSDP2 and DTensor, which would add about a second to this import.

@@ -495,7 +495,9 @@ class PrecisionCallback(Callback, ScaleTelemetry, CheckpointState):
     def _close_step(self):
         "Update the scale once for a checked step, wherever it ended"
         checked,found,self._checked,self._found = self._checked,self._found,False,False  # never retried if it fails
-        if self.fused_steps is not None: self.fused_steps.found = None
+        if self.fused_steps is not None:
+            self.fused_steps.found = None
+            self.fused_steps.settle(wait=False)  # a verdict the host knows already: `opt.state` as the step left it
         if checked: self._update_scale(found)
 
     # ---- what `export` pickles

@@ -230,7 +230,7 @@ _MULTI = {larc_layer_lr: _larc_layer_lr, larc_step: _larc_step, lamb_step: _lamb
 class LoopSteps:
     "fastai's loop, on each live parameter's stepped tensor"
     def bucket(self, eng, b:Bucket, hyper:dict):
-        for i,j,_,_ in b.windows(eng.chunk): self.window(eng, b, i, j, hyper)
+        for i,j,_,_ in b.windows(eng.chunk, kept=eng.guarding): self.window(eng, b, i, j, hyper)
     def extra(self, eng, b:Bucket, i:int, n:int, hyper:dict):
         self.window(eng, b, i, i+1, hyper, n)
     def window(self, eng, b:Bucket, i:int, j:int, hyper:dict, turn:int=0):
@@ -291,7 +291,7 @@ class RunSteps(LoopSteps):
         # elementwise, a run at a time
         split = all(w[0] == 'run' and not _transcendental(w[1], hyper) for w in self.plan)
         before = {}  # a parameter stepped in pieces: its dict as the step found it
-        for i,j,lo,hi in b.windows(eng.chunk, split):
+        for i,j,lo,hi in b.windows(eng.chunk, split, eng.guarding):
             if (lo, hi) == (b.lo(i), b.end(j)):
                 self.window(eng, b, i, j, hyper)
                 continue

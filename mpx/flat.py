@@ -493,11 +493,11 @@ class Bucket:
         res = [tuple(r) for r in res]
         self._runs = (memo, res)
         return res
-    def windows(self, chunk:int, split:bool=False) -> list:
-        "`(i, j, lo, hi)`: parameters `i` to `j`, elements `lo` to `hi`"
+    def windows(self, chunk:int, split:bool=False, kept:bool=False) -> list:
+        "`(i, j, lo, hi)`: parameters `i` to `j`, elements `lo` to `hi` (`kept`: a `SkipGuard` copies what each writes)"
         n = len(self.params)
-        # nothing widened: only the step functions' temporaries
-        if not (self.kind.widens or self.store.bits): chunk *= 8
+        # nothing widened, nothing kept: only the step functions' temporaries
+        if not (self.kind.widens or self.store.bits or kept): chunk *= 8
         if self.n <= chunk: return [(0, n, 0, self.n)]
         res,start = [],0
         for k in range(1, n+1):

@@ -74,6 +74,9 @@ class Verdict:
         if found.device.type != 'cpu':
             self.ready = torch.Event(found.device)
             self.ready.record()
+    def known(self) -> bool:
+        "Whether the host can read it now, with no wait"
+        return self.ready is None or self.ready.query()
     def skipped(self) -> bool:
         "Whether the step was skipped (a wait only where the copy, queued a step ago, is not done)"
         if self.ready is not None: self.ready.synchronize()
@@ -304,6 +307,10 @@ class FusedSteps:
         for d,live in zip(b.dicts[i:j], b.has_grad[i:j]):
             if live and d is not None: self._noted.setdefault(id(d), (d, dict(d)))  # a piece after the first: as the step found it
         return SkipGuard(b, i, j, self._skip)
+    @property
+    def guarding(self) -> bool:
+        "Whether this step's windows each keep a copy of what they write (the verdict is on the device)"
+        return self._skip is not None
     def guards(self, b:Bucket) -> bool:
         "Whether a `SkipGuard` can put back what a step of bucket `b` writes"
         if not b.flat and not all(type(p) in (Tensor, nn.Parameter) for p in b.params): return False  # a DTensor's own
@@ -312,10 +319,12 @@ class FusedSteps:
         "Whether a step can be skipped on the device: the engine steps every bucket, and puts back what each step writes"
         if self.hands_found: return True
         return self.steps_itself and not self.lookaheads and all(map(self.guards, self.buckets))
-    def settle(self):
-        "The last step's verdict read (no wait: the device found it a step ago); the dicts it changed as it found them if skipped"
-        u,self.unsettled = self.unsettled,None
-        if u is not None: u.settle()
+    def settle(self, wait:bool=True):
+        "The last step's verdict read (`wait`: even where it is not known yet); the dicts it changed as it found them if skipped"
+        u = self.unsettled
+        if u is None or not (wait or u.verdict.known()): return
+        self.unsettled = None
+        u.settle()
     def steps_to_host(self):
         "Device step counts into fastai's state dicts (one host sync)"
         self.settle()

@@ -401,4 +401,5 @@ class PureBF16(PrecisionCallback):
         self.stream.to_host()  # compiled: the count whole on the host once an epoch, as the step counts
     def _skip_on_device(self, found:Tensor):
         super()._skip_on_device(found)
-        self.stream.skip_on_device(found)  # the stream goes on as in the run without that batch
+        # the stream goes on as in the run without that batch (Kahan's never ticks: nothing to take off)
+        if self.update == 'stochastic': self.stream.skip_on_device(found)

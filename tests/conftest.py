@@ -1,6 +1,8 @@
 """Shared by every test file: the compiled cases (marked `compiled`) skip with the reason where `torch.compile` cannot build a
 kernel, and fail where it can but no kernel ran or a kernel quietly fell back to the eager step; `one_thread`; the end of the run
-says what it skipped and why, grouped by reason. `MPX_PLANTED=name` runs the session under `planted.name` (a negative control's)."""
+says what it skipped and why, grouped by reason. `MPX_PLANTED=name` runs the session under `planted.name` (a negative control's).
+`MPX_SKIP_ON_DEVICE=1` runs it with every step's verdict kept on the device, as on a GPU (`PrecisionCallback.skip_on_device`):
+the tests of the host path's own reads and diagnosis then fail, as they should."""
 import contextlib, functools, os, re
 from collections import Counter
 import pytest, torch
@@ -53,6 +55,17 @@ def _temp_dirs(tmp_path_factory):
     tempfile.tempdir = None
     if was is None: os.environ.pop('TMPDIR')
     else: os.environ['TMPDIR'] = was
+
+@pytest.fixture(scope='session', autouse=True)
+def _skip_on_device():
+    "Every precision callback's verdict on the device where `MPX_SKIP_ON_DEVICE=1` (a GPU's path, on the CPU)"
+    if os.environ.get('MPX_SKIP_ON_DEVICE') != '1':
+        yield
+        return
+    from mpx.callback import PrecisionCallback
+    PrecisionCallback.skip_on_device = True
+    yield
+    PrecisionCallback.skip_on_device = None
 
 @pytest.fixture(scope='session', autouse=True)
 def _planted():

@@ -8,7 +8,7 @@ from fastai.learner import Learner
 from fastai.callback.core import Callback, CancelFitException
 from fastai.callback.training import GradientAccumulation
 from mpx.all import *
-from mpx.test_utils import (tiny_learner, tiny_model, tiny_dls, fit_quiet, precision_cbs, precision_cb, MODES, BASIC_MODES, InjectGrad, PoisonLoss,
+from mpx.test_utils import (names_overflows, tiny_learner, tiny_model, tiny_dls, fit_quiet, precision_cbs, precision_cb, MODES, BASIC_MODES, InjectGrad, PoisonLoss,
                             bf16_lstm_runs,
                             Snapshot, check_skips_change_nothing)
 
@@ -182,7 +182,7 @@ def test_nonfinite_step_skipped(mode, poison):
     learn = fit_quiet(learner(mode, cbs=[make(), snap]))
     cb = precision_cb(learn)
     check_skips_change_nothing(cb, snap, [2])
-    assert cb.skipped_steps == 1 and cb.last_overflow.param == param
+    assert cb.skipped_steps == 1 and cb.last_overflow.param == (param if names_overflows(cb) else None)  # on a GPU: the step only
     assert all(p.isfinite().all() for p in learn.model.parameters())
 
 @pytest.mark.parametrize('mode', BASIC_MODES)

@@ -37,10 +37,10 @@ class BatchEnd(Callback):
 
 POISON = [0, 3, 4, 9]  # the first step, two in a row, the last: each skipped
 
-def fit(mode:str, opt_func, on:bool, poison=POISON, n_epoch:int=1, **kwargs):
-    "A learner in `mode` after `n_epoch`, its steps' verdicts on the device (`on`) or read by the host"
+def fit(mode:str, opt_func, on:bool, poison=POISON, n_epoch:int=1, more=list, **kwargs):
+    "A learner in `mode` after `n_epoch` (with the callbacks `more()` makes), its steps' verdicts on the device (`on`) or read by the host"
     reads = BatchReads()
-    learn = tiny_learner(lr=1e-2, model=wide_model, opt_func=opt_func, cbs=[PoisonLoss(at=poison), reads, BatchEnd(reads)])
+    learn = tiny_learner(lr=1e-2, model=wide_model, opt_func=opt_func, cbs=[PoisonLoss(at=poison), reads, BatchEnd(reads), *more()])
     ALL_MODES[mode](learn, **kwargs)
     precision_cb(learn).skip_on_device = on
     fit_quiet(learn, n_epoch)
@@ -49,10 +49,10 @@ def fit(mode:str, opt_func, on:bool, poison=POISON, n_epoch:int=1, **kwargs):
 def telemetry(cb) -> tuple:
     return cb.skipped_steps,cb.total_steps,cb.loss_scale,[float(s) for s in cb.scales],list(map(bool, cb.step_log.skips))
 
-def check_same(mode, opt_func, n_epoch=1, poison=POISON, **kwargs) -> tuple:
+def check_same(mode, opt_func, n_epoch=1, poison=POISON, more=list, **kwargs) -> tuple:
     "Assert the device path's fit is the host path's, bit for bit; the reads inside each batch of both"
-    host,host_reads = fit(mode, opt_func, False, poison, n_epoch, **kwargs)
-    dev,dev_reads = fit(mode, opt_func, True, poison, n_epoch, **kwargs)
+    host,host_reads = fit(mode, opt_func, False, poison, n_epoch, more, **kwargs)
+    dev,dev_reads = fit(mode, opt_func, True, poison, n_epoch, more, **kwargs)
     assert not state_diffs(state_of(host), state_of(dev))
     assert telemetry(precision_cb(host)) == telemetry(precision_cb(dev))
     assert precision_cb(host).skipped_steps >= len(poison)  # the poisoned batches' (the first epoch's), and any overflow
@@ -101,35 +101,72 @@ def test_host_reads_where_it_must(opt):
     host_reads,dev_reads = check_same('amp_bf16', opts[opt])
     assert all(n >= 1 for n in dev_reads), dev_reads
 
+@pytest.mark.parametrize('mode', ['amp_fp16', 'master_fp16', 'pure_kahan'])
+def test_clip_and_accumulation(mode):
+    "`GradientClip` (which runs on a step the device skips: its clipped nan gradients are put back) and `GradientAccumulation` give the host path's steps."
+    from fastai.callback.training import GradientClip, GradientAccumulation
+    more = lambda: [GradientClip(.01), GradientAccumulation(n_acc=32)]  # two batches of 16 a step
+    _,dev_reads = check_same(mode, FASTAI['adam'], n_epoch=2, poison=[1, 6, 9], more=more)  # steps 0, 3 and 4
+    assert dev_reads == [0]*20
+
 def test_amp_fp16_dynamic_scale():
     "fp16's dynamic scale is updated on the device: the scales, and the steps they skipped, are the host path's."
     host_reads,dev_reads = check_same('amp_fp16', FASTAI['adam'], n_epoch=2)
     assert dev_reads == [0]*20
 
 class WriteStep(Callback):
-    "After the `at`-th step, write each parameter's step count (and read the optimizer's state dict)"
+    "After the `at`-th step, write each parameter's step count (reading the optimizer's state dict first, where `read`)"
     order = 50
-    def __init__(self, at, value): self.at,self.value,self.i,self.read = at,value,0,None
+    def __init__(self, at, value, read): self.at,self.value,self.do_read,self.i,self.read = at,value,read,0,None
     def after_step(self):
         if self.i == self.at:
-            self.read = [s.get('step') for s in self.learn.opt.state_dict()['state']]
+            if self.do_read: self.read = [s.get('step') for s in self.learn.opt.state_dict()['state']]
             for p in self.learn.opt.all_params().itemgot(0): self.learn.opt.state[p]['step'] = self.value
         self.i += 1
 
-def test_write_after_a_skipped_step_stays():
-    "A count a callback writes after a step the device skipped is the truth; a state dict read then is settled."
+@pytest.mark.parametrize('known', [True, False], ids=['verdict_known', 'verdict_late'])
+@pytest.mark.parametrize('read', [True, False], ids=['read_then_write', 'write'])
+def test_write_after_a_skipped_step_stays(read, known, monkeypatch):
+    "A count a callback writes after a step the device skipped is the truth, whether the host knew the verdict then (a CPU) or learns it at the next step (a GPU still checking); a state dict read then is settled."
+    from mpx.fused import Verdict
+    if not known: monkeypatch.setattr(Verdict, 'known', lambda self: False)
     runs = []
     for on in (False, True):
-        w = WriteStep(3, 100)
+        w = WriteStep(3, 100, read)
         learn = tiny_learner(lr=1e-2, opt_func=Adam, cbs=[PoisonLoss(at=[3]), w])
         learn.to_bf16()
         learn.mixed_precision.skip_on_device = on
         fit_quiet(learn, 1)
         runs.append((w.read, [s['step'] for s in learn.opt.state_dict()['state']], state_of(learn)))
     (read_h,steps_h,st_h),(read_d,steps_d,st_d) = runs
-    assert read_h == read_d == [3]*len(read_h)  # three steps taken before the skipped one
+    assert read_h == read_d and (not read or read_h == [3]*len(read_h))  # three steps taken before the skipped one
     assert steps_h == steps_d == [106]*len(steps_h)
     assert not state_diffs(st_h, st_d)
+
+class SeenAfterStep(Callback):
+    "Each parameter's step count and state keys at each step's end"
+    order = 50
+    def before_fit(self): self.seen = []
+    def after_step(self):
+        st = self.learn.opt.state
+        self.seen.append([(d.get('step'), sorted(d)) for d in (st[p] for p in self.learn.opt.all_params().itemgot(0))])
+
+@pytest.mark.parametrize('known', [True, False], ids=['verdict_known', 'verdict_late'])
+def test_visible_state_after_a_skipped_step(known, monkeypatch):
+    "After a step the device skipped, `opt.state` is the host path's as soon as the host knows the verdict (on a CPU at once); on a GPU still checking, at the next step."
+    from mpx.fused import Verdict
+    if not known: monkeypatch.setattr(Verdict, 'known', lambda self: False)
+    seen = []
+    for on in (False, True):
+        probe = SeenAfterStep()
+        learn = tiny_learner(lr=1e-2, opt_func=Adam, cbs=[PoisonLoss(at=[0, 4]), probe])
+        learn.to_bf16()
+        learn.mixed_precision.skip_on_device = on
+        fit_quiet(learn, 1)
+        seen.append(probe.seen)
+    host,dev = seen
+    if known: assert dev == host
+    else: assert dev[1:4] + dev[5:] == host[1:4] + host[5:] and dev[0] != host[0]  # the skipped steps' seen a step late
 
 def test_stream_key_on_device():
     "Stochastic rounding's key with the skipped steps counted on the device is the host's key of the steps taken."
@@ -172,3 +209,81 @@ def test_fused_torch_optimizer_takes_the_verdict():
     host_reads,dev_reads = check_same('amp_bf16', fused_adamw)
     assert dev_reads == [0]*10, dev_reads
     assert all(n >= 1 for n in host_reads)
+
+class KeptSizes(Callback):
+    "The elements of each copy the step's guards keep, after each step"
+    order = 50
+    def before_fit(self): self.sizes = []
+    def after_step(self):
+        ws = precision_cb(self.learn).fused_steps.workspace.bufs
+        self.sizes.append(max((w.numel() for (_,slot,_),w in ws.items() if slot[0] == 'kept'), default=0))
+
+@pytest.mark.parametrize('mode', ['amp_bf16', 'pure_kahan'])
+def test_kept_copies_are_a_window(mode):
+    "What a guard keeps is a window's, never a layer's (160,000 weights; a CPU's window: 131,072 elements), and none stays after the fit."
+    from mpx.fused import default_chunk
+    probe = KeptSizes()
+    learn = tiny_learner(lr=1e-2, model=wide_model, opt_func=Adam, cbs=probe)
+    ALL_MODES[mode](learn)
+    cb = precision_cb(learn)
+    cb.skip_on_device = True
+    fit_quiet(learn, 1)
+    assert 0 < max(probe.sizes) <= default_chunk('cpu'), probe.sizes
+    ws = cb.fused_steps.workspace.bufs if cb.fused_steps is not None else {}
+    assert not any(slot[0] == 'kept' for (_,slot,_) in ws), 'scratch left between fits'
+
+# ---- fastai's recorder with no wait each batch (`DeviceLosses`)
+
+from fastai.basics import accuracy, AvgLoss, AvgSmoothLoss, CrossEntropyLossFlat
+import fastai.callback.schedule  # noqa: F401 (`lr_find`, `fit_one_cycle`)
+
+def recorded(mode:str|None, losses:bool, device=None) -> tuple:
+    "What the recorder holds after `lr_find` then 2 epochs of `fit_one_cycle`, with a metric: values, per-batch losses, smooth loss"
+    cbs = [DeviceLosses()] if losses else []
+    learn = tiny_learner(lr=1e-2, opt_func=Adam, cbs=cbs, device=device)
+    if mode: ALL_MODES[mode](learn)
+    with learn.no_bar(): learn.lr_find(num_it=5, show_plot=False)
+    learn.metrics = [lambda p,y: (p - y).abs().mean()]
+    with learn.no_bar(): learn.fit_one_cycle(2, 1e-2)
+    r = learn.recorder
+    return (r.values, [float(l) for l in r.losses], float(learn.smooth_loss), [w.clone() for w in learn.model.state_dict().values()]),learn
+
+@pytest.mark.parametrize('mode', [None, 'amp_bf16', 'pure_kahan'])
+def test_device_losses_are_fastais(mode):
+    "With `DeviceLosses`, the recorder's epoch values, per-batch losses and smooth loss are fastai's bit for bit, and fastai's own objects hold them after the fit."
+    (vals,losses,smooth,ws),_ = recorded(mode, False)
+    (vals2,losses2,smooth2,ws2),learn = recorded(mode, True)
+    assert (vals2, losses2, smooth2) == (vals, losses, smooth)
+    assert all(torch.equal(a, b) for a,b in zip(ws, ws2))
+    assert (type(learn.recorder.loss), type(learn.recorder.smooth_loss)) == (AvgLoss, AvgSmoothLoss)
+    assert learn.device_losses.kept is None and not learn.device_losses.copies
+
+class LossReads(Callback):
+    "The smooth loss `learn.smooth_loss` holds at the progress bar's turn, each training batch"
+    order = 60
+    def before_fit(self): self.seen = []
+    def after_batch(self):
+        if self.training: self.seen.append(self.learn.smooth_loss.device.type)
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA GPU')
+def test_device_losses_do_not_wait_on_cuda():
+    "On a GPU, `to_bf16()` with `DeviceLosses` reads nothing to the host inside a training batch; fastai's recorder reads each one."
+    def reads(losses):
+        probe,counts = LossReads(),BatchReads()
+        learn = tiny_learner(lr=1e-2, opt_func=Adam, device='cuda', cbs=[counts, BatchEnd(counts), probe] + ([DeviceLosses()] if losses else []))
+        learn.to_bf16()
+        fit_quiet(learn, 1)
+        return counts.reads,probe.seen
+    (plain,_),(ours,seen) = reads(False),reads(True)
+    assert all(n >= 1 for n in plain), plain
+    assert ours == [0]*len(ours), ours
+    assert set(seen) == {'cpu'}  # what a progress bar formats: a value already on the host
+
+@pytest.mark.parametrize('fused', [True, pytest.param('compile', marks=pytest.mark.compiled)])
+def test_kahan_stream_unmoved_by_skips(fused):
+    "Kahan's steps never tick stochastic rounding's stream, so a step skipped on the device takes nothing off it (it went to -1)."
+    learn = tiny_learner(lr=1e-2, opt_func=Adam, cbs=PoisonLoss(at=[2, 5])).to_bf16(pure=True, fused=fused)
+    cb = precision_cb(learn)
+    cb.skip_on_device = True
+    fit_quiet(learn, 1)
+    assert cb.skipped_steps == 2 and cb.stream.count == 0 and 'count' not in cb.state_dict()['scaler']

@@ -95,17 +95,26 @@ def test_hysteresis_lives_across_fits_and_checkpoints(tmp_path):
 # ---- schedules that do not count skipped steps
 
 class LrAtUpdates(Callback):
-    "The learning rate of every optimizer step that was not skipped (after the precision callback's check)"
-    order = 11
-    def __init__(self): self.lrs = []
+    "The learning rate of every optimizer step, and the steps skipped (from the precision callback's log, at the fit's end)"
+    order = 9  # before the check: a step the host skips, and one the device does, alike
+    def __init__(self): self.lrs,self.skips = [],[]
+    def before_fit(self): self.skips += [None]  # this fit's steps' skips, at its end
     def before_step(self): self.lrs.append(self.learn.opt.hypers[-1]['lr'])
+    def after_fit(self):
+        cb = next((c for c in self.learn.cbs if hasattr(c, 'step_log')), None)
+        n = len(self.lrs) - sum(map(len, self.skips[:-1]))  # this fit's steps
+        self.skips[-1] = [False]*n if cb is None else list(map(bool, cb.step_log.skips[-n:]))
+    @property
+    def updates(self) -> list:
+        "The learning rates of the steps not skipped"
+        return [lr for lr,s in zip(self.lrs, (s for f in self.skips for s in f)) if not s]
 
 def one_cycle_lrs(mode_kw, at, n_trn=12, epochs=2, **kw):
     learn = tiny_learner(opt_func=Adam, lr=1e-2, n_trn=n_trn, **kw)
     if mode_kw is not None: learn.to_fp16(**mode_kw)
     probe = LrAtUpdates()
     fit_quiet(learn, epochs, 'fit_one_cycle', lr_max=1e-2, cbs=[probe, InjectGrad(at=at)])
-    return probe.lrs,learn
+    return probe.updates,learn
 
 def test_skipped_steps_do_not_advance_the_schedule():
     "With `schedule_skips=False` the real updates get fp32's one-cycle schedule from its start; by default skipped steps use up their share."
@@ -132,7 +141,7 @@ def test_schedule_skips_across_a_checkpoint(tmp_path):
     assert new.mixed_precision._sched_skipped == 3
     probe = LrAtUpdates()
     fit_quiet(new, 2, 'fit_one_cycle', lr_max=1e-2, start_epoch=1, cbs=probe)
-    assert probe.lrs == full[-len(probe.lrs):] and len(probe.lrs) == 12
+    assert probe.updates == full[-len(probe.updates):] and len(probe.updates) == 12
 
 def test_hysteresis_budget_in_the_callbacks_repr():
     "The callback says the budget left, in AMP and the dynamic master mode; nothing where there is no hysteresis."
