@@ -150,11 +150,16 @@ _instead = {AMPMode.FP16: 'train in bf16 (learn.to_bf16()) or fp32 (learn.to_fp3
             AMPMode.BF16: 'train in fp16 (learn.to_fp16()) or fp32 (learn.to_fp32()) instead'}
 
 # %% ../nbs/02_callback.ipynb #91fae438
-def _norm_not_fp32(model:nn.Module) -> Tensor|None:
-    "The first floating buffer of `model`'s norm layers that is not fp32 (every mode keeps them fp32), or None"
+def _norm_bufs(model:nn.Module) -> list:
+    "The floating buffers of `model`'s norm layers that are not fp32 (every mode keeps them fp32)"
     norms = (m for m in model.modules() if isinstance(m, _NormBase))
-    bufs = (b for m in norms for b in m.buffers(recurse=False))
-    return first(b for b in bufs if b.is_floating_point() and b.dtype != torch.float32)
+    return [b for m in norms for b in m.buffers(recurse=False) if b.is_floating_point() and b.dtype != torch.float32]
+
+def _take_back_norms(model:nn.Module) -> Tensor|None:
+    "Norm buffers cast wider by hand (`model.double()`: fp32's values, exactly) taken back; the first left not fp32, or None"
+    for b in _norm_bufs(model):
+        if b.dtype == torch.float64 and torch.equal(b.float().double(), b): b.data = b.data.float()
+    return first(_norm_bufs(model))
 
 # %% ../nbs/02_callback.ipynb #e9ed62b0
 class PrecisionCallback(Callback, ScaleTelemetry, CheckpointState):
@@ -356,7 +361,7 @@ class PrecisionCallback(Callback, ScaleTelemetry, CheckpointState):
         model = get_model(self.model)
         bad = self.fused_steps.recast() if refuse else None
         if bad is None and refuse and self.fit_state is not None: bad = self.fit_state.recast()
-        if bad is None and refuse: bad = _norm_not_fp32(model)  # its old values gone: no telling what was lost
+        if bad is None and refuse: bad = _take_back_norms(model)  # a half one's old values gone: no telling what was lost
         if bad is not None:
             name = first(n for n,t in itertools.chain(model.named_parameters(), model.named_buffers()) if t is bad)
             raise ValueError(f"{type(self).__name__} keeps its layout between fits, and {name!r} was made {bad.dtype} "

@@ -10,7 +10,7 @@ from fastai.torch_basics import *
 from fastai.optimizer import *
 from .flat import *
 from .eager import base_fn, fn_name, RunSteps, LoopSteps
-from .lowbit import where_skipped, probe_casts
+from .lowbit import Store, where_skipped, probe_casts
 from .warn import warn_user
 
 # %% auto #0
@@ -198,6 +198,8 @@ def _chain_key(chain:tuple) -> tuple:
     "A step chain as a kernel is keyed: each function with its keywords"
     return tuple((f, tuple(sorted(kw.items()))) for f,kw in chain)
 
+_KERNEL_METHODS = ('kernel_io', 'kernel_load', 'kernel_store')  # what a store implements to be stepped in a kernel
+
 def _failure_key(b, chain:tuple) -> tuple:
     "What a kernel that failed to build is remembered by, as kernels are: its kind, its store and its steps (the others compile)"
     return type(b.kind),type(b.store),_chain_key(chain)
@@ -235,7 +237,7 @@ def _signature(t:dict, hyper:dict) -> tuple:
 
 def _kernel(kind, store, chain:tuple, sig:tuple=()) -> tuple:
     "The compiled scalars and step of `chain`, made once a process"
-    key = (type(kind), repr(store), _chain_key(chain), sig)
+    key = (type(kind), store.kernel_key(), _chain_key(chain), sig)
     if key not in _kernels:
         name = f"mpx_{type(kind).__name__}_{store.name}_{'_'.join(f.__name__ for f,_ in chain)}"
         def scalars(hyper, steps): return _scalar_body(chain, hyper, steps)
@@ -371,6 +373,8 @@ class CompiledSteps:
             return "a dispatch mode is active (an op counter), and torch.compile refuses to run under one"
         if not b.flat: return "a parameter cannot take a slot in a flat buffer (a DTensor, a non-dense tensor)"
         if b.apart: return "a gradient is sparse: its parameter is stepped by fastai's loop"
+        missing = [m for m in _KERNEL_METHODS if getattr(type(b.store), m) is getattr(Store, m)]
+        if missing: return f"{type(b.store).__name__} has no kernel methods ({', '.join(missing)}): it is stepped through its windows"
         if chain is not None: return _failed.get(_failure_key(b, chain))
         ours = (type(b.kind), type(b.store))
         return next((why for k,why in _failed.items() if k[:2] == ours), None)

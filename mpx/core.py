@@ -120,12 +120,16 @@ def has_inf_or_nan(tensors) -> bool:
 # %% ../nbs/00_core.ipynb #b7f12928
 # the names `opt_state` takes: name -> what makes the store (None: one of `mpx.lowbit`'s own, which it makes itself, so
 # that a second definition of its classes, a notebook's run say, never replaces them)
-_stores = dict.fromkeys(['fp32', 'bf16', '8bit', '4bit'])
+_OWN_STORES = ('fp32', 'bf16', '8bit', '4bit')
+_stores = dict.fromkeys(_OWN_STORES)
 
 def register_store(name:str, make) -> Callable:
     "Let `opt_state=name` hold the optimizer's state in the store `make()` returns (a Store subclass of mpx.lowbit, or a function)"
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"register_store(name={name!r}): the name must be a non-empty str, which opt_state= then takes")
+    if name in _OWN_STORES:  # every learner in the process would hold another format under mpx's name, its repr saying mpx's
+        raise ValueError(f"register_store({name!r}, ...): {name!r} is mpx's own format, which a name cannot replace; "
+                         f"register yours under a name of its own (not one of {', '.join(map(repr, _OWN_STORES))})")
     if not callable(make):
         raise TypeError(f"register_store({name!r}, {make!r}): make must be a Store subclass or a function returning a Store")
     _stores[name] = make

@@ -141,8 +141,9 @@ class Kind:
         "Parameters `idx` were written in place since the last step"
     def step_writes(self, b:Bucket, i:int, j:int) -> list:
         "The tensors a step of parameters `i` to `j` writes (`to_step` and `fold`): put back where it is skipped on the device"
-        if b.flat: return [b.part(b.w, i, j)]
-        return [p.data for p in b.params[i:j]]
+        if not b.flat: return [p.data for p in b.params[i:j]]
+        own = [b.part(b.own.buf, i, j)] if isinstance(b.own, Slots) else []  # a kind's own buffer (compensations, values)
+        return [b.part(b.w, i, j)] + own
     def tick(self):
         "Once after each optimizer step"
     # ---- the gradients
@@ -368,12 +369,17 @@ class Bucket:
     def state_new(self, k:str, dtype):
         "Make the store of state `k` (zeros) where there is none yet"
         if k not in self.state_bufs: self.store.new(self, k, dtype)
+    def _moved(self, t:Tensor, buf:Tensor, i:int) -> bool:
+        "Whether `t` is still slot `i` of `buf`, whose storage moved whole (`share_memory_()`): then noted where it is now"
+        return _in_slot(t, buf.untyped_storage().data_ptr(), buf.storage_offset() + self.offs[i], self.specs[i], buf.dtype)
     def adopt_weights(self):
         "Take moved `data` back into its slot, and tell the kind of writes"
         if self.flat and _ptrs(self.params) != self.ptrs:
             self._take_back_grads()  # a cast by hand casts the gradients too
             for i,p in enumerate(self.params):
-                if p.data_ptr() != self.ptrs[i]: self._take_back(i, p)
+                if p.data_ptr() == self.ptrs[i]: continue
+                if self._moved(p.data, self.w, i): self.ptrs[i] = p.data_ptr()  # the same values, elsewhere: nothing written
+                else: self._take_back(i, p)
         vs = [p._version for p in self.params]
         if vs == self.versions: return
         changed = [i for i,(v,u) in enumerate(zip(vs, self.versions)) if v != u]
@@ -396,6 +402,9 @@ class Bucket:
         if self.grad_slots is None or _ptrs(self.grad_slots) == self.gptrs: return
         for i,(g,at) in enumerate(zip(self.grad_slots, self.gptrs)):
             if g.data_ptr() == at: continue
+            if self._moved(g.data, self.g, i):
+                self.gptrs[i] = g.data_ptr()
+                continue
             x = g.data
             g.data = self.slot(self.g, i)
             g.copy_(x)

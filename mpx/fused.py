@@ -11,7 +11,7 @@ from fastai.torch_basics import *
 from fastai.optimizer import *
 from .core import Fused
 from .warn import warn_user
-from .plumbing import Ledger, unwrap, LazyTensor, Stored, read_stored, copies_as_fp32, pieces
+from .plumbing import Ledger, unwrap, LazyTensor, Stored, read_stored, copies_as_fp32, pieces, LOAD_PIECE
 from .flat import *
 from .flat import _flat_keys
 from .eager import *
@@ -445,7 +445,8 @@ class FusedSteps:
         if not flat: return read_stored(v).to(p.device)
         b,i = h
         b.state_new(k, b.kind.state_dtype(b))
-        parts = pieces(v) if p.is_contiguous() else [(None, read_stored(v))]
+        on_blocks = max(LOAD_PIECE // b.store.block, 1) * b.store.block  # each piece begins on the store's blocks
+        parts = pieces(v, on_blocks) if p.is_contiguous() else [(None, read_stored(v))]
         for at,x in parts:
             b.store.put(b, k, i, x.to(b.device), at)
         return b.state_held[k][i]

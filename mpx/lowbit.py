@@ -158,6 +158,9 @@ class Store:
     views = False
     kernel_options = {}  # inductor's settings for a compiled step over this store
     def __repr__(self): return f"{type(self).__name__}()"
+    def kernel_key(self) -> tuple:
+        "What a compiled kernel over this store is made once for: its class, and its repr (which says any setting a kernel reads)"
+        return type(self),repr(self)
     def bytes(self, dtype) -> float:
         "Bytes an element of state takes, stepped in `dtype`"
         raise NotImplementedError

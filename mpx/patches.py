@@ -136,9 +136,9 @@ Learner.add_cbs._fastai = _fastai_add_cbs
 
 # %% ../nbs/01c_patches.ipynb #123e880b
 def _float_(model:nn.Module):
-    "Cast `model`'s half tensors and their gradients to fp32, in place"
+    "Cast `model`'s half and float64 tensors (`model.double()` by hand) and their gradients to fp32, in place"
     for t in itertools.chain(model.parameters(), model.buffers()):
-        if t.dtype in (torch.float16, torch.bfloat16): t.data = t.data.float()
+        if t.dtype in (torch.float16, torch.bfloat16, torch.float64): t.data = t.data.float()
         if t.grad is not None and t.grad.dtype != t.dtype: t.grad = t.grad.to(t.dtype)
 
 @patch

@@ -163,7 +163,6 @@ class KahanKind(BF16Kind):
         fold_kahan([x], [w], [c], rest, total)
     def written(self, b, idx:list):
         torch._foreach_zero_([b.own.slots[i] for i in idx])  # what was written, exactly
-    def step_writes(self, b, i, j): return list(self._parts(b, i, j))
     def _parts(self, b, i, j) -> tuple:
         "The bf16 weights and compensations of parameters `i` to `j`"
         return b.part(b.w, i, j),b.part(b.own.buf, i, j)
@@ -270,7 +269,6 @@ class FrozenKind(BF16Kind):
     def written(self, b, idx):
         for i in idx: merge_writes(b.own.slots[i], b.slot(b.w, i))
     def fold(self, b, i, j, x, turn=0): b.part(b.w, i, j).copy_(x)
-    def step_writes(self, b, i, j): return [b.part(b.own.buf, i, j), b.part(b.w, i, j)]
     def value(self, b, i):
         return exact_fp32(b.params[i].data, b.own.slots[i])
     def kernel_io(self, b, a, c, turn=0):

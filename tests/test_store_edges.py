@@ -1,0 +1,128 @@
+"""Robustness 6 (issue 68): a store's edges. Its identity for compiled kernels (`Store.kernel_key`), its registration (mpx's
+own names kept), a store with eager methods only under `fused='compile'`, and the pieces a checkpoint loads into it."""
+import pytest, torch
+from fastai.basics import Adam, nn, Callback, CancelFitException
+from mpx.all import *
+from mpx.core import register_store, _stores
+from mpx.lowbit import Store, QuantStore, make_store, where_skipped
+from mpx.test_utils import tiny_learner, fit_quiet, weights, precision_cb
+from conftest import compiles
+
+def wide():
+    "A 4,096-weight layer: its state goes into the store"
+    return nn.Sequential(nn.Linear(1, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+
+def fit(opt_state, fused=True, mode='amp', n_epoch=2):
+    "Weights after `n_epoch` of a seeded learner with `opt_state`"
+    learn = tiny_learner(lr=1e-2, model=wide, opt_func=Adam)
+    learn.to_bf16(opt_state=opt_state, fused=fused, **({'pure': True} if mode == 'pure' else {}))
+    fit_quiet(learn, n_epoch)
+    return learn,weights(learn)
+
+def test_own_names_cannot_be_replaced():
+    "`register_store` refuses mpx's own names (every learner would hold another format under them), before anything changes."
+    class Mine(QuantStore):
+        def __init__(self): super().__init__(8)
+    for name in ('fp32', 'bf16', '8bit', '4bit'):
+        with pytest.raises(ValueError, match=f"'{name}' is mpx's own format"): register_store(name, Mine)
+    assert type(make_store('8bit')) is QuantStore and make_store('8bit').bits == 8
+    register_store('mine', Mine)  # a name of its own: taken, and again (a notebook's cell run twice)
+    try:
+        register_store('mine', Mine)
+        assert type(make_store('mine')) is Mine
+    finally: _stores.pop('mine')
+
+class Doubled(QuantStore):
+    "8-bit codes of twice each value (a store of another rule, with 8-bit's repr): its kernel must be its own"
+    def __init__(self): super().__init__(8)
+    def _enc(self, k, x): return super()._enc(k, x) * 2
+    def _dec(self, k, x): return super()._dec(k, x / 2)
+
+@pytest.mark.compiled
+def test_kernels_keyed_by_the_store():
+    "A subclass with its parent's repr, compiled after the parent in one process, runs its own kernel: its compiled fit is its eager one's."
+    if not compiles(): pytest.skip('torch.compile cannot build a kernel here (no C++ compiler)')
+    assert repr(Doubled()) == repr(QuantStore(8)) and Doubled().kernel_key() != QuantStore(8).kernel_key()
+    fit('8bit', 'compile')  # the parent's kernel, made first
+    _,compiled = fit(Doubled, 'compile')
+    _,eager = fit(Doubled, True)
+    _,parents = fit('8bit', True)
+    err = lambda a, b: max(float((x - y).abs().max() / y.abs().max()) for x,y in zip(a, b))
+    assert err(compiled, eager) < 1e-3 < err(compiled, parents) + 1, (err(compiled, eager), err(compiled, parents))
+
+class EagerOnly(Store):
+    "fp32 state in a buffer a key, stepped in a copy: the eager methods only"
+    name,bits = 'eager-only',32
+    def bytes(self, dtype) -> float: return 4.
+    def new(self, b, k, dtype):
+        b.state_bufs[k] = b.zeros(torch.float32)
+        b.state_held[k] = b.views(b.state_bufs[k])
+    def put(self, b, k, i, v, at=None): b.state_held[k][i].view(-1)[at or 0:(at or 0) + v.numel()].copy_(v.reshape(-1))
+    def value(self, b, k, i): return b.state_held[k][i].clone()
+    def zero(self, b, k, a, c): b.part(b.state_bufs[k], a, c).zero_()
+    def load_window(self, b, k, i, j, scratch=None): return scratch.copy_(b.part(b.state_bufs[k], i, j))
+    def store_window(self, b, k, i, j, x): b.part(b.state_bufs[k], i, j).copy_(x)
+
+@pytest.mark.parametrize('mode', ['amp', 'pure'])
+def test_eager_only_store_under_compile(mode):
+    "A store with the eager methods only, under `fused='compile'`, steps eagerly and says why once (the other buckets compiled): the eager fit's weights, within the compiled step's tolerance."
+    with pytest.warns(UserWarning, match="EagerOnly has no kernel methods") as ws: learn,got = fit(EagerOnly, 'compile', mode)
+    assert sum('no kernel methods' in str(w.message) for w in ws) == 1
+    _,ref = fit(EagerOnly, True, mode)
+    assert max(float((a - b).abs().max() / b.abs().max()) for a,b in zip(got, ref)) < 1e-4
+
+class Blocks96(EagerOnly):
+    "`EagerOnly` whose state comes in blocks of 96 elements: a piece handed to `put` must begin on one (131,072 is no multiple)"
+    name,block = 'blocks-96',96
+    def put(self, b, k, i, v, at=None):
+        if at is not None and at % self.block: raise ValueError(f"a piece at element {at}: not on a block of {self.block}")
+        super().put(b, k, i, v, at)
+
+def test_load_in_pieces_on_the_blocks(tmp_path):
+    "A checkpoint loads a 160,000-element state into a store of 96-element blocks (its layout kept after a fit) a piece at a time, each piece on a block: the state exact."
+    def learner():
+        learn = tiny_learner(lr=1e-2, opt_func=Adam, path=tmp_path,
+                             model=lambda: nn.Sequential(nn.Linear(1, 400), nn.ReLU(), nn.Linear(400, 400), nn.ReLU(), nn.Linear(400, 1)))
+        return learn.to_bf16(opt_state=Blocks96)
+    a = learner()
+    fit_quiet(a, 1)
+    a.save('ck', with_opt=True)
+    saved = [{k: v.clone() for k,v in s.items() if isinstance(v, torch.Tensor)} for s in a.opt.state_dict()['state']]
+    b = learner()
+    fit_quiet(b, 1, lr=1e-3)  # its layout kept between fits: the load goes into the store
+    b.load('ck', with_opt=True)
+    loaded = [{k: v for k,v in s.items() if isinstance(v, torch.Tensor)} for s in b.opt.state_dict()['state']]
+    assert [s.keys() for s in loaded] == [s.keys() for s in saved] and any(v.numel() == 160_000 for s in saved for v in s.values())
+    assert all(torch.equal(s[k], t[k]) for s,t in zip(saved, loaded) for k in s)
+
+class Stop(Callback):
+    "Ends a fit before its first batch: the layout built (the state loaded into its stores), nothing stepped"
+    order = 99
+    def before_train(self): raise CancelFitException()
+
+def _codes(learn) -> list:
+    "The codes and block scales of each low-bit bucket of the learner's layout"
+    fs = precision_cb(learn).fused_steps
+    return [(b.state_bufs[k].clone(), b.store_meta[k].clone()) for b in fs.buckets if b.store.bits in (4, 8) for k in sorted(b.state_bufs)]
+
+@pytest.mark.parametrize('fused', [True, pytest.param('compile', marks=pytest.mark.compiled)])
+@pytest.mark.parametrize('opt_state', ['8bit', '4bit'])
+@pytest.mark.parametrize('mode', ['amp', 'pure'])
+def test_lowbit_resume_is_exact(mode, opt_state, fused, tmp_path):
+    "Low-bit state saved (as fp32 values) and loaded, into a kept layout or a fresh learner, gives back every code and block scale."
+    if fused == 'compile' and not compiles(): pytest.skip('torch.compile cannot build a kernel here (no C++ compiler)')
+    def learner():
+        learn = tiny_learner(lr=1e-2, opt_func=Adam, path=tmp_path,
+                             model=lambda: nn.Sequential(nn.Linear(1, 400), nn.ReLU(), nn.Linear(400, 400), nn.ReLU(), nn.Linear(400, 1)))
+        return learn.to_bf16(opt_state=opt_state, fused=fused, **({'pure': True} if mode == 'pure' else {}))
+    a = learner()
+    fit_quiet(a, 2)
+    a.save('ck', with_opt=True)
+    ref = _codes(a)
+    kept,fresh = learner(),learner()
+    fit_quiet(kept, 1, lr=1e-3)  # a layout kept between fits: the load goes into its stores, a piece at a time
+    kept.load('ck', with_opt=True)
+    fresh.load('ck', with_opt=True)  # fp32 state in fastai's dicts, coded at the next fit's start
+    fit_quiet(fresh, 1, cbs=Stop())
+    for got in (_codes(kept), _codes(fresh)):
+        assert len(got) == len(ref) == 2 and all(torch.equal(c, d) and torch.equal(s, t) for (c,s),(d,t) in zip(ref, got))
