@@ -181,8 +181,9 @@ class HalvedRest:
         for t,c,home in self.halved:
             x = self._now(t, home)
             if x is None or (x is t and t.dtype == self.dtype): continue
-            if not torch.equal(x.detach().to(self.dtype), c.to(self.dtype)):
-                c.copy_(x.detach())  # other values: what was assigned (fp32, say) is its value now
+            # a cast by hand (`model.float()`, `model.double()`) gives the half values widened: any other value was assigned,
+            # fp32 bits the half values round away included (1.000244 where 1.0 is held), and is its value now
+            if not torch.equal(x.detach().float(), c.to(self.dtype).float()): c.copy_(x.detach())
             t.grad = None
             t.data = x.detach().to(self.dtype)
             if home is not None: home[0]._buffers[home[1]] = t
@@ -211,11 +212,14 @@ class _Pending:
     "A `LazyTensor`'s record, not made yet"
     def __init__(self, lazy:LazyTensor): self.lazy = lazy
 
-def _lazy_leaves(o):
-    "`o` with every tensor in its dicts, lists and tuples a `LazyTensor`"
-    if isinstance(o, Tensor): return LazyTensor(o.detach, o.dtype, o.shape)
-    if type(o) in (dict, collections.OrderedDict): return type(o)((k, _lazy_leaves(v)) for k,v in o.items())
-    if type(o) in (list, tuple): return type(o)(map(_lazy_leaves, o))
+def _lazy_leaves(o, made:dict|None=None):
+    "`o` with every tensor in its dicts, lists and tuples a `LazyTensor`, one a tensor (`made`: by `id`), so a tied one is one record"
+    made = {} if made is None else made
+    if isinstance(o, Tensor):
+        if id(o) not in made: made[id(o)] = LazyTensor(o.detach, o.dtype, o.shape)
+        return made[id(o)]
+    if type(o) in (dict, collections.OrderedDict): return type(o)((k, _lazy_leaves(v, made)) for k,v in o.items())
+    if type(o) in (list, tuple): return type(o)(_lazy_leaves(v, made) for v in o)
     return o
 
 def _storage_type(dtype:torch.dtype):

@@ -46,3 +46,51 @@ def test_double_by_hand(mode):
     learn.to_fp32()
     assert {t.dtype for t in [*learn.model.parameters(), *learn.model.buffers()] if t.is_floating_point()} == {torch.float32}
     fit_quiet(learn, 1)
+
+class Scaled(nn.Module):
+    "A linear layer times a buffer that no optimizer steps (pure bf16 halves it, keeping its fp32 value aside)"
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(1, 1)
+        self.register_buffer('scale', torch.ones(1))
+    def forward(self, x): return self.lin(x) * self.scale
+
+ASSIGN = {'attribute': lambda m,v: setattr(m, 'scale', v), 'data': lambda m,v: setattr(m.scale, 'data', v),
+          'register_buffer': lambda m,v: m.register_buffer('scale', v)}
+
+@pytest.mark.parametrize('how', ASSIGN)
+@pytest.mark.parametrize('update', ['kahan', 'stochastic'])
+def test_assigned_buffer_value_stays(update, how, tmp_path):
+    "An fp32 value assigned to a halved buffer between fits, one bf16 rounds to what it holds (1.000244 where 1.0 is held), is its value: in a save, through the next fit, and after `to_fp32()`."
+    v = 1 + 2**-12  # bf16 holds 1.0
+    learn = fit_quiet(tiny_learner(lr=1e-2, opt_func=Adam, model=Scaled, path=tmp_path).to_bf16(pure=True, update=update), 1)
+    ASSIGN[how](learn.model, torch.tensor([v]))
+    learn.save('s')
+    saved = torch.load(tmp_path/'models'/'s.pth', weights_only=False)
+    assert float(saved.get('model', saved)['scale']) == v
+    fit_quiet(learn, 1)
+    assert learn.model.scale.dtype == torch.bfloat16 and float(precision_cb(learn).fp32_value(learn.model.scale)) == v
+    learn.to_fp32()
+    assert float(learn.model.scale) == v
+
+class BigTied(nn.Module):
+    "A 96x96 weight tied between two layers (a 9,216-weight tensor: a low-bit store holds its state), as GPT-2's wte and lm_head"
+    def __init__(self, n=96):
+        super().__init__()
+        self.inp,self.enc,self.dec,self.head = nn.Linear(1, n),nn.Linear(n, n),nn.Linear(n, n),nn.Linear(n, 1)
+        self.dec.weight = self.enc.weight
+    def forward(self, x): return self.head(torch.relu(self.dec(torch.relu(self.enc(torch.relu(self.inp(x)))))))
+
+@pytest.mark.parametrize('mode', [None, 'amp', 'amp_8bit', 'pure_kahan', 'pure_kahan_8bit'])
+def test_tied_weights_saved_once(mode, tmp_path):
+    "`learn.save` writes a tied weight as one record in every mode (AMP with low-bit state wrote it twice), and it loads tied."
+    import zipfile
+    makes = dict(amp=lambda l: l.to_bf16(), **KEPT)
+    learn = tiny_learner(lr=1e-2, opt_func=Adam, model=BigTied, path=tmp_path)
+    if mode: makes[mode](learn)
+    fit_quiet(learn, 1)
+    learn.save('s', with_opt=True)
+    big = [i for i in zipfile.ZipFile(tmp_path/'models'/'s.pth').infolist() if '/data/' in i.filename and i.file_size == 96*96*4]
+    assert len(big) <= 3  # the weight once, and at most its two moments in fp32
+    m = torch.load(tmp_path/'models'/'s.pth', weights_only=False)['model']
+    assert m['enc.weight'].untyped_storage().data_ptr() == m['dec.weight'].untyped_storage().data_ptr()
