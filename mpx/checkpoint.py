@@ -8,7 +8,7 @@ import itertools, weakref
 from fastai.basics import *
 from .scaler import Overflow
 from .lowbit import flat_part
-from .plumbing import LazyTensor, Stored, pieces, read_stored
+from .plumbing import LazyTensor, Stored, pieces, read_stored, hook_loads
 
 # %% auto #0
 __all__ = ['LoadsInto', 'CheckpointState']
@@ -32,12 +32,10 @@ def _own_state(module:nn.Module) -> list:
 class LoadsInto:
     "`load_state_dict` of the model or of any of its modules into a layout a fit holds"
     def __init__(self, cb=None): self.cb,self.pending = (noop if cb is None else weakref.ref(cb)),[]  # no pointer back
-    def __reduce__(self): return LoadsInto,()  # a copy of the model (an export mid-fit) gets hooks doing nothing
+    mpx_hook = True  # a copy or a pickle of a module leaves it out (`hook_loads`)
     def hook(self, model:nn.Module, ledger):
         "Hook the `load_state_dict` of every module of `model`, until `ledger` closes"
-        for m in model.modules():  # torch runs a module's hooks whichever module's load began it
-            ledger.defer(m.register_load_state_dict_pre_hook(self.pre).remove)
-            ledger.defer(m.register_load_state_dict_post_hook(self.post).remove)
+        for m in model.modules(): hook_loads(ledger, m, self.pre, self.post)  # torch runs a module's hooks whichever module's load began it
     def pre(self, module, sd, prefix, *args):
         "Note the values the load gives to `module`'s own tensors the fit holds otherwise"
         cb = self.cb()

@@ -161,6 +161,7 @@ class MasterKind(Kind):
 # %% ../nbs/04_master.ipynb #8802bdff
 class _LoadHook:
     "`MasterCopies`' load pre-hook (a copy of the model gets a no-op)"
+    mpx_hook = True  # a copy or a pickle of a module leaves it out (`hook_loads`)
     def __init__(self, f): self.f = f
     def __call__(self, *args): return self.f(*args)
     def __reduce__(self): return (_LoadHook, (noop,))
@@ -175,14 +176,15 @@ class MasterCopies(FitState):
         ours = {id(p) for p in opt_params(learn.opt)}
         self.halves = {id(t) for t in halved}
         self.kind,self.plain = MasterKind(dtype),Kind()
-        self.hooks = []
+        self.hooks = Ledger()
         for m in learn.model.modules():  # the modules whose `load_state_dict` can reach a master
-            if any(id(p) in self.halves for p in m.parameters(recurse=False)):
-                self.hooks.append(m.register_load_state_dict_pre_hook(_LoadHook(self._load_masters)))
+            if any(id(p) in self.halves for p in m.parameters(recurse=False)): hook_loads(self.hooks, m, _LoadHook(self._load_masters))
         self.rest = HalvedRest([t for t in halved if id(t) not in ours], dtype, learn.model)  # last: it halves
     def kind_of(self, p) -> Kind: return self.kind if id(p) in self.halves else self.plain
+    def fp32_of(self, t:Tensor) -> Callable|None: return self.rest.fp32_of(t)
+    def assign(self, t:Tensor, x:Tensor, at:int|None=None) -> bool: return self.rest.assign(t, x, at)
     def undo(self):
-        for h in self.hooks: h.remove()
+        self.hooks.close()
         self.rest.undo()
     def _load_masters(self, module, state_dict, prefix, *args):
         "`module.load_state_dict` mid-fit: the values into the masters, whole"

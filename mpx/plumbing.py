@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools, collections, functools, pickle, io, sys, os, builtins, weakref, codecs
 import numpy as np
 from typing import Callable
+from .lowbit import flat_part
 import torch
 from torch import Tensor
 from torch import nn
@@ -15,8 +16,9 @@ from fastcore.foundation import L
 from fastai.optimizer import OptimWrapper, _BaseOptimizer
 
 # %% auto #0
-__all__ = ['LOAD_PIECE', 'FitState', 'halvable', 'exact_fp32', 'opt_params', 'unwrap', 'state_owners', 'Ledger', 'copies_as_fp32',
-           'HalvedRest', 'LazyTensor', 'save_streamed', 'Stored', 'pieces', 'load_streamed', 'read_stored']
+__all__ = ['LOAD_PIECE', 'FitState', 'halvable', 'exact_fp32', 'opt_params', 'unwrap', 'state_owners', 'Ledger', 'hook_loads',
+           'copies_as_fp32', 'HalvedRest', 'LazyTensor', 'save_streamed', 'Stored', 'pieces', 'load_streamed',
+           'read_stored']
 
 # %% ../nbs/01b_plumbing.ipynb #d6694c65
 class FitState:
@@ -108,6 +110,26 @@ class Ledger:
     def __exit__(self, *exc): self.close()
     def __len__(self): return len(self.log)
 
+def hook_loads(led:Ledger, m:nn.Module, pre:Callable|None=None, post:Callable|None=None):
+    "Hook module `m`'s `load_state_dict` (`pre`, `post`: marked `mpx_hook`) until `led` closes; its copies and pickles hold no such hook"
+    if pre is not None: led.defer(m.register_load_state_dict_pre_hook(pre).remove)
+    if post is not None: led.defer(m.register_load_state_dict_post_hook(post).remove)
+    led.set(m, '__getstate__', functools.partial(_without_hooks, weakref.ref(m)))  # no pointer back to `m`
+
+def _mpx_hook(h) -> bool:
+    "Whether hook `h` (as torch keeps it: maybe wrapped) is one of mpx's"
+    f = getattr(h, 'hook', h)
+    return getattr(getattr(f, '__self__', f), 'mpx_hook', False) is True
+
+def _without_hooks(ref:weakref.ref) -> dict:
+    "The state a copy or a pickle of module `ref()` takes: its own, without mpx's hooks (a process without mpx loads it)"
+    m = ref()
+    state = {k: v for k,v in type(m).__getstate__(m).items() if k != '__getstate__'}
+    for k in ('_load_state_dict_pre_hooks', '_load_state_dict_post_hooks'):
+        hooks = state.get(k)
+        if hooks: state[k] = type(hooks)((i, h) for i,h in hooks.items() if not _mpx_hook(h))
+    return state
+
 def _state_without(ref:weakref.ref, installed:tuple):
     "The state of `ref()` a copy takes: its own, without the attributes a ledger set (what they replaced put back)"
     o = ref()
@@ -190,12 +212,29 @@ class HalvedRest:
     def find(self, t:Tensor) -> tuple|None:
         "The halved tensor `t` is (or lies in the place of, cast by hand) and its fp32 value, or None"
         return next(((u, c) for u,c,home in self.halved if u is t or self._now(u, home) is t), None)
+    def fp32_of(self, t:Tensor) -> Callable|None:
+        "How to make the fp32 value of `t`, halved here (else None)"
+        found = self.find(t)
+        return None if found is None else functools.partial(_rest_value, self, *found)
+    def assign(self, t:Tensor, x:Tensor, at:int|None=None) -> bool:
+        "`t`, halved here, takes fp32 value `x` (`at`: its flat elements from `at`, `t` contiguous), else False"
+        found = self.find(t)
+        if found is None: return False
+        self.take_back()
+        u,c = found
+        for v in (c, u.data): flat_part(v, at, x.numel()).copy_(x)  # its exact value kept, the half one its rounding
+        return True
     def recast(self) -> Tensor|None:
         "The first tensor cast by hand into values its fp32 value does not round to (`model.half()`), or None"
         for t,c,home in self.halved:
             x = self._now(t, home)
             if x is None or x.dtype in (self.dtype, torch.float32): continue
             if not torch.equal(x.detach().float(), c.to(self.dtype).float()): return x
+
+def _rest_value(rest:HalvedRest, t:Tensor, kept:Tensor) -> Tensor:
+    "The fp32 value of `t`, halved and not stepped, a cast by hand since taken back first"
+    rest.take_back()
+    return exact_fp32(t.detach(), kept)
 
 # %% ../nbs/01b_plumbing.ipynb #8f6d98d3
 class LazyTensor:

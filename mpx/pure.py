@@ -280,11 +280,6 @@ class FrozenKind(BF16Kind):
     def kernel_fold(t, s, x, nearest=None): return dict(x=x, w=x)
 
 # %% ../nbs/05_pure.ipynb #pb000021c
-def _rest_value(rest:HalvedRest, t:Tensor, kept:Tensor) -> Tensor:
-    "The fp32 value of `t`, halved and not stepped, a cast by hand since taken back first"
-    rest.take_back()
-    return exact_fp32(t.detach(), kept)
-
 def _trained(ps:list) -> set:
     "The ids of the parameters in `ps` that are trained"
     return {id(p) for p in ps if p.requires_grad}
@@ -315,20 +310,8 @@ class BF16Weights(FitState):
         "Whether a fit beginning now would halve and train the same tensors"
         trained = _trained(opt_params(learn.opt))
         return trained == self.trained and not halvable(learn.model)  # no fp32 tensor to halve: none new
-    def fp32_of(self, t:Tensor) -> Callable|None:
-        "How to make the fp32 value of `t`, halved and not stepped (else None)"
-        found = self.rest.find(t)
-        if found is None: return None
-        return partial(_rest_value, self.rest, *found)
-    def assign(self, t:Tensor, x:Tensor, at:int|None=None) -> bool:
-        "`t`, halved and not stepped, takes fp32 value `x` (`at`: its flat elements from `at`), else False"
-        found = self.rest.find(t)
-        if found is None: return False
-        self.rest.take_back()
-        u,c = found
-        flat_part(c, at, x.numel()).copy_(x)
-        flat_part(u.data, at, x.numel()).copy_(x)
-        return True
+    def fp32_of(self, t:Tensor) -> Callable|None: return self.rest.fp32_of(t)
+    def assign(self, t:Tensor, x:Tensor, at:int|None=None) -> bool: return self.rest.assign(t, x, at)
 
     def _buckets(self, kind) -> list:
         buckets = getattr(self.engine, 'buckets', [])  # none before the engine's set-up

@@ -1,7 +1,7 @@
 """Robustness 6 (issue 68): torch's own machinery reaching a kept layout's storage between fits (`share_memory()`, a cast by
 hand to float64), each tried in every mode that keeps a layout, against the same session without it."""
 import pytest, torch
-from fastai.basics import Adam, nn
+from fastai.basics import Adam, nn, Callback
 from mpx.all import *
 from mpx.test_utils import tiny_learner, fit_quiet, precision_cb, state_of, state_diffs
 
@@ -94,3 +94,61 @@ def test_tied_weights_saved_once(mode, tmp_path):
     assert len(big) <= 3  # the weight once, and at most its two moments in fp32
     m = torch.load(tmp_path/'models'/'s.pth', weights_only=False)['model']
     assert m['enc.weight'].untyped_storage().data_ptr() == m['dec.weight'].untyped_storage().data_ptr()
+
+# ---- a model saved whole loads where mpx is not installed
+
+NET = '''import torch
+from torch import nn
+class Net(nn.Module):
+    "BatchNorm, a buffer no optimizer steps, and a 4,096-weight layer"
+    def __init__(self):
+        super().__init__()
+        self.a,self.bn,self.b,self.c = nn.Linear(1, 64),nn.BatchNorm1d(64),nn.Linear(64, 64),nn.Linear(64, 1)
+        self.register_buffer('scale', torch.ones(1))
+    def forward(self, x): return self.c(torch.relu(self.b(torch.relu(self.bn(self.a(x)))))) * self.scale
+'''
+LOAD = '''import sys, importlib.abc
+class NoMpx(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == 'mpx' or name.startswith('mpx.'): raise ModuleNotFoundError(f"No module named {name!r} (not installed here)")
+sys.meta_path.insert(0, NoMpx())
+sys.path.insert(0, sys.argv[1])
+import torch
+for f in sys.argv[2:]:
+    m = torch.load(f + '.pt', weights_only=False)
+    ref = torch.load(f + '.ref')
+    sd = m.state_dict()
+    assert sd.keys() == ref.keys() and all(sd[k].dtype == v.dtype and torch.equal(sd[k], v) for k,v in ref.items()), f
+print('ok')
+'''
+
+class SaveMidFit(Callback):
+    "`torch.save(learn.model)` after the third batch, with each tensor's fp32 value as a checkpoint holds it"
+    order = 50
+    def __init__(self, save): self.save,self.i = save,0
+    def after_batch(self):
+        if self.training and self.i == 2: self.save('mid')
+        self.i += int(self.training)
+
+@pytest.mark.parametrize('mode', ['amp', 'master', *KEPT])
+def test_whole_model_loads_without_mpx(mode, tmp_path):
+    "`torch.save(learn.model)` between fits, mid-fit and after `to_fp32()` loads in a process without mpx, every tensor its exact fp32 value (the model's class importable there)."
+    import subprocess, sys
+    (tmp_path/'net.py').write_text(NET)
+    sys.path.insert(0, str(tmp_path))
+    try: from net import Net
+    finally: sys.path.remove(str(tmp_path))
+    learn = tiny_learner(lr=1e-2, opt_func=Adam, model=Net)
+    dict(amp=lambda l: l.to_bf16(), master=lambda l: l.to_bf16(master=True), **KEPT)[mode](learn)
+    def save(name):
+        cb = next((c for c in learn.cbs if hasattr(c, 'fp32_value')), None)
+        val = (lambda t: t.detach()) if cb is None else cb.fp32_value
+        torch.save(learn.model, tmp_path/f'{name}.pt')
+        torch.save({k: val(t).clone() for k,t in learn.model.state_dict(keep_vars=True).items()}, tmp_path/f'{name}.ref')
+    fit_quiet(learn, 1, cbs=SaveMidFit(save))
+    save('between')
+    learn.to_fp32()
+    save('fp32')
+    names = [str(tmp_path/n) for n in ('mid', 'between', 'fp32')]
+    r = subprocess.run([sys.executable, '-c', LOAD, str(tmp_path), *names], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == 'ok', r.stderr[-1500:]
