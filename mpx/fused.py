@@ -303,7 +303,8 @@ class FusedSteps:
         warn_user(f"fused='compile' steps eagerly here: {why}")
     def guard(self, b:Bucket, i:int, j:int) -> SkipGuard|None:
         "A `SkipGuard` of parameters `i` to `j` of `b` where the step's verdict is on the device (else None), its dicts noted"
-        if self._skip is None: return None
+        # a bucket no guard can hold (a compiled step's fallback) was stepped knowing the verdict: read, so the step is taken
+        if self._skip is None or not self.guards(b): return None
         for d,live in zip(b.dicts[i:j], b.has_grad[i:j]):
             if live and d is not None: self._noted.setdefault(id(d), (d, dict(d)))  # a piece after the first: as the step found it
         return SkipGuard(b, i, j, self._skip)
