@@ -18,8 +18,9 @@ The raw loops are PyTorch's AMP recipe as written (torch's AdamW with fastai's A
         opt.zero_grad(set_to_none=True)
 
 The arm 'grads kept' zeroes the gradients between steps instead of dropping them, as fastai's `Optimizer.zero_grad`
-does (and mpx's engine, whose steps read them in flat buffers). 'mpx AMP bf16, pred read' adds a callback that reads `learn.pred` right after the loss: the fp32 copy made then is held
-through the backward, as every precision callback held it before issue 67 (and as fastai's own does).
+does (and mpx's engine, whose steps read them in flat buffers). 'mpx AMP bf16 pred read' adds a callback that reads
+`learn.pred` right after the loss: the fp32 copy made then is held through the backward, as every precision callback
+held it before issue 67 (and as fastai's own does).
 Run: `PYTHONPATH=. .venv/bin/python bench/lean_memory.py` (needs transformers: `.venv/bin/python -m pip install -c
 constraints-apps.txt transformers`, or run it with `.venv-apps/bin/python`); `--arms a,b` picks arms by a part of their
 names, `--steps n`, `--seq n`, `--bs n`; `--device cuda` measures a GPU's `max_memory_allocated` instead."""
@@ -44,10 +45,10 @@ class _ReadPred:
 ARMS = {
     'raw fp32 loop': 'raw',
     'raw autocast bf16 loop': 'raw',
-    'raw autocast bf16 loop, grads kept': 'raw',  # `zero_grad(set_to_none=False)`, as fastai's `Optimizer.zero_grad` keeps them
+    'raw autocast bf16 loop grads kept': 'raw',  # `zero_grad(set_to_none=False)`, as fastai's `Optimizer.zero_grad` keeps them
     'fastai fp32': lambda l: l,
     'mpx AMP bf16': _mpx(),
-    'mpx AMP bf16, pred read': lambda l: l.to_bf16().add_cb(_ReadPred()),
+    'mpx AMP bf16 pred read': lambda l: l.to_bf16().add_cb(_ReadPred()),
     'mpx master bf16': _mpx(master=True),
     'mpx pure kahan': _mpx(pure=True),
     'mpx pure kahan 8bit': _mpx(pure=True, opt_state='8bit'),

@@ -35,7 +35,12 @@ class LoadsInto:
     mpx_hook = True  # a copy or a pickle of a module leaves it out (`hook_loads`)
     def hook(self, model:nn.Module, ledger):
         "Hook the `load_state_dict` of every module of `model`, until `ledger` closes"
-        for m in model.modules(): hook_loads(ledger, m, self.pre, self.post)  # torch runs a module's hooks whichever module's load began it
+        # torch runs a module's hooks whichever module's load began it
+        for m in model.modules(): hook_loads(ledger, m, self.pre, self.post, self.settle)
+    def settle(self):
+        "Between fits, what was cast by hand since (`model.float()`) taken back: a copy, a pickle or a state dict holds exact values"
+        cb = self.cb()
+        if cb is not None and cb.layout_kept: cb._take_back(refuse=False)
     def pre(self, module, sd, prefix, *args):
         "Note the values the load gives to `module`'s own tensors the fit holds otherwise"
         cb = self.cb()

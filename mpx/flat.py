@@ -146,6 +146,8 @@ class Kind:
         return [b.part(b.w, i, j)] + own
     def tick(self):
         "Once after each optimizer step"
+    def rest(self, b:Bucket):
+        "Between fits, the layout kept: what the kind keeps to tell a later write of a weight from a touch (a `set_` to itself)"
     # ---- the gradients
     def checked(self, b:Bucket) -> list:
         "The gradients the finite check reads"
@@ -523,6 +525,7 @@ class Bucket:
         return out
 class Slots:
     "A kind's own flat buffer in a bucket (`b.own`: compensations, fp32 values), and each parameter's slot of it"
+    marks = None  # what the kind notes of its weights between fits (`Kind.rest`)
     def __init__(self, b:Bucket, buf:Tensor):
         self.buf,self.slots = buf,b.views(buf)
 

@@ -464,6 +464,7 @@ class FusedSteps:
     def rest(self):
         "Between fits, the layout kept: late writes taken, counts to the host, scratch freed"
         for b in self.buckets: b.adopt_weights()  # a weight written after the last step (a compensation reset)
+        for b in self.buckets: b.kind.rest(b)
         self.steps_to_host()
         self.workspace.bufs.clear()
     def undo(self):

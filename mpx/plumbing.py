@@ -110,22 +110,32 @@ class Ledger:
     def __exit__(self, *exc): self.close()
     def __len__(self): return len(self.log)
 
-def hook_loads(led:Ledger, m:nn.Module, pre:Callable|None=None, post:Callable|None=None):
-    "Hook module `m`'s `load_state_dict` (`pre`, `post`: marked `mpx_hook`) until `led` closes; its copies and pickles hold no such hook"
+def hook_loads(led:Ledger, m:nn.Module, pre:Callable|None=None, post:Callable|None=None, settle:Callable|None=None):
+    "Until `led` closes: hook `m`'s `load_state_dict` (`pre`, `post`), and `settle()` before its `state_dict`, copies and pickles"
+    # `settle`: what was cast by hand since taken back; a copy or a pickle of `m` holds no hook of mpx's
     if pre is not None: led.defer(m.register_load_state_dict_pre_hook(pre).remove)
     if post is not None: led.defer(m.register_load_state_dict_post_hook(post).remove)
-    led.set(m, '__getstate__', functools.partial(_without_hooks, weakref.ref(m)))  # no pointer back to `m`
+    if settle is not None: led.defer(m.register_state_dict_pre_hook(_Settle(settle)).remove)
+    led.set(m, '__getstate__', functools.partial(_without_hooks, weakref.ref(m), settle))  # no pointer back to `m`
+
+class _Settle:
+    "A `state_dict` pre-hook calling `settle()` once a call (at the module it was called on: no prefix)"
+    mpx_hook = True
+    def __init__(self, settle:Callable): self.settle = settle
+    def __call__(self, module, prefix, keep_vars):
+        if not prefix: self.settle()
 
 def _mpx_hook(h) -> bool:
     "Whether hook `h` (as torch keeps it: maybe wrapped) is one of mpx's"
     f = getattr(h, 'hook', h)
     return getattr(getattr(f, '__self__', f), 'mpx_hook', False) is True
 
-def _without_hooks(ref:weakref.ref) -> dict:
-    "The state a copy or a pickle of module `ref()` takes: its own, without mpx's hooks (a process without mpx loads it)"
+def _without_hooks(ref:weakref.ref, settle:Callable|None=None) -> dict:
+    "The state a copy or a pickle of module `ref()` takes, `settle()` first: its own, without mpx's hooks (loadable without mpx)"
+    if settle is not None: settle()
     m = ref()
     state = {k: v for k,v in type(m).__getstate__(m).items() if k != '__getstate__'}
-    for k in ('_load_state_dict_pre_hooks', '_load_state_dict_post_hooks'):
+    for k in ('_load_state_dict_pre_hooks', '_load_state_dict_post_hooks', '_state_dict_pre_hooks'):
         hooks = state.get(k)
         if hooks: state[k] = type(hooks)((i, h) for i,h in hooks.items() if not _mpx_hook(h))
     return state

@@ -140,12 +140,22 @@ class BF16Kind(Kind):
             b.has_grad[i] = True
 
 # %% ../nbs/05_pure.ipynb #pb000020
+def _mark(w:Tensor, chunk:int=1<<20) -> Tensor:
+    "Two sums of flat bf16 `w`'s bits, one weighted by position: what a write that changes a value changes (chunked, as few temporaries)"
+    res = torch.zeros(2, dtype=torch.int64, device=w.device)
+    for a in range(0, w.numel(), chunk):
+        bits = w[a:a+chunk].view(torch.int16).long()
+        at = torch.arange(a, a + bits.numel(), device=w.device) % 65521 + 1
+        res += torch.stack([bits.sum(), (bits * at).sum()])
+    return res
+
 class KahanKind(BF16Kind):
     "bf16 weights and Kahan compensations, stepped as `w + c`"
     def split(self, b, x):
         b.own = Slots(b, b.zeros(torch.bfloat16))  # the compensations
         self._fold_whole(b, x, b.w, b.own.buf)
     def assign(self, b, i, x, at=None):
+        b.own.marks = None  # values of a load: any later write resets a compensation, as during a fit
         w,c = b.slot(b.w, i),b.own.slots[i]
         if not w.is_contiguous(): return fold_kahan([x], [w], [c])  # another order of its elements (transposed): whole
         a = at or 0
@@ -162,7 +172,12 @@ class KahanKind(BF16Kind):
         total = self._scratch(b, x, 'kahan_sum')
         fold_kahan([x], [w], [c], rest, total)
     def written(self, b, idx:list):
-        torch._foreach_zero_([b.own.slots[i] for i in idx])  # what was written, exactly
+        marks = b.own.marks
+        # between fits only the weights whose values changed: torch's `register_parametrization` touches one (`set_`)
+        if marks is not None: idx = [i for i in idx if not torch.equal(_mark(b.part(b.w, i, i+1)), marks[i])]
+        if idx: torch._foreach_zero_([b.own.slots[i] for i in idx])  # what was written, exactly
+    def rest(self, b):
+        b.own.marks = torch.stack([_mark(b.part(b.w, i, i+1)) for i in range(len(b.params))])
     def _parts(self, b, i, j) -> tuple:
         "The bf16 weights and compensations of parameters `i` to `j`"
         return b.part(b.w, i, j),b.part(b.own.buf, i, j)
@@ -172,6 +187,7 @@ class KahanKind(BF16Kind):
     def fold(self, b, i, j, x, turn=0):
         w,c = self._parts(b, i, j)
         self._fold(b, x, w, c)
+        b.own.marks = None  # a step: the marks of the last rest no longer say the weights
     def _scratch(self, b, x, slot:str) -> list:
         "The fp32 scratch buffer `slot` for a window's bf16 operands"
         return [b.workspace(b.device, x.numel(), slot)]

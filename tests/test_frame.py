@@ -5,10 +5,11 @@ import mpx, mpx.all
 
 ROOT = Path(__file__).parent.parent
 
-PUBLIC = ['AMPMode', 'LossScaler', 'PrecisionCallback', 'MixedPrecision', 'MasterPrecision', 'PureBF16', 'FP8Precision', 'PrecisionReport']
+PUBLIC = ['AMPMode', 'LossScaler', 'PrecisionCallback', 'MixedPrecision', 'MasterPrecision', 'PureBF16', 'FP8Precision', 'PrecisionReport',
+          'DeviceLosses']
 
 def test_public_names():
-    "`from mpx.all import *` gives exactly the user-facing names: `AMPMode`, `LossScaler`, the precision callbacks, the report."
+    "`from mpx.all import *` gives exactly the user-facing names: `AMPMode`, `LossScaler`, the precision callbacks, the report, `DeviceLosses`."
     ns = {}
     exec('from mpx.all import *', ns)
     assert sorted(k for k in ns if k != '__builtins__') == sorted(PUBLIC)

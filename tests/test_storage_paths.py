@@ -152,3 +152,57 @@ def test_whole_model_loads_without_mpx(mode, tmp_path):
     names = [str(tmp_path/n) for n in ('mid', 'between', 'fp32')]
     r = subprocess.run([sys.executable, '-c', LOAD, str(tmp_path), *names], capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.strip() == 'ok', r.stderr[-1500:]
+
+@pytest.mark.parametrize('mode', [m for m in KEPT if m.startswith('pure')])
+def test_cast_by_hand_then_copied(mode, tmp_path):
+    "`model.float()` by hand between fits, then `deepcopy`, `pickle`, `torch.save` of the model or a module, or a pickled `state_dict(keep_vars=True)`: every copy holds the exact fp32 values (a halved buffer came out rounded, 1.0 for 1.000244)."
+    import pickle, io
+    from copy import deepcopy
+    learn = fit_quiet(KEPT[mode](tiny_learner(lr=1e-2, opt_func=Adam, model=Scaled)), 1)
+    learn.model.scale = torch.tensor([1 + 2**-12])  # an exact fp32 value bf16 cannot hold
+    cb = precision_cb(learn)
+    ref = {k: cb.fp32_value(t).clone() for k,t in learn.model.state_dict(keep_vars=True).items()}
+    def saved(m):
+        buf = io.BytesIO()
+        torch.save(m, buf)
+        buf.seek(0)
+        return torch.load(buf, weights_only=False)
+    copies = dict(deepcopy=lambda: deepcopy(learn.model).state_dict(), pickle=lambda: pickle.loads(pickle.dumps(learn.model)).state_dict(),
+                  torch_save=lambda: saved(learn.model).state_dict(), keep_vars=lambda: pickle.loads(pickle.dumps(learn.model.state_dict(keep_vars=True))))
+    for how,copy in copies.items():
+        learn.model.float()  # by hand, each time
+        got = copy()
+        assert all(got[k].dtype == torch.float32 and torch.equal(got[k], v) for k,v in ref.items()), how
+    assert float(ref['scale']) == 1 + 2**-12
+
+class Same(nn.Module):
+    "A parametrization that changes nothing"
+    def forward(self, x): return x
+
+@pytest.mark.parametrize('mode', [m for m in KEPT if m.startswith('pure')])
+def test_parametrization_between_fits(mode):
+    "`register_parametrization` between fits (torch's `set_` of the weight to itself moves its version counter, no value): no compensation is lost, and the next fits are the session's without it, bit for bit."
+    from torch.nn.utils import parametrize
+    def run(par:bool):
+        learn = fit_quiet(KEPT[mode](tiny_learner(lr=1e-2, opt_func=Adam, model=wide)), 1)
+        cb = precision_cb(learn)
+        w = learn.model[3].weight
+        before = cb.fp32_value(w).clone()
+        if par:
+            parametrize.register_parametrization(learn.model[3], 'weight', Same())
+            assert learn.model[3].parametrizations.weight.original is w and torch.equal(cb.fp32_value(w), before)
+        fit_quiet(learn, 2)
+        return [cb.fp32_value(t).clone() for t in (w, learn.model[0].weight, learn.model[5].bias)]
+    assert all(map(torch.equal, run(False), run(True)))
+
+@pytest.mark.parametrize('mode', [m for m in KEPT if m.startswith('pure')])
+def test_written_between_fits_resets(mode):
+    "A weight written between fits (new values) takes them exactly, its compensation reset; one written with the values it holds keeps its exact value."
+    learn = fit_quiet(KEPT[mode](tiny_learner(lr=1e-2, opt_func=Adam, model=wide)), 1)
+    cb = precision_cb(learn)
+    w,b = learn.model[3].weight,learn.model[0].weight
+    kept = cb.fp32_value(b).clone()
+    with torch.no_grad():
+        w.mul_(2)  # new values: exactly them
+        b.copy_(b.clone())  # the same values: a touch
+    assert torch.equal(cb.fp32_value(w), w.float()) and torch.equal(cb.fp32_value(b), kept)
