@@ -152,6 +152,7 @@ def _set_precision(self:Learner, cb:Callback|None=None):
 class Widened:
     "A batch's output as the model gave it (16-bit), made fp32 where `Learner.pred` is read"
     __slots__ = ('given',)
+    mpx_widened = True  # what `Learner.pred` knows it by: a second definition of the class (a notebook's run) too
     def __init__(self, given): self.given = given
     def __reduce__(self): return to_float32,(self.given,)  # a copy or a pickle holds the fp32 values
 
@@ -161,7 +162,7 @@ class _Pred:
         if learn is None: return self
         try: v = learn.__dict__['pred']
         except KeyError: raise AttributeError('pred') from None  # fastai's `GetAttr` looks further, as without this
-        if isinstance(v, Widened): v = learn.__dict__['pred'] = to_float32(v.given)
+        if getattr(type(v), 'mpx_widened', False): v = learn.__dict__['pred'] = to_float32(v.given)
         return v
     def __set__(self, learn, v): learn.__dict__['pred'] = v
 
