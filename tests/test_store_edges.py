@@ -108,9 +108,9 @@ def _codes(learn) -> list:
     fs = precision_cb(learn).fused_steps
     return [(b.state_bufs[k].clone(), b.store_meta[k].clone()) for b in fs.buckets if b.store.bits in (4, 8) for k in sorted(b.state_bufs)]
 
-@pytest.mark.parametrize('fused', [True, pytest.param('compile', marks=pytest.mark.compiled)])
-@pytest.mark.parametrize('opt_state', ['8bit', '4bit'])
-@pytest.mark.parametrize('mode', ['amp', 'pure'])
+RESUMES = [(m, s, True) for m in ('amp', 'pure') for s in ('8bit', '4bit')] + [pytest.param('pure', '8bit', 'compile', marks=pytest.mark.compiled)]
+
+@pytest.mark.parametrize('mode,opt_state,fused', RESUMES)
 def test_lowbit_resume_is_exact(mode, opt_state, fused, tmp_path):
     "Low-bit state saved (as fp32 values) and loaded, into a kept layout or a fresh learner, gives back every code and block scale."
     if fused == 'compile' and not compiles(): pytest.skip('torch.compile cannot build a kernel here (no C++ compiler)')
