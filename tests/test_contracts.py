@@ -223,7 +223,7 @@ def test_users_store_refused_where_it_cannot_go():
 
 def test_contracts_declared():
     "Every method the engine calls on a kind or a store is declared on the base, with a one-line docstring."
-    for name in ('build', 'finish', 'value', 'assign', 'to_step', 'fold', 'written', 'step_writes', 'tick', 'checked', 'stepped', 'carried',
+    for name in ('build', 'finish', 'value', 'assign', 'to_step', 'fold', 'written', 'step_writes', 'tick', 'rest', 'checked', 'stepped', 'carried',
                  'restore', 'take', 'merge', 'clear', 'publish', 'kernel_io', 'kernel_widen', 'kernel_fold'):
         assert callable(getattr(Kind, name)) and '\n' not in (getattr(Kind, name).__doc__ or 'x'), name
     for name in ('bytes', 'new', 'put', 'value', 'zero', 'load_window', 'store_window', 'window_writes', 'kernel_key', 'kernel_io',
