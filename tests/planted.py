@@ -216,3 +216,98 @@ def lowbit_values_from_neighbour():
     def bf16(self, b, k, i): return real_bf16(self, b, k, neighbour(b, i))
     def quant(self, b, k, i): return real_quant(self, b, k, neighbour(b, i))
     with _patched(BF16Store, 'value', bf16), _patched(QuantStore, 'value', quant): yield
+
+# ---- the third pass (issue 69): loads in pieces, set-up commits, the device's skip count, a store's options, the advisor
+
+@contextmanager
+def load_skips_last_piece():
+    "A streamed load reads whole pieces only: the last partial piece of a tensor above the piece size (131,072) keeps its old values"
+    import mpx.plumbing, mpx.checkpoint, mpx.fused
+    real = mpx.plumbing.pieces
+    def whole(v, n=None):
+        n = n or mpx.plumbing.LOAD_PIECE
+        for at,x in real(v, n):
+            if at is None or x.numel() == n: yield at,x
+    with ExitStack() as stack:
+        for m in (mpx.plumbing, mpx.checkpoint, mpx.fused): stack.enter_context(_patched(m, 'pieces', whole))
+        yield
+
+@contextmanager
+def set_up_commits_each_bucket():
+    "A set-up commits each bucket for good as it goes: a failure at a later bucket cannot undo those before"
+    from mpx.fused import FusedSteps
+    def commit(self, built):
+        for b in built:
+            b.commit()
+            b.settle()
+    with _patched(FusedSteps, '_commit', commit): yield
+
+@contextmanager
+def device_skips_counted_once():
+    "The device counts whether a step was skipped since the host last read (stochastic rounding's stream), not how many"
+    from mpx.pure import Stream
+    def skip_on_device(self, found):
+        skips = self._skips(found.device)
+        skips.copy_(torch.maximum(skips, (found.reshape(()) != 0).long()))
+    with _patched(Stream, 'skip_on_device', skip_on_device): yield
+
+@contextmanager
+def store_options_ignored():
+    "Under compile, a store's own `kernel_options` are ignored: only those of mpx's own stores (bf16, 8-bit, 4-bit) reach inductor"
+    import mpx.compiled
+    from mpx.lowbit import BF16Store, QuantStore
+    real = mpx.compiled._known_options
+    def known(options): return real(options) if any(options is o for o in (BF16Store.kernel_options, QuantStore.kernel_options)) else {}
+    with _kernels_dropped(), _patched(mpx.compiled, '_known_options', known): yield
+
+@contextmanager
+def conv_speed_inverted():
+    "The advisor's measured speed of convolutions in a 16-bit dtype is inverted (1/r): its probes' fp32 and 16-bit runs swapped"
+    import mpx.hardware as hw, mpx.advisor
+    from mpx.core import AMPMode
+    real = hw.op_speed
+    def op_speed(family, mode):  # a speed known already (cached) read as it is: only a measurement is inverted
+        if family != 'conv': return real(family, mode)
+        dtype,probe = AMPMode(mode).dtype,hw._probe
+        def swapped(f, dt): return probe(f, dtype if dt == torch.float32 else torch.float32)
+        with _patched(hw, '_probe', swapped): return real(family, mode)
+    with _patched(hw, 'op_speed', op_speed), _patched(mpx.advisor, 'op_speed', op_speed): yield
+
+@contextmanager
+def memory_state_all_lowbit():
+    "The advisor's memory prediction holds every tensor's optimizer state low-bit (tensors under `MIN_LOWBIT` elements keep fp32)"
+    import mpx.memory
+    from mpx.lowbit import state_bytes
+    def state(t, opt_state): return t.n_state * state_bytes(opt_state) * t.params
+    with _patched(mpx.memory, '_state_bytes', state): yield
+
+@contextmanager
+def take_back_drops_last_compensation():
+    "A cast by hand (`model.float()`) taken back zeroes the Kahan compensation of the last parameter of each bucket"
+    from mpx.flat import Bucket
+    from mpx.pure import KahanKind
+    real = Bucket._take_back
+    def take_back(self, i, p):
+        real(self, i, p)
+        if isinstance(self.kind, KahanKind) and i == len(self.params) - 1: self.own.slots[i].zero_()
+    with _patched(Bucket, '_take_back', take_back): yield
+
+@contextmanager
+def loaded_piece_nibbles_swapped():
+    "4-bit codes of a piece of a streamed load (a tensor above 131,072 elements) packed in the other nibble order"
+    from mpx.lowbit import QuantStore
+    real = QuantStore.put
+    def put(self, b, k, i, v, at=None):
+        real(self, b, k, i, v, at)
+        if at is None or self.bits != 4: return
+        lo = b.offs[i] + at
+        codes = self._code_bytes(b, k, lo, lo + v.numel() // 2 * 2)
+        codes.copy_((codes >> 4) | (codes << 4))
+    with _patched(QuantStore, 'put', put): yield
+
+@contextmanager
+def loaded_stream_afresh():
+    "A loaded checkpoint starts stochastic rounding's stream afresh (count 0), where it should go on from the count it saved"
+    from mpx.pure import PureBF16
+    def load(self, sd): self.reset_scaler()
+    with _patched(PureBF16, '_load_scaler_state', load): yield
