@@ -332,7 +332,7 @@ class PrecisionCallback(Callback, ScaleTelemetry, CheckpointState):
         if self.fit_state is not None: self.ledger.defer(self.fit_state.undo)
         self.fused_steps = self._new_fused_steps()
         if self.fit_state is not None: self.fit_state.engine = self.fused_steps
-        if self.fused_steps is not None and self.resident: LoadsInto(self).hook(get_model(self.model), self.ledger)
+        if self.fused_steps is not None: LoadsInto(self).hook(get_model(self.model), self.ledger, loads=self.resident)
     def _end_fit(self):
         "Undo `_begin_fit` exactly: one close of the fit's ledger"
         led,self.ledger,self.fit_state,self.fused_steps = self.ledger,None,None,None

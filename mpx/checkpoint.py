@@ -33,10 +33,16 @@ class LoadsInto:
     "`load_state_dict` of the model or of any of its modules into a layout a fit holds"
     def __init__(self, cb=None): self.cb,self.pending = (noop if cb is None else weakref.ref(cb)),[]  # no pointer back
     mpx_hook = True  # a copy or a pickle of a module leaves it out (`hook_loads`)
-    def hook(self, model:nn.Module, ledger):
-        "Hook the `load_state_dict` of every module of `model`, until `ledger` closes"
+    def hook(self, model:nn.Module, ledger, loads:bool=True):
+        "Hook the `load_state_dict` (`loads`) and `state_dict` of every module of `model`, until `ledger` closes"
         # torch runs a module's hooks whichever module's load began it
-        for m in model.modules(): hook_loads(ledger, m, self.pre, self.post, self.settle)
+        for m in model.modules():
+            if loads: hook_loads(ledger, m, self.pre, self.post, self.settle, self.alone)
+            else: hook_loads(ledger, m, alone=self.alone)
+    def alone(self, sd:dict):
+        "A module's state dict holds its own tensors alone: none a view into a buffer of the model's (`FusedSteps.alone`)"
+        cb = self.cb()
+        if cb is not None and cb.fused_steps is not None: cb.fused_steps.alone(sd)
     def settle(self):
         "Between fits, what was cast by hand since (`model.float()`) taken back: a copy, a pickle or a state dict holds exact values"
         cb = self.cb()

@@ -8,6 +8,7 @@ from itertools import repeat
 from contextlib import contextmanager
 from fastai.torch_basics import *
 from .lowbit import DenseStore, flat_part
+from .plumbing import own_storage
 
 # %% auto #0
 __all__ = ['slottable', 'overlapping', 'same_values', 'set_data', 'Kind', 'merge_writes', 'Workspace', 'Bucket', 'Slots',
@@ -322,15 +323,42 @@ class Bucket:
             if t is not None and not _in_slot(t, at, o, spec, dtype): return None
         buf = torch.empty(0, dtype=dtype, device=self.device)
         return buf.set_(st, 0, (self.n,), (1,))
-    def hold_weights(self, dtype=None) -> Tensor:
-        "The parameters' data as one flat buffer: theirs already, else a new one"
+    def hold_weights(self, dtype=None, shared:bool=False) -> Tensor:
+        "The parameters' data as one flat buffer: theirs already, else a new one (`shared`: in shared memory)"
         buf = self.packed([p.data for p in self.params], dtype)
         if buf is not None: return buf
         buf = self.zeros(dtype or self.dtype)
+        if shared: buf.share_memory_()
         for p,v in zip(self.params, self.views(buf)):
             v.copy_(p.data)
             set_data(p, v)  # each old tensor freed as it is copied
         return buf
+    def release(self):
+        "Each parameter's data in a storage of its own, as plain torch's (a module saved alone writes it alone)"
+        # after the fit, and between fits where the parameters are what is stepped: `hold` takes them back at the next step
+        if not self.flat: return
+        for p in self.params:
+            x = own_storage(p.data)
+            if x.data_ptr() == p.data_ptr(): continue
+            if p.is_shared(): x.share_memory_()  # `model.share_memory()` since: shared it stays
+            set_data(p, x)  # its gradient stays where it is (the next fit takes it)
+        if self.kind.in_place: self.w,self.ptrs = None,None
+    @property
+    def released(self) -> bool:
+        "Whether the parameters, stepped in place, hold their own storages until the next step (`release`)"
+        return self.flat and self.kind.in_place and self.w is None
+    def hold(self):
+        "A released bucket's parameters in one flat buffer again, with the values they hold now"
+        if not self.released: return
+        self._cast_back()
+        shared = all(p.is_shared() for p in self.params)  # `model.share_memory()` since: the buffer shared too
+        self.w = self.hold_weights(shared=shared)
+        self.ptrs,self.versions = _ptrs(self.params),[p._version for p in self.params]
+    def _cast_back(self):
+        "A released bucket: gradients in their slots again, parameters cast by hand since (`model.double()`) cast back"
+        self._take_back_grads()
+        for p in self.params:
+            if p.dtype != self.dtype: set_data(p, p.data.to(self.dtype))  # exact: `recast` let only fp64 through
     def own_grads(self) -> list:
         "Each parameter's gradient as the model holds it now"
         return [p.grad for p in self.params]
@@ -376,7 +404,8 @@ class Bucket:
         return _in_slot(t, buf.untyped_storage().data_ptr(), buf.storage_offset() + self.offs[i], self.specs[i], buf.dtype)
     def adopt_weights(self):
         "Take moved `data` back into its slot, and tell the kind of writes"
-        if self.flat and _ptrs(self.params) != self.ptrs:
+        if self.released: self._cast_back()
+        elif self.flat and _ptrs(self.params) != self.ptrs:
             self._take_back_grads()  # a cast by hand casts the gradients too
             for i,p in enumerate(self.params):
                 if p.data_ptr() == self.ptrs[i]: continue
@@ -412,8 +441,9 @@ class Bucket:
             g.copy_(x)
     def recast(self) -> int|None:
         "The first parameter whose data was assigned values its slot cannot take as they are (not fp32), or None"
-        if not self.flat:  # a list bucket: a parameter of another dtype
-            return next((i for i,p in enumerate(self.params) if p.dtype != self.dtype), None)
+        if not self.flat or self.released:  # a list bucket, or one released: a parameter of another dtype
+            ok = (self.dtype, torch.float64) if self.released else (self.dtype,)  # `hold` casts a `model.double()` back exactly
+            return next((i for i,p in enumerate(self.params) if p.dtype not in ok), None)
         for i,p in enumerate(self.params):
             if p.data_ptr() == self.ptrs[i]: continue  # not moved
             v = self.slot(self.w, i)

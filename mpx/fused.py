@@ -4,14 +4,14 @@
 
 # %% ../nbs/01a_fused.ipynb #fz0003
 from __future__ import annotations
-import warnings, operator, weakref
+import warnings, operator, weakref, collections
 from functools import partial
 from enum import Enum
 from fastai.torch_basics import *
 from fastai.optimizer import *
 from .core import Fused
 from .warn import warn_user
-from .plumbing import Ledger, unwrap, LazyTensor, Stored, read_stored, copies_as_fp32, pieces, LOAD_PIECE
+from .plumbing import Ledger, unwrap, LazyTensor, Stored, read_stored, copies_as_fp32, pieces, LOAD_PIECE, own_storage
 from .flat import *
 from .flat import _flat_keys
 from .eager import *
@@ -252,6 +252,7 @@ class FusedSteps:
         # no state dict replaced (`clear_state`, `load_state_dict` replace them)
         same = st is self._st and ids == self._st_ids
         for b in self.buckets:
+            b.hold()  # released between fits: in its buffer again
             b.adopt_weights()
             if not b.kind.takes: b.adopt_grads()  # a taking kind's gradients: in `take`
             if self.own_step: b.adopt_states(st, b.kind.state_dtype(b), same)
@@ -410,6 +411,22 @@ class FusedSteps:
         if self.low.views: return sd
         state = [{k: _in_fp32(v, self.lazy) for k,v in s.items()} for s in sd['state']]
         return {**sd, 'state': state}
+    def alone(self, sd:dict):
+        "A state dict's tensors that lie in a bucket's buffer beside parameters it holds not (a submodule's), copied out"
+        # torch saves a view's whole storage: a module's dict would carry the model; a dict of them all is left as it is
+        at,held = set(),collections.defaultdict(set)  # where the dict's tensors lie; by storage, where its parameters do
+        for t in sd.values():
+            if isinstance(t, Tensor) and t.numel(): at.add(t.data_ptr())
+        for b in self.buckets:
+            for p in b.params if b.flat else []:
+                if p.numel(): held[p.untyped_storage().data_ptr()].add(p.data_ptr())
+        copied = {}  # a tensor under two keys (tied weights): one copy
+        for k,t in sd.items():
+            if not isinstance(t, Tensor) or not t.numel(): continue
+            ptrs = held.get(t.untyped_storage().data_ptr())
+            if ptrs is None or ptrs <= at: continue
+            if t.data_ptr() not in copied: copied[t.data_ptr()] = own_storage(t)
+            sd[k] = copied[t.data_ptr()]
     def fp32_of(self, p:Tensor) -> Callable|None:
         "How to make `p`'s fp32 value where the engine holds it otherwise (None: `p` is it)"
         h = self.home.get(id(p))
@@ -433,19 +450,25 @@ class FusedSteps:
         n,groups = len(sd['state']),len(sd['hypers'])
         if groups != len(o.param_lists) or n != sum(map(len, o.param_lists)):
             raise ValueError(f"the checkpoint's optimizer state has {n} parameters in {groups} groups")
-        o.hypers = sd['hypers']
         ps = o.all_params().itemgot(0)
+        # all or nothing: each tensor put first into a scratch store of its own, so a put that fails does before any is
+        # written (the optimizer's state then the one it had, whole: fastai warns that it could not load it)
+        for p,s in zip(ps, sd['state']):
+            for k,v in s.items(): self._stored(p, k, v, trial=True)
+        o.hypers = sd['hypers']
         state = {}
         for p,s in zip(ps, sd['state']): state[p] = {k: self._stored(p, k, v) for k,v in s.items()}
         o.state = state
-    def _stored(self, p:Tensor, k:str, v):
-        "State `k` of `p` from a checkpoint, into its store where its bucket keeps one, a piece at a time"
+    def _stored(self, p:Tensor, k:str, v, trial:bool=False):
+        "State `k` of `p` from a checkpoint, into its store where its bucket keeps one, a piece at a time (`trial`: a scratch's)"
         if not isinstance(v, (Stored, Tensor)): return v
         h = self.home.get(id(p))
         flat = h is not None and h[0].flat and v.dtype.is_floating_point and v.shape == p.shape
-        if not flat: return read_stored(v).to(p.device)
+        if not flat: return None if trial else read_stored(v).to(p.device)
         b,i = h
-        b.state_new(k, b.kind.state_dtype(b))
+        dtype = b.kind.state_dtype(b)
+        if trial: b,i = Bucket([p], _scratch, True, b.group, store=b.store, commit=False),0  # `p` itself untouched
+        b.state_new(k, dtype)
         on_blocks = max(LOAD_PIECE // b.store.block, 1) * b.store.block  # each piece begins on the store's blocks
         parts = pieces(v, on_blocks) if p.is_contiguous() else [(None, read_stored(v))]
         for at,x in parts:
@@ -464,7 +487,9 @@ class FusedSteps:
     def rest(self):
         "Between fits, the layout kept: late writes taken, counts to the host, scratch freed"
         for b in self.buckets: b.adopt_weights()  # a weight written after the last step (a compensation reset)
-        for b in self.buckets: b.kind.rest(b)
+        for b in self.buckets:
+            b.kind.rest(b)
+            if b.kind.in_place: b.release()  # the parameters what is stepped: plain torch tensors until the next step
         self.steps_to_host()
         self.workspace.bufs.clear()
     def undo(self):
@@ -479,7 +504,9 @@ class FusedSteps:
             # a write after the last step, or before a mid-fit save, reaches the masters (or resets a compensation)
             b.adopt_weights()
             # a gradient in its slot stays there (the next fit takes the buffer as it is), else it is cast
-            if b.committed: b.kind.finish(b)
+            if b.committed:
+                b.kind.finish(b)
+                b.release()  # no parameter a view into a buffer the fit leaves (torch saves a view's whole storage)
             else: b.uncommit()  # a set-up that failed: each parameter's fp32 value as it was, exact
             # so does dense state: each dict's tensor is already fastai's, in its slot
             if b.store.views: continue
@@ -492,6 +519,11 @@ class FusedSteps:
         self.lookahead.finish(self)
 
 _in_place = Kind()
+
+class _Scratch(Kind):
+    "A bucket holding only a store's state: a load's trial (`FusedSteps.load_state`)"
+    def build(self, b:Bucket): pass
+_scratch = _Scratch()
 
 def _in_fp32(v, lazy:bool=False):
     "State value `v`, low-bit state dequantised (`lazy`: as a `LazyTensor`)"

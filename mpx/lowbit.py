@@ -169,6 +169,8 @@ class Store:
         raise NotImplementedError
     def put(self, b, k:str, i:int, v:Tensor, at:int|None=None):
         "Parameter `i`'s state `k` takes tensor `v` (`at`: flat `v` is its elements from `at`, a multiple of `block`)"
+        # a load first puts every tensor into a bucket of that parameter alone (`new` made its state), all or nothing: a
+        # `put` reads and writes only the bucket's state (`state_bufs`, `state_held`, `store_meta`)
         raise NotImplementedError
     def value(self, b, k:str, i:int) -> Tensor:
         "Parameter `i`'s state `k`: fp32, a tensor of its own"

@@ -126,7 +126,7 @@ class MasterKind(Kind):
         for p,m,gx in zip(b.params, b.own.slots, b.own.grad_slots):
             g = p.grad
             p.grad = None
-            p.data = m  # the next fit takes the buffer as it is
+            p.data = m  # a tensor of its own once the engine releases it (`Bucket.release`)
             if g is None: continue
             if g.layout is not torch.strided: p.grad = g.to(m.dtype)  # a sparse gradient stays sparse
             else:

@@ -17,8 +17,8 @@ from fastai.optimizer import OptimWrapper, _BaseOptimizer
 
 # %% auto #0
 __all__ = ['LOAD_PIECE', 'FitState', 'halvable', 'exact_fp32', 'opt_params', 'unwrap', 'state_owners', 'Ledger', 'hook_loads',
-           'copies_as_fp32', 'HalvedRest', 'LazyTensor', 'save_streamed', 'Stored', 'pieces', 'load_streamed',
-           'read_stored']
+           'copies_as_fp32', 'own_storage', 'HalvedRest', 'LazyTensor', 'save_streamed', 'Stored', 'pieces',
+           'load_streamed', 'read_stored']
 
 # %% ../nbs/01b_plumbing.ipynb #d6694c65
 class FitState:
@@ -110,20 +110,36 @@ class Ledger:
     def __exit__(self, *exc): self.close()
     def __len__(self): return len(self.log)
 
-def hook_loads(led:Ledger, m:nn.Module, pre:Callable|None=None, post:Callable|None=None, settle:Callable|None=None):
+def hook_loads(led:Ledger, m:nn.Module, pre:Callable|None=None, post:Callable|None=None, settle:Callable|None=None,
+               alone:Callable|None=None):
     "Until `led` closes: hook `m`'s `load_state_dict` (`pre`, `post`), and `settle()` before its `state_dict`, copies and pickles"
-    # `settle`: what was cast by hand since taken back; a copy or a pickle of `m` holds no hook of mpx's
+    # `settle`: what was cast by hand since taken back; `alone(sd)`: a state dict's tensors that lie in a flat buffer beside
+    # tensors it has not, copied out (`FusedSteps.alone`); a copy or a pickle of `m` holds no hook of mpx's
     if pre is not None: led.defer(m.register_load_state_dict_pre_hook(pre).remove)
     if post is not None: led.defer(m.register_load_state_dict_post_hook(post).remove)
-    if settle is not None: led.defer(m.register_state_dict_pre_hook(_Settle(settle)).remove)
+    if settle is not None or alone is not None:
+        h = _Settle(settle, alone)
+        led.defer(m.register_state_dict_pre_hook(h).remove)
+        if alone is not None: led.defer(m.register_state_dict_post_hook(_Alone(h)).remove)
     led.set(m, '__getstate__', functools.partial(_without_hooks, weakref.ref(m), settle))  # no pointer back to `m`
 
 class _Settle:
     "A `state_dict` pre-hook calling `settle()` once a call (at the module it was called on: no prefix)"
     mpx_hook = True
-    def __init__(self, settle:Callable): self.settle = settle
+    def __init__(self, settle:Callable|None=None, alone:Callable|None=None): self.settle,self.alone,self.detached = settle,alone,False
     def __call__(self, module, prefix, keep_vars):
-        if not prefix: self.settle()
+        if prefix: return
+        self.detached = not keep_vars  # `keep_vars`: the dict holds the model's own tensors, left as they are
+        if self.settle is not None: self.settle()
+
+class _Alone:
+    "A `state_dict` post-hook: at the module it was called on, `alone(sd)` where the dict holds detached tensors"
+    mpx_hook = True
+    def __init__(self, pre:_Settle): self.pre = pre
+    def __call__(self, module, sd, prefix, local_metadata):
+        if prefix or not self.pre.detached: return
+        self.pre.detached = False
+        self.pre.alone(sd)
 
 def _mpx_hook(h) -> bool:
     "Whether hook `h` (as torch keeps it: maybe wrapped) is one of mpx's"
@@ -135,7 +151,7 @@ def _without_hooks(ref:weakref.ref, settle:Callable|None=None) -> dict:
     if settle is not None: settle()
     m = ref()
     state = {k: v for k,v in type(m).__getstate__(m).items() if k != '__getstate__'}
-    for k in ('_load_state_dict_pre_hooks', '_load_state_dict_post_hooks', '_state_dict_pre_hooks'):
+    for k in ('_load_state_dict_pre_hooks', '_load_state_dict_post_hooks', '_state_dict_pre_hooks', '_state_dict_hooks'):
         hooks = state.get(k)
         if hooks: state[k] = type(hooks)((i, h) for i,h in hooks.items() if not _mpx_hook(h))
     return state
@@ -159,16 +175,16 @@ def _own_state(t:Tensor):
     if not isinstance(state, dict): return state
     return {k: v for k,v in state.items() if k not in ('__deepcopy__', '__reduce_ex__')}
 
-def _own_storage(x:Tensor) -> Tensor:
-    "`x`, or a copy where it is a view into a larger storage (a flat buffer's slot)"
-    return x if x.untyped_storage().nbytes() == x.numel() * x.element_size() else x.clone()
+def own_storage(x:Tensor) -> Tensor:
+    "`x`, or a copy where it is a view into a larger storage (a flat buffer's slot), its strides kept"
+    return x if x.untyped_storage().nbytes() == x.numel() * x.element_size() else x.clone(memory_format=torch.preserve_format)
 
 def _fp32_copy(ref:weakref.ref, make:Callable, memo:dict) -> Tensor:
     t,x = ref(),make().detach().clone()
     return nn.Parameter(x, t.requires_grad) if isinstance(t, nn.Parameter) else x
 
 def _fp32_reduce(ref:weakref.ref, make:Callable, protocol:int) -> tuple:
-    t,x = ref(),_own_storage(make().detach())
+    t,x = ref(),own_storage(make().detach())
     if not isinstance(t, nn.Parameter): return x.__reduce_ex__(protocol)
     state = _own_state(t)
     if state: return torch._utils._rebuild_parameter_with_state,(x, t.requires_grad, collections.OrderedDict(), state)

@@ -123,9 +123,9 @@ class BF16Kind(Kind):
     @staticmethod
     def kernel_widen(t, s): return t['w'].float(),t['g'].float()
     def finish(self, b):
-        "Each weight back in fp32, in one buffer the next fit takes"
-        fp32 = b.views(b.zeros(torch.float32))
-        for i,(p,v) in enumerate(zip(b.params, fp32)):
+        "Each weight back in fp32, a tensor of its own (as plain torch holds it)"
+        for i,p in enumerate(b.params):
+            v = torch.empty_like(p, dtype=torch.float32)
             v.copy_(self.value(b, i))
             set_data(p, v)  # a parameter with a gradient keeps it, in fp32
     def values(self, b) -> list:

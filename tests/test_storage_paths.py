@@ -1,5 +1,6 @@
 """Robustness 6 (issue 68): torch's own machinery reaching a kept layout's storage between fits (`share_memory()`, a cast by
 hand to float64), each tried in every mode that keeps a layout, against the same session without it."""
+import io
 import pytest, torch
 from fastai.basics import Adam, nn, Callback
 from mpx.all import *
@@ -206,3 +207,55 @@ def test_written_between_fits_resets(mode):
         w.mul_(2)  # new values: exactly them
         b.copy_(b.clone())  # the same values: a touch
     assert torch.equal(cb.fp32_value(w), w.float()) and torch.equal(cb.fp32_value(b), kept)
+
+# ---- a module saved alone writes itself alone (torch saves a view's whole storage)
+
+def _bytes(o) -> int:
+    "How many bytes `torch.save(o)` writes"
+    f = io.BytesIO()
+    torch.save(o, f)
+    return f.tell()
+
+def deep():
+    "An 8-layer MLP: one 256x256 layer is an eighth of its weights"
+    return nn.Sequential(nn.Linear(1, 256), *[m for _ in range(6) for m in (nn.ReLU(), nn.Linear(256, 256))], nn.ReLU(),
+                         nn.Linear(256, 1))
+
+SAVED_ALONE = {'amp': lambda l: l.to_bf16(), 'amp_compile': lambda l: l.to_bf16(fused='compile'), 'master': lambda l: l.to_fp16(loss_scale=512),
+               **KEPT}
+
+class SavesOneLayer(Callback):
+    "After the third batch: what `torch.save` writes of one layer (`_saved_alone`)"
+    order = 60
+    def __init__(self): self.i,self.got = 0,None
+    def after_batch(self):
+        if self.training and self.i == 2: self.got = _saved_alone(self.learn.model[4])
+        self.i += int(self.training)
+
+def _saved_alone(m:nn.Module) -> tuple:
+    "The bytes `torch.save` writes of `m`'s state dict, its weight and `m`, and whether the state dict loads back as it was"
+    sd = m.state_dict()
+    f = io.BytesIO()
+    torch.save(sd, f)
+    f.seek(0)
+    back = torch.load(f)
+    same = back.keys() == sd.keys() and all(torch.equal(back[k], v) for k,v in sd.items())
+    return [f.tell(), _bytes(m.weight), _bytes(m)],same
+
+@pytest.mark.parametrize('mode', SAVED_ALONE)
+def test_module_saved_alone(mode):
+    """`torch.save` of one layer's state dict writes that layer, not the flat buffer it lies in (the whole model), mid-fit,
+    between fits and after `to_fp32()`; between fits, so does a save of its weight or of the layer (plain torch tensors, or
+    copies holding the fp32 values). A state dict of the whole model copies nothing."""
+    if mode == 'amp_compile': pytest.importorskip('mpx.compiled')
+    mid = SavesOneLayer()
+    learn = fit_quiet(SAVED_ALONE[mode](tiny_learner(lr=1e-2, opt_func=Adam, model=deep)), 1, cbs=mid)
+    own = sum(t.numel() * 4 for t in learn.model[4].parameters())  # its fp32 bytes (pure bf16 writes half)
+    (sizes,same),(mid_sizes,mid_same) = _saved_alone(learn.model[4]),mid.got
+    assert mid_same and same
+    assert mid_sizes[0] < 1.1 * own, f'mid-fit: {mid_sizes[0]} bytes written for a layer of {own}'
+    assert max(sizes) < 1.1 * own, f'between fits: {sizes} bytes written for a layer of {own}'
+    whole = learn.model.state_dict()  # every tensor of a buffer in the dict: none copied
+    assert all(whole[k].data_ptr() == t.data_ptr() for k,t in learn.model.state_dict(keep_vars=True).items())
+    learn.to_fp32()
+    assert max(_saved_alone(learn.model[4])[0]) < 1.1 * own

@@ -150,3 +150,47 @@ def test_failed_kernel_falls_back_unguarded(monkeypatch):
     assert any('planted' in str(w.message) for w in ws)
     ref = fit_quiet(tiny_learner(lr=1e-2, model=wide, opt_func=Adam, cbs=PoisonLoss(at=[0, 3])).to_bf16(opt_state=NoWrites), 1)
     assert all(map(torch.equal, weights(learn), weights(ref))) and precision_cb(learn).skipped_steps == 2
+
+class FailsAt(QuantStore):
+    "8-bit state whose `put` raises at the `armed`-th call from now (None: never)"
+    name = 'fails-at'
+    armed = None
+    def put(self, b, k, i, v, at=None):
+        if FailsAt.armed is not None:
+            FailsAt.armed -= 1
+            if FailsAt.armed == 0: raise RuntimeError('a put that fails part-way')
+        super().put(b, k, i, v, at)
+
+def _opt_state(learn) -> list:
+    "Each parameter's optimizer state as fastai's `state_dict` gives it (fp32 values, step counts), and the hypers"
+    sd = learn.opt.state_dict()
+    return [{k: v.clone() if isinstance(v, torch.Tensor) else v for k,v in s.items()} for s in sd['state']],sd['hypers']
+
+def _same_state(a, b) -> bool:
+    (sa,ha),(sb,hb) = a,b
+    same = lambda x,y: torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+    return ha == hb and len(sa) == len(sb) and all(s.keys() == t.keys() and all(same(s[k], t[k]) for k in s) for s,t in zip(sa, sb))
+
+@pytest.mark.parametrize('fail_at', [1, 2, 3, 4])
+def test_failed_put_loads_nothing(fail_at, tmp_path):
+    "`learn.load` into a kept layout whose store's `put` raises at any call loads no optimizer state (fastai warns it could not): each state tensor, step count and hyper as before the load; the same load without the failure gives the checkpoint's."
+    def learner():
+        learn = tiny_learner(lr=1e-2, opt_func=Adam, path=tmp_path, model=lambda: nn.Sequential(
+            nn.Linear(1, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1)))
+        return learn.to_bf16(opt_state=FailsAt)
+    a = learner()
+    fit_quiet(a, 2)
+    a.save('ck', with_opt=True)
+    saved = _opt_state(a)
+    b = learner()
+    fit_quiet(b, 1, lr=1e-3)  # its layout kept between fits: the load goes into the store, two weights of two keys each
+    before = _opt_state(b)
+    assert not _same_state(before, saved)
+    FailsAt.armed = fail_at
+    try:
+        with pytest.warns(UserWarning, match='Could not load the optimizer state'): b.load('ck', with_opt=True)
+        assert FailsAt.armed == 0, 'the put never failed'
+    finally: FailsAt.armed = None
+    assert _same_state(_opt_state(b), before), 'a failed load wrote part of the optimizer state'
+    b.load('ck', with_opt=True)
+    assert _same_state(_opt_state(b), saved)
