@@ -232,6 +232,17 @@ def _hw_verdict(hw:Hardware, safe:dict, fails=()) -> tuple[str, str]:
     why = f"{ok[0]}: fast on this {hw.device} and numerically safe"
     return ok[0], why + ('; preferred to fp16: no loss scaling needed' if ok[0] == 'bf16' and 'fp16' in ok else '')
 
+def _checked_verdict(hw:Hardware, safe:dict, fails:dict, timings:dict|None) -> tuple[str, str]:
+    "The hardware's pick where a step of the model measured it no slower than fp32 (`timings`), else the next, or fp32; and why"
+    rec,why = _hw_verdict(hw, safe, fails)
+    if not timings or rec == 'fp32': return rec, why
+    gain = {m: timings['fp32']/t for m,t in timings.items() if m != 'fp32'}
+    ok = [m for m in gain if gain[m] >= 1]  # in the hardware's order: bf16 first
+    if ok: return ok[0], f"{ok[0]}: fast on this {hw.device}, numerically safe, and {gain[ok[0]]:.2f}x fp32's speed on this model"
+    one = len(gain) == 1
+    return 'fp32', (f"fp32: {' and '.join(gain)} {'is' if one else 'are'} fast on this {hw.device}'s kinds of layer, but a training "
+                    f"step of this model measured {'it' if one else 'them'} slower than fp32 (small layers: casts and overhead outweigh)")
+
 def _timed_verdict(timings:dict, safe:dict, min_speedup:float) -> tuple[str, str]:
     "The mode measured speed picks among the safe ones, and why"
     gain = {m: timings['fp32']/t for m,t in timings.items() if m != 'fp32' and safe[m]}
@@ -295,7 +306,8 @@ def _head(self:PrecisionReport) -> list:
     "The summary lines of the report"
     speed = lambda m: '' if m == 'fp32' else f" ({self.speedups[m]:.2f}x)"
     t = ' | '.join(f"{m} {_ms(s)}{speed(m)}" for m,s in self.timings.items()) if self.timings else None
-    return [f"hardware: {self.hardware}", *( [f"step time: {t}"] if t else []),
+    clock = " (one thread's CPU time)" if self.hardware.device == 'cpu' else ''
+    return [f"hardware: {self.hardware}", *( [f"step time{clock}: {t}"] if t else []),
             f"fp16 underflow at the loss scale 2**16: {self.underflow:.2%} of the nonzero gradient elements",
             "at risk in 16 bits: " + (', '.join(f"`{n}`" for n in self.at_risk) or 'none'), self._fp8_line(),
             memory_line() if self.memory is None else self._memory_line()]
@@ -366,17 +378,21 @@ def precision_report(
         except Exception as e: raise _failed(learn, e) from e
         safe,at_risk,why = assess_numerics(mods, underflow, max_underflow)
         fp8 = fp8_table(model, rows=linear_rows(model, *xb))
-        # the modes it could recommend
-        tried = [m for m in ('bf16', 'fp16') if safe[m] and (time or getattr(hw, f'{m}_fast'))]
+        # the modes it could recommend: timed, each safe one its probes did not measure slow; else each the hardware calls fast
+        tried = [m for m in ('bf16', 'fp16') if safe[m] and (m not in hw.measured_slow if time else getattr(hw, f'{m}_fast'))]
         fails = {m: f for m in tried if (f := mode_failure(model, xb, yb, loss_func, m)) is not None}
         timed = ('fp32', *(m for m in tried if m not in fails))
-        timings = time_steps(model, xb, yb, loss_func, timed, n_steps) if time else None
+        # untimed, a CPU's pick is timed too: on small layers 16 bits can lose to fp32 where the probes' layers gain
+        check = not time and hw.device == 'cpu' and len(timed) > 1
+        timings = time_steps(model, xb, yb, loss_func, timed, n_steps) if time or check else None
         terms = memory_terms(model, xb, yb, loss_func, learn.opt_func)  # last: it leaves the trial model in bf16
-    rec,verdict = _timed_verdict(timings, safe, min_speedup) if time else _hw_verdict(hw, safe, fails)
+    rec,verdict = _timed_verdict(timings, safe, min_speedup) if time else _checked_verdict(hw, safe, fails, timings)
     for f in fails.values():
         if f.module: at_risk.setdefault(f.module, f"no {f.mode} kernel here" if f.no_kernel else f"fails in {f.mode}")
-    timing = _timing_reasons(timings, rec) if time else []
-    reasons = [verdict, *hw.notes[:2], *why, *map(str, fails.values()), *timing]
+    timing = _timing_reasons(timings, rec) if timings else []
+    skipped = lambda m: time and safe[m] and m in hw.measured_slow  # ruled out by its probes: not timed
+    notes = [n + ('; so not timed' if skipped(m) else '') for m,n in zip(('bf16', 'fp16'), hw.notes)]
+    reasons = [verdict, *notes, *why, *map(str, fails.values()), *timing]
     free = device_free(dev)
     room = None if free is None else free + _held(learn)
     memory = memory_frame(terms, room)

@@ -4,7 +4,8 @@
 
 # %% ../nbs/00a_hardware.ipynb #94c13381
 from __future__ import annotations
-import math, platform, re, time
+import math, platform, re, statistics, time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
 import torch
@@ -25,12 +26,15 @@ class Hardware(NamedTuple):
     fp16_fast:bool # fp16 matmuls and convolutions beat fp32 here
     flags:tuple=() # the ISA flags or GPU features the verdicts rest on
     notes:tuple=() # one plain-word reason per verdict, 'bf16: ...' and 'fp16: ...'
+    no_gain:tuple=() # the modes measured here neither faster than fp32 nor slow: not fast, and no warning
+    measured_slow:tuple=() # the modes measured slow here on the model's layers: a timed report does not time them
+
+    def _speed(self, mode:str) -> str:
+        return 'fast' if getattr(self, f'{mode}_fast') else 'no faster' if mode in self.no_gain else 'slow'
 
     def __str__(self):
-        speed = lambda fast: 'fast' if fast else 'slow'
         flags = ' '.join(self.flags) or 'none'
-        speeds = f"bf16 {speed(self.bf16_fast)}, fp16 {speed(self.fp16_fast)}"
-        return f"{self.device} ({self.name}): {speeds} | flags: {flags}"
+        return f"{self.device} ({self.name}): bf16 {self._speed('bf16')}, fp16 {self._speed('fp16')} | flags: {flags}"
 
 # %% ../nbs/00a_hardware.ipynb #dfa6ab3c
 _cpu_flags = ('avx2', 'avx512f', 'avx512_bf16', 'amx_tile', 'amx_bf16', 'avx512_fp16', 'amx_fp16',
@@ -151,8 +155,8 @@ def slow_reason(
     "Why `mode` is slower than fp32 on `device`, or None"
     mode,hw = AMPMode(mode),device if isinstance(device, Hardware) else detect_hardware(device)
     fast,note = (hw.bf16_fast, hw.notes[0]) if mode is AMPMode.BF16 else (hw.fp16_fast, hw.notes[1])
-    # fp16 without tensor cores and bf16 on MPS gain little but lose little: not slow
-    slow = not fast and (hw.device == 'cpu' or (hw.device.startswith('cuda') and mode is AMPMode.BF16))
+    # fp16 without tensor cores and bf16 on MPS gain little but lose little, as does a mode measured even with fp32: not slow
+    slow = not fast and mode.value not in hw.no_gain and (hw.device == 'cpu' or (hw.device.startswith('cuda') and mode is AMPMode.BF16))
     return note.split(': ', 1)[1] if slow else None
 
 _slow_warned = set()
@@ -166,7 +170,7 @@ def warn_if_slow(
     hw = device if isinstance(device, Hardware) else detect_hardware(device)
     key = (torch.device(hw.device).type, AMPMode(mode).value)
     if key in _slow_warned: return False  # said once a process: nothing to time again
-    if model is not None: hw = measured(hw, layer_families(model))
+    if model is not None: hw = measured(hw, layer_families(model), (key[1],))
     if (why := slow_reason(hw, mode)) is None: return False
     _slow_warned.add(key)
     warn_user(f"{key[1]} is slow on this {key[0]} ({hw.name}): {why}. Training goes on; "
@@ -181,7 +185,6 @@ def reset_slow_warnings():
 # the layers of each operator family the probes time, and how a message names the family
 _FAMILIES = dict(matmul=(torch.nn.Linear,), conv=(torch.nn.modules.conv._ConvNd,), recurrent=(torch.nn.RNNBase,))
 _FAMILY_WORDS = dict(matmul='matmuls', conv='convolutions', recurrent='recurrent layers')
-_SLOW_RATIO = .5  # a family measured under this share of fp32's speed is slow
 
 def layer_families(model) -> dict:
     "The operator families `model`'s layers run, each with the first layer kind found: {'conv': 'Conv2d', ...}"
@@ -205,44 +208,110 @@ def _probe(family:str, dtype):
             (out[0] if isinstance(out, tuple) else out).float().sum().backward()
     return run
 
-def _best_time(run, reps:int=3, over:float=math.inf) -> float:
-    "The fastest of `reps` runs after a warm-up, in seconds (stopping once one takes over `over`)"
-    run()
-    best = math.inf
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - t0)
-        if best > over: break
-    return best
+# %% ../nbs/00a_hardware.ipynb #hw0fam7
+_FAST_RATIO,_SLOW_RATIO = 1.1,.5  # a family measured at 1.1x fp32's speed or more is fast; under half of it, slow
+_MAX_SPREAD = 1.5  # readings whose quartiles are further apart, and name different verdicts, measure nothing
+_RUN_TIME = .005  # CPU seconds a timed run takes at least: a short probe is called several times within it
 
-_speeds = {}  # (dtype, family) -> its speed as a share of fp32's on this CPU, timed once a process
+@contextmanager
+def _one_thread():
+    "Inside, torch computes on this thread alone: its CPU time is then what a step costs, however busy the machine"
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try: yield
+    finally: torch.set_num_threads(n)
+
+def _cpu_time(run, reps:int=1) -> float:
+    "This thread's CPU seconds for one call of `run`: the mean of `reps` calls in a row"
+    t0 = time.thread_time()
+    for _ in range(reps): run()
+    return (time.thread_time() - t0) / reps
+
+def _reps(run) -> int:
+    "How many calls of `run` take `_RUN_TIME` of CPU time, after a warm-up call"
+    run()
+    return max(1, math.ceil(_RUN_TIME / max(_cpu_time(run), 1e-7)))
+
+def _quartiles(xs:list) -> tuple[float, float, float]:
+    "The lower quartile, the median and the upper quartile of `xs`"
+    q = statistics.quantiles(xs, n=4, method='inclusive') if len(xs) > 1 else [xs[0]] * 3
+    return q[0], statistics.median(xs), q[2]
+
+def _speed_class(ratio:float) -> str:
+    "What a speed as a share of fp32's says: 'fast', 'even' (neither faster nor slow), 'slow', or 'unsure' (nan)"
+    if math.isnan(ratio): return 'unsure'
+    return 'slow' if ratio < _SLOW_RATIO else 'fast' if ratio >= _FAST_RATIO else 'even'
+
+def _agreed(low:float, high:float) -> bool:
+    "Whether readings from `low` to `high` say one thing: close together, or on the same side of both thresholds"
+    return high <= _MAX_SPREAD * low or _speed_class(low) == _speed_class(high)
+
+def _paired_ratios(f32, half, min_pairs:int=5, max_pairs:int=9) -> list:
+    "fp32's CPU time over `half`'s in back-to-back pairs of runs; more pairs while they disagree, 3 where all say very slow"
+    n32,n16,ratios = _reps(f32),_reps(half),[]
+    while len(ratios) < max_pairs:
+        ratios.append(_cpu_time(f32, n32) / _cpu_time(half, n16))
+        if len(ratios) == 3 and max(ratios) < _SLOW_RATIO / 2: break  # a dtype many times slower: no doubt left
+        if len(ratios) >= min_pairs and _agreed(*_quartiles(ratios)[::2]): break
+    return ratios
+
+_speeds = {}  # (dtype, family) -> its speed as a share of fp32's on this CPU (nan: not measurable), timed once a process
+_spreads = {}  # (dtype, family) -> the quartiles of the readings behind it: what a speed not measurable says
 
 def op_speed(family:str, mode) -> float:
-    "`family`'s speed in `mode`'s dtype as a share of fp32's on this CPU (0: no kernel), timed once a process in a few ms"
+    "`family`'s speed in `mode`'s dtype as a share of fp32's on one thread of this CPU (0: no kernel; nan: readings disagree)"
     dtype = AMPMode(mode).dtype
     if (dtype, family) not in _speeds:
-        f32 = _best_time(_probe(family, torch.float32))
-        try: _speeds[dtype, family] = f32 / _best_time(_probe(family, dtype), over=20 * f32)
-        except (RuntimeError, NotImplementedError): _speeds[dtype, family] = 0.  # no kernel for it here
+        with _one_thread():
+            try: low,ratio,high = _quartiles(_paired_ratios(_probe(family, torch.float32), _probe(family, dtype)))
+            except (RuntimeError, NotImplementedError): low = ratio = high = 0.  # no kernel for it here
+        _spreads[dtype, family] = low,high
+        _speeds[dtype, family] = ratio if _agreed(low, high) else math.nan
     return _speeds[dtype, family]
 
-def _family_words(speeds:dict, families:dict) -> str:
+# %% ../nbs/00a_hardware.ipynb #hw0fam8
+_CLASS_WORDS = dict(fast='fast for', even='no faster for', slow='slow for', unsure='not measurable for')
+
+def _ratio(speed:float) -> str:
+    "`speed` to two significant digits, or more where two would round it across a threshold (1.09x is no '1.1x')"
+    digits = next((d for d in range(2, 9) if _speed_class(float(f'{speed:.{d}g}')) == _speed_class(speed)), 9)
+    return f'{speed:.{digits}g}x'
+
+def _reading(family:str, kind:str, dtype, speed:float) -> str:
+    "How a message names `family`'s speed: 'matmuls (Linear: 3.1x)'"
+    if not math.isnan(speed): return f"{_FAMILY_WORDS[family]} ({kind}: {_ratio(speed) if speed else 'no kernel'})"
+    low,high = _spreads.get((dtype, family), (math.nan, math.nan))
+    return f"{_FAMILY_WORDS[family]} ({kind}: readings from {low:.2g}x to {high:.2g}x, a busy machine)"
+
+def _family_words(speeds:dict, families:dict, dtype=None) -> str:
     "'fast for matmuls (Linear: 3.1x), slow for convolutions (Conv2d: 0.04x)'"
-    def said(f): return f"{_FAMILY_WORDS[f]} ({families[f]}: {f'{speeds[f]:.2g}x' if speeds[f] else 'no kernel'})"
-    fast,slow = [said(f) for f in speeds if speeds[f] >= _SLOW_RATIO],[said(f) for f in speeds if speeds[f] < _SLOW_RATIO]
-    return ', '.join(([f"fast for {' and '.join(fast)}"] if fast else []) + ([f"slow for {' and '.join(slow)}"] if slow else []))
+    said = {}
+    for f,v in speeds.items(): said.setdefault(_speed_class(v), []).append(_reading(f, families[f], dtype, v))
+    return ', '.join(f"{w} {' and '.join(said[c])}" for c,w in _CLASS_WORDS.items() if c in said)
+
+def _measured_class(speeds:dict) -> str|None:
+    "What `speeds` say of a dtype: the worst family measured decides; None where a family was not measurable and none is worse"
+    classes = set(map(_speed_class, speeds.values()))
+    return next((c for c in ('slow', 'even') if c in classes), 'fast' if classes == {'fast'} else None)
 
 def measured(
     hw:Hardware, # a device's `Hardware`: only a CPU's verdicts are checked
     families:dict, # the model's operator families, `layer_families(model)`
+    modes:tuple=('bf16', 'fp16'), # the dtypes to time
 ) -> Hardware:
-    "`hw` with each dtype timed on `families`: slow where one of them is, its note saying what was measured"
+    "`hw` with each of `modes` timed on `families`: the worst family measured decides, and the note says what was measured"
     if hw.device != 'cpu' or not families: return hw
     fast,notes = dict(bf16=hw.bf16_fast, fp16=hw.fp16_fast),list(hw.notes)
-    for i,mode in enumerate(fast):
-        speeds = {f: op_speed(f, mode) for f in families}  # a slow dtype's probe stops at 20 times fp32's time
-        # fast on every family: the flags' verdict and note stand (a dtype they call slow stays slow)
-        if min(speeds.values()) >= _SLOW_RATIO: continue
-        fast[mode],notes[i] = False,f"{mode}: {_family_words(speeds, families)} against fp32, measured on this CPU"
-    return hw._replace(bf16_fast=fast['bf16'], fp16_fast=fast['fp16'], notes=tuple(notes))
+    no_gain,slow = set(hw.no_gain),set(hw.measured_slow)
+    for mode in map(AMPMode, modes):
+        i,m = ('bf16', 'fp16').index(mode.value),mode.value
+        speeds = {f: op_speed(f, mode) for f in families}
+        words,said = f"{_family_words(speeds, families, mode.dtype)} against fp32, measured on this CPU",_measured_class(speeds)
+        if said is None: notes[i] = f"{notes[i]}; {words}"  # a busy machine: the flags' verdict stands, and the note says so
+        if said is None or said == 'fast' and fast[m]: continue  # fast, as the flags say: their note stands
+        fast[m] = said == 'fast'
+        notes[i] = f"{m}: {words}" + (" (no flag of this CPU names it)" if said == 'fast' else '')
+        if said == 'even': no_gain.add(m)
+        if said == 'slow': slow.add(m)
+    return hw._replace(bf16_fast=fast['bf16'], fp16_fast=fast['fp16'], notes=tuple(notes), no_gain=tuple(sorted(no_gain)),
+                       measured_slow=tuple(sorted(slow)))

@@ -8,9 +8,10 @@ from fastai.basics import *
 import random, statistics
 from contextlib import contextmanager, nullcontext
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
-from time import perf_counter
+from time import perf_counter, thread_time
 from .core import *
 from .warn import warn_user
+from .hardware import _one_thread
 
 # %% auto #0
 __all__ = ['fp32_trial', 'time_steps']
@@ -160,11 +161,13 @@ def _restored(model:nn.Module):
     finally: restore()
 
 def _timed(f, dt:str, *args) -> float:
+    "Seconds of `f(*args)`: on a CPU this thread's CPU time (one thread computes), elsewhere the wall time to a sync"
+    clock = thread_time if dt == 'cpu' else perf_counter
     _sync(dt)
-    t0 = perf_counter()
+    t0 = clock()
     f(*args)
     _sync(dt)
-    return perf_counter()-t0
+    return clock()-t0
 
 # %% ../nbs/06b_trial.ipynb #41cdc760
 def time_steps(
@@ -175,10 +178,10 @@ def time_steps(
     min_time:float=.2, # seconds: short steps are repeated (up to `10*n`) until they took this long
     budget:float=10., # seconds: stop after fewer than `n` once the steps took this long (very slow modes)
 ) -> dict:
-    "Median seconds of a training step in each of `modes`, interleaved. Syncs each step"
+    "Median seconds of a training step in each of `modes`, interleaved; on a CPU one thread's CPU time. Syncs each step"
     dt,run = model_device(model).type,{}
     # each step starts from the same state: a bf16 step's hidden state would reach the fp32 step
-    with _restored(model) as restore:
+    with _restored(model) as restore, _one_thread() if dt == 'cpu' else nullcontext():
         for m in modes:
             try:
                 f = _stepper(model, m)

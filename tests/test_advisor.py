@@ -13,7 +13,7 @@ import mpx.advisor as advisor, mpx.memory as memory
 from mpx.advisor import *
 from mpx.hardware import cpu_hardware, cuda_hardware
 from mpx.test_utils import tiny_learner, fit_quiet, precision_cbs, tabular_app_learner, collab_app_learner, text_app_learner
-from test_hardware import cpuinfo_flags
+from test_hardware import cpuinfo_flags, said_against_thresholds
 
 # ---- known numerics ---------------------------------------------------------------------------------------------
 
@@ -25,6 +25,12 @@ def mock_hw(monkeypatch):
     "Make the report see `hw`, whatever this machine is"
     def use(hw): monkeypatch.setattr(advisor, 'detect_hardware', lambda device=None: hw)
     return use
+
+@pytest.fixture
+def fast_probes(monkeypatch):
+    "This CPU's probes read 2x fp32's speed in both dtypes for every family: a timed report times every safe mode"
+    import mpx.hardware
+    monkeypatch.setattr(mpx.hardware, '_speeds', {(dt, f): 2. for dt in (torch.bfloat16, torch.float16) for f in mpx.hardware._FAMILIES})
 
 def scaled_learner(factor=1e6):
     "A tiny learner whose first layer's activations reach about `factor`"
@@ -93,10 +99,15 @@ def test_timed_decision(mock_hw, monkeypatch):
     assert r.recommended == 'bf16' and set(r.timings) == {'fp32', 'bf16'}
 
 def test_real_timings():
-    "Real timed steps: every mode's median is positive and the report lists them."
+    "Real timed steps on this machine: fp32 and each mode its probes did not measure slow, each median positive, the rest said untimed."
     r = tiny_learner().precision_report(time=True, n_steps=2)
-    assert set(r.timings) == {'fp32', 'bf16', 'fp16'} and all(t > 0 for t in r.timings.values())
-    assert r.speedups['fp32'] == 1 and 'step time: fp32' in str(r)
+    slow = set(r.hardware.measured_slow)
+    assert set(r.timings) == {'fp32', 'bf16', 'fp16'} - slow and all(t > 0 for t in r.timings.values())
+    assert r.speedups['fp32'] == 1 and "step time (one thread's CPU time): fp32" in str(r)
+    for m in slow:
+        assert any(s.startswith(f'{m}: slow for') and s.endswith('; so not timed') for s in r.reasons), r.reasons
+        assert not any(s.startswith(f'{m}: measured') for s in r.reasons), r.reasons
+    assert not said_against_thresholds(r.reasons), r.reasons
 
 def test_report_views():
     "str/repr for the console, an HTML table for notebooks, a DataFrame of the modules."
@@ -300,7 +311,7 @@ def weight_normed():
         return nn.Sequential(nn.utils.weight_norm(nn.Linear(1, 8)), nn.ReLU(), nn.Linear(8, 1))
 
 @pytest.mark.parametrize('model', [Locked, Cached, weight_normed])
-def test_model_deepcopy_cannot_copy(model):
+def test_model_deepcopy_cannot_copy(model, fast_probes):
     "Models `copy.deepcopy` fails on get a report, and keep their weights, attributes and train/eval modes."
     learn = tiny_learner(model=model)
     with learn.no_bar(), learn.no_logging(): learn.fit(1)
@@ -453,7 +464,7 @@ class LSTMModel(nn.Module):
         self.hidden = tuple(t.detach() for t in h)
         return self.head(out[:, -1])
 
-def test_real_lstm_on_this_cpu():
+def test_real_lstm_on_this_cpu(fast_probes):
     "A real LSTM: the report finds exactly the 16-bit modes in which this CPU has no LSTM kernel (probed here), and times the others."
     runs = {m: _lstm_runs(m) for m in ('bf16', 'fp16')}
     learn = tiny_learner(model=LSTMModel)
@@ -477,7 +488,7 @@ class KeepsLast(nn.Module):
         self.h = out.detach()[:1, :1]
         return out
 
-def test_timed_modes_start_alike():
+def test_timed_modes_start_alike(fast_probes):
     "Each timed step starts from the model's state before the first: a bf16 step's kept tensor never reaches an fp32 step."
     learn = tiny_learner(model=KeepsLast)
     fit_quiet(learn)
@@ -545,6 +556,8 @@ def test_slow_family_is_not_tried(mock_hw, monkeypatch):
                                                   (torch.bfloat16, 'conv'): 1.9, (torch.bfloat16, 'matmul'): 2.5})
     tried = []
     monkeypatch.setattr(advisor, 'mode_failure', lambda model, xb, yb, loss_func, mode: tried.append(mode))
+    times = dict(fp32=1e-3, bf16=.5e-3, fp16=.4e-3)  # a step of the pick, timed on a CPU: faster than fp32
+    monkeypatch.setattr(advisor, 'time_steps', lambda model, xb, yb, loss_func, modes, n=5: {m: times[m] for m in modes})
     conv = lambda: nn.Sequential(nn.Unflatten(1, (1, 1, 1)), nn.Conv2d(1, 4, 1), nn.Flatten(), nn.Linear(4, 1))
     r = tiny_learner(model=conv).precision_report()
     assert (r.hardware.fp16_fast, r.hardware.bf16_fast, tried, r.recommended) == (False, True, ['bf16'], 'bf16')
@@ -552,3 +565,66 @@ def test_slow_family_is_not_tried(mock_hw, monkeypatch):
     tried.clear()
     r = tiny_learner().precision_report()
     assert r.hardware.fp16_fast and sorted(tried) == ['bf16', 'fp16']
+
+# ---- advice that holds on a busy machine (issue 70) -------------------------------------------------------------
+
+AMX_BF16 = cpu_hardware({'avx512f', 'avx512_bf16', 'amx_tile', 'amx_bf16'}, name='A Xeon with AMX-BF16 (faked)')
+
+@pytest.fixture
+def amx_cpu(mock_hw, monkeypatch):
+    "A CPU whose flags and probes call bf16 fast (2.5x on matmuls) and fp16 slow (0.04x): a Sapphire Rapids, faked"
+    import mpx.hardware
+    mock_hw(AMX_BF16)
+    monkeypatch.setattr(mpx.hardware, '_speeds', {(torch.bfloat16, 'matmul'): 2.5, (torch.float16, 'matmul'): .04})
+
+def fake_steps(monkeypatch, times:dict) -> list:
+    "Make `time_steps` answer `times`; the modes of each call go to the list returned"
+    calls = []
+    def steps(model, xb, yb, loss_func, modes, n=5): calls.append(modes); return {m: times[m] for m in modes}
+    monkeypatch.setattr(advisor, 'time_steps', steps)
+    return calls
+
+def test_timed_report_skips_what_probes_ruled_out(amx_cpu, monkeypatch):
+    "With `time=True`, a mode its probes measured slow (fp16 here) gets no trial step and no timed step, and its line says so."
+    calls,tried = fake_steps(monkeypatch, dict(fp32=1e-3, bf16=.5e-3)),[]
+    monkeypatch.setattr(advisor, 'mode_failure', lambda model, xb, yb, loss_func, mode: tried.append(mode))
+    r = tiny_learner().precision_report(time=True)
+    assert calls == [('fp32', 'bf16')] and tried == ['bf16'] and r.recommended == 'bf16', (calls, tried, r.reasons)
+    assert r.reasons[2] == 'fp16: slow for matmuls (Linear: 0.04x) against fp32, measured on this CPU; so not timed', r.reasons
+    assert not said_against_thresholds(r.reasons)
+
+@pytest.mark.parametrize('bf16_step,pick', [(1.17e-3, 'fp32'), (1e-3, 'bf16'), (.6e-3, 'bf16')])
+def test_untimed_pick_is_timed_on_a_cpu(amx_cpu, monkeypatch, capsys, bf16_step, pick):
+    """Without `time=True`, a CPU's pick is timed against fp32 on the model: a tabular learner whose bf16 step measures 17% slower
+    (as on a Xeon with AMX) gets fp32, and `to_auto_precision()` applies it saying why; no slower, bf16, with its ratio."""
+    calls = fake_steps(monkeypatch, dict(fp32=1e-3, bf16=bf16_step))
+    learn = tabular_app_learner()
+    r = learn.precision_report()
+    assert calls == [('fp32', 'bf16')] and r.recommended == pick and set(r.timings) == {'fp32', 'bf16'}, (calls, r.reasons)
+    assert ('slower than fp32' in r.reasons[0]) == (pick == 'fp32'), r.reasons[0]
+    if pick == 'bf16': assert f"{1e-3/bf16_step:.2f}x fp32's speed on this model" in r.reasons[0], r.reasons[0]
+    with warnings.catch_warnings(): warnings.simplefilter('ignore'); learn.to_auto_precision()
+    said = capsys.readouterr().out
+    assert said.startswith(f'to_auto_precision: {pick}, as precision_report() recommends ({r.reasons[0]})'), said
+    assert [str(c.amp_mode) for c in precision_cbs(learn)] == ([] if pick == 'fp32' else [pick])
+
+def test_untimed_gpu_pick_is_not_timed(mock_hw, monkeypatch):
+    "On a GPU an untimed report trusts the hardware: no step is timed (`time=True` times them)."
+    mock_hw(A100)
+    calls = fake_steps(monkeypatch, dict(fp32=1., bf16=2., fp16=2.))
+    r = tiny_learner().precision_report()
+    assert calls == [] and r.recommended == 'bf16' and r.timings is None
+
+def test_unmeasurable_probe_leaves_the_flags(mock_hw, monkeypatch):
+    "Probes whose readings disagree (a busy machine) measure nothing: no verdict flips, the flags' stands, and the line says so."
+    import mpx.hardware
+    mock_hw(AMX_BF16)
+    monkeypatch.setattr(mpx.hardware, '_speeds', {})
+    monkeypatch.setattr(mpx.hardware, '_spreads', {})
+    readings = iter([[.3, 1.4, .5, 1.2, .9, .4, 1.3, .8, 1.1], [.04, .03, .05]])  # bf16: a wall clock under load; fp16: truly slow
+    monkeypatch.setattr(mpx.hardware, '_paired_ratios', lambda f32, half: next(readings))
+    fake_steps(monkeypatch, dict(fp32=1e-3, bf16=.5e-3))
+    r = tiny_learner().precision_report()
+    assert r.hardware.bf16_fast and r.recommended == 'bf16' and r.hardware.measured_slow == ('fp16',), r.reasons
+    assert r.reasons[1] == (AMX_BF16.notes[0] + "; not measurable for matmuls (Linear: readings from 0.5x to 1.2x, a busy machine) "
+                            "against fp32, measured on this CPU"), r.reasons[1]
