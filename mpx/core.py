@@ -14,8 +14,9 @@ from fastai.torch_core import apply
 
 # %% auto #0
 __all__ = ['MODE_ARGS', 'AMPMode', 'model_device', 'training_device', 'autocast_device_type', 'check_amp_support', 'to_float32',
-           'stored_values', 'unscale_and_find_inf_', 'has_inf_or_nan', 'register_store', 'store_maker', 'is_opt_state',
-           'opt_states', 'check_args', 'check_known', 'Fused', 'default', 'passed', 'mode_args', 'check_mode_args']
+           'stored_values', 'unscale_and_find_inf_', 'has_inf_or_nan', 'register_store', 'register_kind', 'store_maker',
+           'kind_maker', 'is_opt_state', 'is_update', 'opt_states', 'updates', 'check_args', 'check_known', 'Fused',
+           'default', 'passed', 'mode_args', 'check_mode_args']
 
 # %% ../nbs/00_core.ipynb #9dc79e19
 _dtype2mode = {torch.float16: 'fp16', torch.bfloat16: 'bf16'}
@@ -122,36 +123,64 @@ def has_inf_or_nan(tensors) -> bool:
 # that a second definition of its classes, a notebook's run say, never replaces them)
 _OWN_STORES = ('fp32', 'bf16', '8bit', '4bit')
 _stores = dict.fromkeys(_OWN_STORES)
+# the names `update` takes (pure bf16's weight kinds): name -> what makes the kind (None: one of `mpx.pure`'s own)
+_OWN_KINDS = ('kahan', 'stochastic')
+_kinds = dict.fromkeys(_OWN_KINDS)
+
+def _register(call:str, arg:str, what:str, noun:str, registry:dict, own:tuple, name:str, make) -> Callable:
+    "Put `make` in `registry` under `name` (`call`'s checks: `arg=` takes the name, `make()` returns a `what`, a `noun` of mpx's)"
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"{call}(name={name!r}): the name must be a non-empty str, which {arg}= then takes")
+    if name in own:  # every learner in the process would hold another format under mpx's name, its repr saying mpx's
+        raise ValueError(f"{call}({name!r}, ...): {name!r} is mpx's own {noun}, which a name cannot replace; "
+                         f"register yours under a name of its own (not one of {', '.join(map(repr, own))})")
+    if not callable(make):
+        raise TypeError(f"{call}({name!r}, {make!r}): make must be a {what} subclass or a function returning a {what}")
+    registry[name] = make
+    return make
 
 def register_store(name:str, make) -> Callable:
     "Let `opt_state=name` hold the optimizer's state in the store `make()` returns (a Store subclass of mpx.lowbit, or a function)"
-    if not isinstance(name, str) or not name.strip():
-        raise ValueError(f"register_store(name={name!r}): the name must be a non-empty str, which opt_state= then takes")
-    if name in _OWN_STORES:  # every learner in the process would hold another format under mpx's name, its repr saying mpx's
-        raise ValueError(f"register_store({name!r}, ...): {name!r} is mpx's own format, which a name cannot replace; "
-                         f"register yours under a name of its own (not one of {', '.join(map(repr, _OWN_STORES))})")
-    if not callable(make):
-        raise TypeError(f"register_store({name!r}, {make!r}): make must be a Store subclass or a function returning a Store")
-    _stores[name] = make
-    return make
+    return _register('register_store', 'opt_state', 'Store', 'format', _stores, _OWN_STORES, name, make)
+
+def register_kind(name:str, make) -> Callable:
+    "Let `to_bf16(pure=True, update=name)` step the trained weights in the kind `make()` returns (a BF16Kind subclass of mpx.pure)"
+    return _register('register_kind', 'update', 'BF16Kind', 'kind', _kinds, _OWN_KINDS, name, make)
 
 def store_maker(name:str) -> Callable:
     "What makes the store registered as `name`"
     return _stores[name]
 
-class _StoreCheck(type):
-    def __instancecheck__(cls, v) -> bool: return getattr(v, 'is_store', False) is True
+def kind_maker(name:str) -> Callable:
+    "What makes the weight kind registered as `name`"
+    return _kinds[name]
 
-class _StoreLike(metaclass=_StoreCheck):
+class _Marked(type):
+    def __instancecheck__(cls, v) -> bool: return getattr(v, cls.mark, False) is True
+
+class _StoreLike(metaclass=_Marked):
     "`isinstance(v, _StoreLike)`: `v` is a store or a store's class (mpx.lowbit's Store marks both; core imports nothing of mpx)"
+    mark = 'is_store'
+
+class _KindLike(metaclass=_Marked):
+    "`isinstance(v, _KindLike)`: `v` is a weight kind or its class (mpx.pure's BF16Kind marks both)"
+    mark = 'is_weight_kind'
 
 def is_opt_state(v) -> bool:
     "Whether `opt_state=v` names a store: a registered name, a Store, or a Store subclass (mpx.lowbit)"
     return (isinstance(v, str) and v in _stores) or isinstance(v, _StoreLike)
 
+def is_update(v) -> bool:
+    "Whether `update=v` names a weight kind: a registered name, a BF16Kind, or a BF16Kind subclass (mpx.pure)"
+    return (isinstance(v, str) and v in _kinds) or isinstance(v, _KindLike)
+
 def opt_states() -> str:
     "What `opt_state` takes, as an error says it"
     return f"one of {', '.join(map(repr, _stores))} (`register_store` adds a name), a Store or a Store subclass"
+
+def updates() -> str:
+    "What `update` takes, as an error says it"
+    return f"one of {', '.join(map(repr, _kinds))} (`register_kind` adds a name), a BF16Kind or a BF16Kind subclass"
 
 _f32 = torch.finfo(torch.float32)
 _scale = lambda v: _f32.tiny <= v <= _f32.max  # a scale is an fp32 number in the kernels: a normal one, or steps die
@@ -177,7 +206,7 @@ _arg_rules = dict(
     seed            = (numbers.Integral, lambda v: 0 <= v < 2**64, 'an integer from 0 to 2**64-1'),
     hysteresis      = (numbers.Integral, lambda v: 0 < v < 2**31, 'an integer from 1 to 2**31-1 (the budget is int32)'),
     schedule_skips  = (bool, lambda v: True,                'True or False'),
-    update          = (str, lambda v: v in ('kahan', 'stochastic'), "'kahan' or 'stochastic'"),
+    update          = ((str, _KindLike), is_update, updates),  # a registry too
     comm            = (str, lambda v: v in ('fp16', 'bf16'), "'fp16' or 'bf16'"),
     opt_state       = ((str, _StoreLike), is_opt_state, opt_states),  # the registry: what it holds when an error speaks
 )

@@ -110,7 +110,9 @@ class LookaheadSync:
     def step(self, eng, la:Lookahead, closure=None):
         "`Lookahead.step`: the wrapped step, and every `k` steps the sync"
         if closure is not None: raise NotImplementedError("fastai optimizers currently do not support closure")
-        if la.slow_weights is None: la.slow_weights = self._copies(eng, la)
+        if la.slow_weights is None:
+            eng.refresh()  # what changed since adopted first (weights released between fits back in their buffers)
+            la.slow_weights = self._copies(eng, la)
         la.opt.step()
         la.count += 1
         if la.count % la.k != 0: return

@@ -472,6 +472,6 @@ def state_bytes(opt_state:str='fp32', dtype=torch.float32) -> float:
 # weights, gradients, masters, compensations
 MODE_BYTES = dict(fp32=8., amp=8., fp8=8., master=12., kahan=6., stochastic=4.)
 
-def param_bytes(mode:str, opt_state:str='fp32', n_state:int=2) -> float:
-    "Bytes a large parameter holds between steps"
-    return MODE_BYTES[mode] + n_state * state_bytes(opt_state)
+def param_bytes(mode:str|float, opt_state:str='fp32', n_state:int=2) -> float:
+    "Bytes a large parameter holds between steps (`mode`: a `MODE_BYTES` entry, or its bytes besides the state)"
+    return (mode if isinstance(mode, (int, float)) else MODE_BYTES[mode]) + n_state * state_bytes(opt_state)

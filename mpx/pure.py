@@ -14,7 +14,8 @@ from .lowbit import bf16_nearest, flat_part
 
 # %% auto #0
 __all__ = ['stream_key', 'stream_key_t', 'random_bits16', 'round_stochastic', 'fold_kahan', 'split_kahan', 'widen_kahan',
-           'BF16Kind', 'KahanKind', 'Stream', 'StochasticKind', 'FrozenKind', 'BF16Weights', 'PureBF16']
+           'BF16Kind', 'KahanKind', 'Stream', 'StochasticKind', 'FrozenKind', 'make_kind', 'kind_name', 'BF16Weights',
+           'PureBF16']
 
 # %% ../nbs/05_pure.ipynb #pb000007
 _hi = -65536  # 0xFFFF0000 as an int32: the bits of an fp32 that a bf16 keeps
@@ -96,6 +97,8 @@ def widen_kahan(xs:list, ws:list, cs:list|None=None, t:list|None=None):
 class BF16Kind(Kind):
     "bf16 weights stepped in fp32, a window at a time, folded back"
     widens,in_place = True,False
+    is_weight_kind = True  # what the argument check knows a kind by (`update=`: `mpx.core` imports nothing of mpx)
+    bytes = 4.  # what a large weight holds besides its optimizer state: bf16 weight and gradient (a subclass adds its own)
     def state_dtype(self, b): return torch.float32
     def build(self, b):
         "Each fp32 weight split into the kind's bf16 storage"
@@ -151,6 +154,7 @@ def _mark(w:Tensor, chunk:int=1<<20) -> Tensor:
 
 class KahanKind(BF16Kind):
     "bf16 weights and Kahan compensations, stepped as `w + c`"
+    bytes = 6.  # and a bf16 compensation
     def split(self, b, x):
         b.own = Slots(b, b.zeros(torch.bfloat16))  # the compensations
         self._fold_whole(b, x, b.w, b.own.buf)
@@ -251,6 +255,7 @@ class Stream:
 
 class StochasticKind(BF16Kind):
     "bf16 weights rounded stochastically after each step"
+    # `stream`: a kind that has one is given the callback's (its seed, and a count that checkpoints carry, `make_kind`)
     def __init__(self, stream:Stream|None=None): self.stream = stream or Stream()
     def tick(self): self.stream.tick()
     def _base(self, b, i:int) -> int:
@@ -296,6 +301,23 @@ class FrozenKind(BF16Kind):
     def kernel_fold(t, s, x, nearest=None): return dict(x=x, w=x)
 
 # %% ../nbs/05_pure.ipynb #pb000021c
+_OWN_KINDS = dict(kahan=KahanKind, stochastic=StochasticKind)  # `update`'s own names
+
+def make_kind(update='kahan', stream:Stream|None=None) -> BF16Kind:
+    "The weight kind `update` names (a registered name's, a `BF16Kind` itself, or a new one of a subclass), given `stream`"
+    if isinstance(update, BF16Kind): kind = update  # the user's own: every fit it is passed to uses it
+    elif isinstance(update, type) and issubclass(update, BF16Kind): kind = update()
+    else:
+        if not is_update(update): raise ValueError(f"update={update!r} is not allowed: update must be {updates()}")
+        kind = (kind_maker(update) or _OWN_KINDS[update])()
+        if not isinstance(kind, BF16Kind): raise TypeError(f"update={update!r} made {kind!r}, which is not a BF16Kind")
+    if stream is not None and hasattr(kind, 'stream'): kind.stream = stream  # rounds at random: the callback's stream
+    return kind
+
+def kind_name(update) -> str:
+    "How a repr or a message names `update`: a name as given, else the kind's class"
+    return update if isinstance(update, str) else (update if isinstance(update, type) else type(update)).__name__
+
 def _trained(ps:list) -> set:
     "The ids of the parameters in `ps` that are trained"
     return {id(p) for p in ps if p.requires_grad}
@@ -304,14 +326,14 @@ class BF16Weights(FitState):
     "A pure-bf16 fit's half model, and its weights' kinds"
     def __init__(self,
         learn:Learner, # The learner whose model is halved
-        update:str='kahan', # 'kahan' (a bf16 compensation per weight) or 'stochastic'
+        update='kahan', # 'kahan', 'stochastic', a `register_kind` name or a `BF16Kind`: how trained weights are stepped
         stream:Stream|None=None, # Stochastic rounding's stream (`seed`, `count`), carried across fits
     ):
         halved = halvable(learn.model)
         ps = opt_params(learn.opt)
         self.halves = {id(t) for t in halved}
         self.trained = _trained(ps)
-        self.train = KahanKind() if update == 'kahan' else StochasticKind(stream)
+        self.train = make_kind(update, stream)
         self.frozen,self.plain = FrozenKind(),Kind()
         ours = {id(p) for p in ps}
         unstepped = [t for t in halved if id(t) not in ours]
@@ -360,7 +382,7 @@ class PureBF16(PrecisionCallback):
     "bf16 weights stepped in place by the optimizer, no fp32 masters: updates computed in fp32, folded back"
     input_dtype = torch.bfloat16
     def __init__(self,
-        update:str='kahan', # 'kahan' (a bf16 compensation per weight) or 'stochastic' (unbiased rounding)
+        update='kahan', # 'kahan' (a bf16 compensation per weight), 'stochastic' (unbiased rounding), a `register_kind` name or a `BF16Kind`
         check_finite:bool=True, # Skip a step whose gradients hold inf/nan (one host sync a step)
         seed:int=0, # Seeds the random bits of `stochastic` rounding
         fused:bool|str=True, # How the step engine steps (`Fused`): True, False or 'compile'
@@ -376,10 +398,19 @@ class PureBF16(PrecisionCallback):
     def bf16_weights(self) -> BF16Weights|None:
         "During a fit, its `BF16Weights`"
         return self.fit_state
-    def _repr_extra(self): return f"update='{self.update}', "
+    def _repr_extra(self) -> str:
+        own = isinstance(self.update, str) and self.update in _OWN_KINDS  # else the kind's bytes said
+        said = f"update={kind_name(self.update)!r}"
+        return f"{said}, " if own else f"{said} ({self.kind_bytes:g} B/param), "
+    @property
+    def kind_bytes(self) -> float:
+        "What a large trained weight holds besides its optimizer state, as its kind declares (`BF16Kind.bytes`)"
+        return make_kind(self.update).bytes
     keeps_layout = True  # between fits the model stays bf16, with its compensations (and low-bit state stays low-bit)
     @property
-    def memory_mode(self) -> str: return self.update  # bf16 weight, gradient (and, kahan, compensation)
+    def memory_mode(self) -> str|float:
+        "`MODE_BYTES`'s entry for mpx's own kinds, else the kind's bytes"
+        return self.update if isinstance(self.update, str) and self.update in _OWN_KINDS else self.kind_bytes
 
     def _new_fit_state(self): return BF16Weights(self.learn, self.update, self.stream)
 
@@ -399,4 +430,5 @@ class PureBF16(PrecisionCallback):
     def _skip_on_device(self, found:Tensor):
         super()._skip_on_device(found)
         # the stream goes on as in the run without that batch (Kahan's never ticks: nothing to take off)
-        if self.update == 'stochastic': self.stream.skip_on_device(found)
+        kind = getattr(self.fit_state, 'train', None)
+        if getattr(kind, 'stream', None) is self.stream: self.stream.skip_on_device(found)

@@ -225,7 +225,7 @@ def test_dies_inside_step():
 
 def test_bad_update():
     "An unknown update is a ValueError naming it and the allowed ones; a non-fp32 model is refused before anything changes."
-    with pytest.raises(ValueError, match="update='fp8' is not allowed: update must be 'kahan' or 'stochastic'"): PureBF16('fp8')
+    with pytest.raises(ValueError, match="update='fp8' is not allowed: update must be one of 'kahan', 'stochastic'"): PureBF16('fp8')
     learn = tiny_learner(cbs=PureBF16()); learn.model.double()
     with pytest.raises(ValueError, match="PureBF16 needs an fp32 model: parameter '0.weight' is torch.float64"): learn.fit(1)
     assert {p.dtype for p in learn.model.parameters()} == {torch.float64}
