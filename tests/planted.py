@@ -266,11 +266,15 @@ def conv_speed_inverted():
     import mpx.hardware as hw, mpx.advisor
     from mpx.core import AMPMode
     real = hw.op_speed
+    if getattr(real, 'planted', False):  # planted already (a session's `MPX_PLANTED`): inverted twice it would be right again
+        yield
+        return
     def op_speed(family, mode):  # a speed known already (cached) read as it is: only a measurement is inverted
         if family != 'conv': return real(family, mode)
         dtype,probe = AMPMode(mode).dtype,hw._probe
         def swapped(f, dt): return probe(f, dtype if dt == torch.float32 else torch.float32)
         with _patched(hw, '_probe', swapped): return real(family, mode)
+    op_speed.planted = True
     with _patched(hw, 'op_speed', op_speed), _patched(mpx.advisor, 'op_speed', op_speed): yield
 
 @contextmanager
@@ -297,12 +301,16 @@ def loaded_piece_nibbles_swapped():
     "4-bit codes of a piece of a streamed load (a tensor above 131,072 elements) packed in the other nibble order"
     from mpx.lowbit import QuantStore
     real = QuantStore.put
+    if getattr(real, 'planted', False):  # planted already (a session's `MPX_PLANTED`): swapped twice they would be right again
+        yield
+        return
     def put(self, b, k, i, v, at=None):
         real(self, b, k, i, v, at)
         if at is None or self.bits != 4: return
         lo = b.offs[i] + at
         codes = self._code_bytes(b, k, lo, lo + v.numel() // 2 * 2)
         codes.copy_((codes >> 4) | (codes << 4))
+    put.planted = True
     with _patched(QuantStore, 'put', put): yield
 
 @contextmanager

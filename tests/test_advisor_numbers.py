@@ -44,7 +44,8 @@ def test_op_speed_is_fp32_time_over_the_dtype_time(family, mode, monkeypatch):
     "Each family's speed in each 16-bit dtype is fp32's probe time over the dtype's: above 1 faster, below 1 slower"
     Clocked(monkeypatch)
     got = mpx.hardware.op_speed(family, mode)
-    assert got == pytest.approx(want_speed(family, mode), rel=1e-9), f'{family} in {mode}: {got:.3g}x, the probes took {want_speed(family, mode):.3g}x'
+    want = want_speed(family, mode)
+    assert got == pytest.approx(want, rel=1e-9), f'{family} in {mode}: {got:.3g}x, the probes took {want:.3g}x'
 
 def hardware_fast() -> Hardware:
     "A CPU whose flags call both 16-bit dtypes fast (faked): only the measures can say slow"
@@ -55,9 +56,9 @@ def check_measured(monkeypatch):
     Clocked(monkeypatch)
     hw = mpx.hardware.measured(hardware_fast(), {'matmul': 'Linear', 'conv': 'Conv2d'})
     assert not hw.bf16_fast, 'bf16: convolutions 20x slower than fp32 called fast'
-    assert hw.notes[0] == 'bf16: fast for matmuls (Linear: 2x), slow for convolutions (Conv2d: 0.05x) against fp32, measured on this CPU', hw.notes[0]
+    assert 'slow for convolutions (Conv2d: 0.05x)' in hw.notes[0] and 'matmuls (Linear: 2x)' in hw.notes[0], hw.notes[0]
     assert not hw.fp16_fast, 'fp16: matmuls 10x slower than fp32 called fast'
-    assert hw.notes[1] == 'fp16: fast for convolutions (Conv2d: 4x), slow for matmuls (Linear: 0.1x) against fp32, measured on this CPU', hw.notes[1]
+    assert 'fast for convolutions (Conv2d: 4x)' in hw.notes[1] and 'slow for matmuls (Linear: 0.1x)' in hw.notes[1], hw.notes[1]
 
 def test_measured_calls_each_dtype_as_timed(monkeypatch):
     "A dtype slow on one of the model's families is slow, and the note names each family's measured speed"
@@ -72,12 +73,12 @@ def test_measured_keeps_the_flags_where_every_family_is_fast(monkeypatch):
 
 def test_conv_speed_control(monkeypatch):
     "Planted: the measured speed of convolutions inverted (1/r) is caught"
-    with conv_speed_inverted(), pytest.raises(AssertionError, match='Conv2d'): check_measured(monkeypatch)
+    with conv_speed_inverted(), pytest.raises(AssertionError, match='convolutions'): check_measured(monkeypatch)
 
 # ---- against a direct timing of the same op with torch
 
 def direct_speed(family:str, dtype) -> float:
-    "fp32's time over `dtype`'s of the probe's op (`_probe`'s sizes) timed here with torch: this thread's CPU time, one thread, the median of 5 pairs"
+    "fp32's time over `dtype`'s of the probe's op (`_probe`'s sizes), timed here with torch: one thread's CPU time, the median of 5 pairs"
     def op(dt):
         torch.manual_seed(0)
         if family == 'conv': m,x = nn.Conv2d(16, 16, 3, padding=1).to(dt),torch.randn(8, 16, 32, 32, dtype=dt, requires_grad=True)
@@ -101,7 +102,8 @@ def test_op_speed_against_a_direct_timing(family, monkeypatch):
     "The advisor's bf16 speed of a family, timed anew, within 4x of a direct timing of the same op (this CPU: far from 1 either way)"
     monkeypatch.setattr(mpx.hardware, '_speeds', {})
     got,ref = mpx.hardware.op_speed(family, 'bf16'),direct_speed(family, torch.bfloat16)
-    if .5 < ref < 2: pytest.skip(f'bf16 {family} measures {ref:.2f}x fp32 here: too close to 1 for a timing to tell a ratio from its inverse')
+    if math.isnan(got): pytest.skip(f"the advisor's readings of bf16 {family} disagreed (a busy machine): it measured nothing")
+    if .5 < ref < 2: pytest.skip(f'bf16 {family} measures {ref:.2f}x fp32 here: too close to 1 to tell a ratio from its inverse')
     assert abs(math.log(got / ref)) < math.log(4), f'{family}: the advisor measured {got:.3g}x fp32, a direct timing {ref:.3g}x'
 
 # ---- the memory terms, against a hand count and against the bytes the engine holds
@@ -128,7 +130,7 @@ def test_memory_terms_by_hand(one_thread):
     assert (t.params, t.lowbit, t.largest, t.fixed, t.n_state) == (P, LOW, LOW, FIXED, 2), t
 
 def hand_fit(mode:str, opt_state:str) -> float:
-    "A fit's bytes by hand: each mode's bytes a weight, two Adam states (low-bit only in tensors of 4,096 or more), the fixed, the process's"
+    "A fit's bytes by hand: the mode's bytes a weight, two Adam states (low-bit in tensors of 4,096 or more only), the fixed, the process's"
     state = 2 * (STATE_BYTES[opt_state] * LOW + 4 * (P - LOW))
     return WEIGHT_BYTES[mode] * P + state + FIXED + terms().runtime
 
@@ -138,7 +140,8 @@ FITS = [('kahan', '8bit'), ('kahan', '4bit'), ('stochastic', '8bit'), ('amp', 'b
 def test_session_peaks_fit_by_hand(mode, opt_state, one_thread):
     "A fit's predicted bytes are the hand count's: small tensors' state stays fp32 under every low-bit `opt_state`"
     got = session_peaks(terms(), mode, opt_state)['fit']
-    assert got == pytest.approx(hand_fit(mode, opt_state), abs=1e-6), f'{mode}, {opt_state}: predicted {got:.0f} B, by hand {hand_fit(mode, opt_state):.0f}'
+    want = hand_fit(mode, opt_state)
+    assert got == pytest.approx(want, abs=1e-6), f'{mode}, {opt_state}: predicted {got:.0f} B, by hand {want:.0f}'
 
 def held_state(opt_state:str) -> int:
     "Bytes of optimizer state the step engine holds after a pure kahan fit of the mixed model with Adam (flat buffers and block scales)"

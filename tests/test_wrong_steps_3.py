@@ -6,15 +6,15 @@ Each check has a planted control (`planted.py`) that it catches."""
 import copy, pickle, tempfile
 from pathlib import Path
 import pytest, torch
-from fastai.basics import Adam, SGD, Module, nn, set_seed
+from fastai.basics import Adam, Module, nn, set_seed
 import fastai.callback.schedule  # `lr_find`
 from mpx.all import *
-import mpx.lowbit
+import mpx.core
 from mpx.flat import Bucket
 from mpx.lowbit import BF16Store, probe_casts
 from mpx.test_utils import tiny_learner, fit_quiet, ALL_MODES, precision_cb, state_of, state_diffs, weights, InjectGrad
 from test_wrong_steps import DropBatch
-from test_kept_layout import fitted_pair, fit_both, assert_same
+from test_kept_layout import fitted_pair
 from test_one_truth import ramp
 from planted import (load_skips_last_piece, set_up_commits_each_bucket, device_skips_counted_once, store_options_ignored,
                      take_back_drops_last_compensation, loaded_piece_nibbles_swapped, loaded_stream_afresh)
@@ -62,7 +62,8 @@ def check_loaded(learn, file:Path, before:dict):
         for k,v in want.items():
             if not (torch.is_tensor(v) and v.dim()): continue
             bad = (got[k] != v).flatten().nonzero()
-            assert not len(bad), f'state {k} of parameter {i} {tuple(v.shape)}: {len(bad)} elements not the checkpoint\'s, the first at {bad[0].item()}'
+            where = f'state {k} of parameter {i} {tuple(v.shape)}'
+            assert not len(bad), f"{where}: {len(bad)} elements not the checkpoint's, the first at {bad[0].item()}"
 
 # every kind (Kahan, stochastic, AMP's in place) and store (fp32, bf16, 8-bit, 4-bit); each keeps its layout between fits
 LOADS = [('pure_kahan', 'fp32'), ('pure_kahan', '4bit'), ('pure_stochastic', '8bit'), ('pure_stochastic', '4bit'),
@@ -82,7 +83,7 @@ def load_in_pieces(mode:str, opt_state:str):
 
 @pytest.mark.parametrize('mode,opt_state', LOADS)
 def test_a_load_in_pieces_is_the_checkpoint(mode, opt_state, one_thread):
-    "A streamed `load` of tensors of 131,071 / 131,072 / 131,073 / 262,145 elements (1-D and 2-D) holds the checkpoint's weights and state, every element"
+    "A streamed `load` of tensors of 131,071 / 131,072 / 131,073 / 262,145 elements (1-D, 2-D) holds the checkpoint's values, every one"
     load_in_pieces(mode, opt_state)
 
 def test_load_pieces_control(one_thread):
