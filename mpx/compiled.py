@@ -9,7 +9,7 @@ from functools import partial
 from fastai.torch_basics import *
 from fastai.optimizer import *
 from .flat import *
-from .eager import base_fn, fn_name, RunSteps, LoopSteps
+from .eager import base_fn, fn_name, not_fastais, RunSteps, LoopSteps
 from .lowbit import Store, where_skipped, probe_casts
 from .warn import warn_user
 
@@ -353,7 +353,11 @@ def compile_plan(eng, p:list|None):
     return eager
 
 def _static_why(eng, p:list|None) -> str|None:
-    if p is None: return "a step function is not fastai's own"
+    if p is None:
+        names = not_fastais(eng.inner.cbs)
+        which = f"step function {names[0]} is" if len(names) == 1 else f"step functions {', '.join(names)} are"
+        return (f"the optimizer's {which} not fastai's own, whose arithmetic the compiled step holds: the optimizer "
+                "steps in fastai's loop, a parameter at a time")
     bad = [fn_name(w[1]) for w in p if base_fn(w[1]) not in _COMPILED]
     if bad:
         return f"{', '.join(bad)} {'reduce' if len(bad) > 1 else 'reduces'} over each parameter: no elementwise kernel"

@@ -12,8 +12,8 @@ from fastai.optimizer import _update
 from .flat import *
 
 # %% auto #0
-__all__ = ['ELEMENTWISE', 'base_fn', 'fn_name', 'plan', 'StateWindow', 'run_state', 'put_state', 'SkipGuard', 'ParamItems',
-           'LoopSteps', 'loop_one', 'RunSteps']
+__all__ = ['ELEMENTWISE', 'base_fn', 'fn_name', 'not_fastais', 'plan', 'StateWindow', 'run_state', 'put_state', 'SkipGuard',
+           'ParamItems', 'LoopSteps', 'loop_one', 'RunSteps']
 
 # %% ../nbs/01f_eager.ipynb #ea0006
 def base_fn(cb) -> Callable:
@@ -33,6 +33,10 @@ ELEMENTWISE = {weight_decay, l2_reg, average_grad, average_sqr_grad, step_stat, 
 def _is(f, fns) -> bool:
     try: return f in fns
     except TypeError: return False  # an unhashable callable
+
+def not_fastais(cbs) -> list:
+    "The names of the step functions in `cbs` that are not fastai's own (the engine has no plan for them)"
+    return [fn_name(cb) for cb in cbs if not (_is(base_fn(cb), ELEMENTWISE) or _is(base_fn(cb), _MULTI))]
 
 def plan(cbs) -> list|None:
     "The engine's plan for `cbs` (None where one is not fastai's)"

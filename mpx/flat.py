@@ -111,84 +111,91 @@ def set_data(p:Tensor, t:Tensor):
 # %% ../nbs/01e_flat.ipynb #fl0012
 class Kind:
     "A bucket's storage kind: this one in place (AMP, fp32, fp8)"
+    # the contract: every method the engine calls on a kind, what it is given and what it must guarantee. Parameters are
+    # numbered within their bucket; `first` to `end` is a run of them (`end` excluded), or a piece of one parameter where
+    # the bucket is `clipped` (`bucket.part` and `bucket.lo` then give the piece)
     widens = False  # steps fp32 values made for the step, a window at a time in the engine's workspace
     # keeps gradients of its own, taken from the model's after each backward (`take`, `merge`, `clear`, `publish`)
     takes = False
     in_place = True  # what is stepped is the parameters themselves
     # ---- a fit's set-up and end
-    def state_dtype(self, b:Bucket): return b.dtype  # the dtype of what is stepped, and of the optimizer state
-    def build(self, b:Bucket):
-        "Fill the bucket's weights and gradients (`w`, `g`), and the kind's own (`own`)"
-        if not b.flat: return  # a list bucket keeps the tensors
-        b.w = b.hold_weights()
-        b.g = b.grad_buffer()
-    def finish(self, b:Bucket):
-        "After the fit: the parameters in fastai's fp32 layout"
-    def value(self, b:Bucket, i:int) -> Tensor:
-        "Parameter `i`'s fp32 value"
-        return b.params[i].data.float()
-    def assign(self, b:Bucket, i:int, x:Tensor, at:int|None=None):
-        "Parameter `i` takes fp32 value `x` (a checkpoint's; `at`: flat `x` is its elements from `at`)"
-        flat_part(b.params[i].data, at, x.numel()).copy_(x)
+    def state_dtype(self, bucket:Bucket):
+        "The dtype of what is stepped, and of the optimizer state as the step sees it"
+        return bucket.dtype
+    def build(self, bucket:Bucket):
+        "At the set-up: fill the bucket's weights and gradients (`w`, `g`) and the kind's own (`own`); `shows`: what the model shows"
+        if not bucket.flat: return  # a list bucket keeps the tensors
+        bucket.w = bucket.hold_weights()
+        bucket.g = bucket.grad_buffer()
+    def finish(self, bucket:Bucket):
+        "After the fit: each parameter holds its fp32 value, in fastai's layout (its gradient kept, in fp32)"
+    def value(self, bucket:Bucket, index:int) -> Tensor:
+        "Parameter `index`'s fp32 value, exact (what saves and copies write): a tensor the caller may keep"
+        return bucket.params[index].data.float()
+    def assign(self, bucket:Bucket, index:int, values:Tensor, at:int|None=None):
+        "Parameter `index` takes fp32 `values`, held as a fit beginning from them holds them (`at`: they are its flat elements from `at`)"
+        flat_part(bucket.params[index].data, at, values.numel()).copy_(values)
     # ---- the eager step
-    def to_step(self, b:Bucket, i:int, j:int) -> tuple:
-        "What is stepped for parameters `i` to `j`, and its gradients"
-        if b.flat: return b.part(b.w, i, j),b.part(b.g, i, j)
-        ps = b.params[i:j]
+    def to_step(self, bucket:Bucket, first:int, end:int) -> tuple:
+        "What the optimizer steps for parameters `first` to `end`, and their gradients (flat, or lists in a list bucket)"
+        if bucket.flat: return bucket.part(bucket.w, first, end),bucket.part(bucket.g, first, end)
+        ps = bucket.params[first:end]
         return ps,[p.grad for p in ps]
-    def fold(self, b:Bucket, i:int, j:int, x, turn:int=0):
-        "What `to_step` gave, stepped, into the model's weights"
-    def written(self, b:Bucket, idx:list):
-        "Parameters `idx` were written in place since the last step"
-    def step_writes(self, b:Bucket, i:int, j:int) -> list:
-        "The tensors a step of parameters `i` to `j` writes (`to_step` and `fold`): put back where it is skipped on the device"
-        if not b.flat: return [p.data for p in b.params[i:j]]
-        own = [b.part(b.own.buf, i, j)] if isinstance(b.own, Slots) else []  # a kind's own buffer (compensations, values)
-        return [b.part(b.w, i, j)] + own
+    def fold(self, bucket:Bucket, first:int, end:int, stepped, turn:int=0):
+        "What `to_step` gave, `stepped`, into the kind's storage (`turn`: which of a step's passes, for a random stream)"
+    def written(self, bucket:Bucket, indices:list):
+        "Parameters `indices` were written in place since the last step: each holds its new value exactly from now"
+    def step_writes(self, bucket:Bucket, first:int, end:int) -> list:
+        "Every tensor a step of parameters `first` to `end` writes (`to_step` and `fold`): put back where the step is skipped on the device"
+        if not bucket.flat: return [p.data for p in bucket.params[first:end]]
+        own = [bucket.part(bucket.own.buf, first, end)] if isinstance(bucket.own, Slots) else []  # a kind's own buffer
+        return [bucket.part(bucket.w, first, end)] + own
     def tick(self):
         "Once after each optimizer step"
-    def rest(self, b:Bucket):
+    def rest(self, bucket:Bucket):
         "Between fits, the layout kept: what the kind keeps to tell a later write of a weight from a touch (a `set_` to itself)"
     # ---- the gradients
-    def checked(self, b:Bucket) -> list:
+    def checked(self, bucket:Bucket) -> list:
         "The gradients the finite check reads"
-        if not b.flat: return [p.grad for p in b.params if p.grad is not None]
-        apart = [b.params[i].grad for i in sorted(b.apart)]
-        return [b.g] + apart
-    def stepped(self, b:Bucket, i:int) -> Tensor:
-        "Parameter `i`'s stepped tensor, its gradient in `.grad`"
-        return b.params[i]
-    def grad_of(self, b:Bucket, i:int) -> Tensor|None: return b.params[i].grad
-    def carried(self, b:Bucket, idle:bool=False) -> dict:
-        "Gradients of a step under way that `finish` would drop, by `id`"
-        return {}  # by `id` of parameter
-    def restore(self, b:Bucket, grads:dict):
+        if not bucket.flat: return [p.grad for p in bucket.params if p.grad is not None]
+        apart = [bucket.params[i].grad for i in sorted(bucket.apart)]
+        return [bucket.g] + apart
+    def stepped(self, bucket:Bucket, index:int) -> Tensor:
+        "Parameter `index`'s stepped tensor, its gradient in `.grad`"
+        return bucket.params[index]
+    def grad_of(self, bucket:Bucket, index:int) -> Tensor|None:
+        "Parameter `index`'s gradient as the step reads it"
+        return bucket.params[index].grad
+    def carried(self, bucket:Bucket, idle:bool=False) -> dict:
+        "Gradients of a step under way that `finish` would drop, by `id` of parameter"
+        return {}
+    def restore(self, bucket:Bucket, grads:dict):
         "Put back what `carried` took from another layout of the same fit"
     # ---- a taking kind's gradients (`takes`): called only where it is True
-    def take(self, b:Bucket, fresh:bool):
-        "After a backward: take the model's gradients"
+    def take(self, bucket:Bucket, fresh:bool):
+        "After a backward: take the model's gradients (`fresh`: copy them, else add them to those taken)"
         raise NotImplementedError
-    def merge(self, b:Bucket, handed_out:bool=False):
+    def merge(self, bucket:Bucket, handed_out:bool=False):
         "Take what a callback wrote into the model's gradients"
         raise NotImplementedError
-    def clear(self, b:Bucket):
+    def clear(self, bucket:Bucket):
         "Before a step's next backward: the model's gradients zeroed"
         raise NotImplementedError
-    def publish(self, b:Bucket):
+    def publish(self, bucket:Bucket):
         "The checked (unscaled) gradients shown in the model's"
         raise NotImplementedError
     # ---- the compiled step (`mpx.compiled`): the kernel's tensors, and its widen and fold
-    def kernel_io(self, b:Bucket, a:int, c:int, turn:int=0) -> tuple:
-        "The kernel's tensors for parameters `a` to `c`, and its scalars"
-        return dict(w=b.part(b.w, a, c), g=b.part(b.g, a, c)),{}  # the tensors are updated in place
+    def kernel_io(self, bucket:Bucket, first:int, end:int, turn:int=0) -> tuple:
+        "The kernel's tensors for parameters `first` to `end` (updated in place from what `kernel_fold` returns), and its scalars"
+        return dict(w=bucket.part(bucket.w, first, end), g=bucket.part(bucket.g, first, end)),{}
     @staticmethod
-    def kernel_widen(t:dict, s:dict) -> tuple:
-        "In a kernel: what is stepped, and its gradients"
-        return t['w'],t['g']
+    def kernel_widen(tensors:dict, scalars:dict) -> tuple:
+        "In a kernel: what is stepped (fp32), and its gradients, from `kernel_io`'s tensors and scalars"
+        return tensors['w'],tensors['g']
     @staticmethod
-    def kernel_fold(t:dict, s:dict, x:Tensor, nearest:Callable|None=None) -> dict:
-        "In a kernel: the new values of the kind's tensors, from stepped `x` (`nearest`: the store's rounding to bf16)"
-        return dict(w=x)
+    def kernel_fold(tensors:dict, scalars:dict, stepped:Tensor, nearest:Callable|None=None) -> dict:
+        "In a kernel: the new values of the kind's tensors, by name, from fp32 `stepped` (`nearest`: the store's rounding to bf16)"
+        return dict(w=stepped)
 
 # %% ../nbs/01e_flat.ipynb #fl0014
 def merge_writes(fine:Tensor, coarse:Tensor):
@@ -286,10 +293,11 @@ class Bucket:
         how = 'flat' if self.flat else 'list'
         return f"Bucket(group {self.group}, {type(self.kind).__name__}, {len(self.params)} tensors, {how})"
     def zeros(self, dtype) -> Tensor:
+        "A new bucket-long flat buffer of `dtype`, zeros: a slot for each parameter"
         return torch.zeros(self.n, dtype=dtype, device=self.device)
-    def views(self, buf:Tensor) -> list:
-        "Each parameter's slot of flat `buf`, shaped and strided like it"
-        return _aliases(buf, self.offs, self.specs)
+    def views(self, buffer:Tensor) -> list:
+        "Each parameter's slot of flat `buffer`, shaped and strided like it"
+        return _aliases(buffer, self.offs, self.specs)
     def point(self, buf:Tensor, grads:Tensor|None=None) -> list:
         "Make each parameter's data its slot of `buf`, and its gradient (where it has one) its slot of `grads`, if given"
         # all or none; the data and gradients replaced, `(p, data, grad)`, returned
@@ -373,13 +381,13 @@ class Bucket:
         for v,g in zip(self.views(buf), gs):
             if g is None: v.zero_()  # a stale value must not reach the finite check
         return buf
-    def lo(self, i:int) -> int:
-        "Where the span of parameters from `i` begins"
-        if self.clip is None: return self.offs[i]
-        return max(self.offs[i], self.clip[0])
-    def end(self, j:int) -> int:
-        "Where the span of parameters `i` to `j` ends"
-        e = self.offs[j] if j < len(self.offs) else self.n  # spans tile the buffer, padding included
+    def lo(self, first:int) -> int:
+        "The element where the span of parameters from `first` begins (within `clipped`'s window)"
+        if self.clip is None: return self.offs[first]
+        return max(self.offs[first], self.clip[0])
+    def end(self, end:int) -> int:
+        "The element where the span of parameters up to `end` (excluded) ends, padding included (within `clipped`'s window)"
+        e = self.offs[end] if end < len(self.offs) else self.n  # spans tile the buffer, padding included
         if self.clip is None: return e
         return min(e, self.clip[1])
     @contextmanager
@@ -388,14 +396,14 @@ class Bucket:
         old,self.clip = self.clip,(lo, hi)
         try: yield self
         finally: self.clip = old
-    def part(self, buf:Tensor|None, i:int, j:int, lo:int=0) -> Tensor|None:
-        "The slice of flat `buf` holding parameters `i` to `j`"
-        if buf is None: return None
-        a,c = self.lo(i)-lo,self.end(j)-lo  # `buf` starts at element `lo` of the bucket
-        return buf if a == 0 and c == buf.numel() else buf[a:c]
-    def slot(self, buf:Tensor, i:int, lo:int=0) -> Tensor:
-        "Parameter `i`'s slot of flat `buf`, shaped like it"
-        return _alias(buf, self.offs[i]-lo, *self.specs[i])  # `buf` starts at element `lo` of the bucket
+    def part(self, buffer:Tensor|None, first:int, end:int, lo:int=0) -> Tensor|None:
+        "The slice of flat `buffer` holding parameters `first` to `end` (`lo`: the bucket's element `buffer` begins at)"
+        if buffer is None: return None
+        a,c = self.lo(first)-lo,self.end(end)-lo
+        return buffer if a == 0 and c == buffer.numel() else buffer[a:c]
+    def slot(self, buffer:Tensor, index:int, lo:int=0) -> Tensor:
+        "Parameter `index`'s slot of flat `buffer`, shaped and strided like it (`lo`: the bucket's element `buffer` begins at)"
+        return _alias(buffer, self.offs[index]-lo, *self.specs[index])
     def state_new(self, k:str, dtype):
         "Make the store of state `k` (zeros) where there is none yet"
         if k not in self.state_bufs: self.store.new(self, k, dtype)

@@ -162,50 +162,50 @@ class Store:
         "What a compiled kernel over this store is made once for: its class, and its repr (which says any setting a kernel reads)"
         return type(self),repr(self)
     def bytes(self, dtype) -> float:
-        "Bytes an element of state takes, stepped in `dtype`"
+        "Bytes an element of state takes, stepped in `dtype` (the callback's repr and the memory figures read it)"
         raise NotImplementedError
-    def new(self, b, k:str, dtype):
-        "Fill `b.state_bufs[k]` (zeros) and `b.state_held[k]`; what else the store keeps for the bucket goes in `b.store_meta[k]`"
+    def new(self, bucket, key:str, dtype):
+        "Fill `bucket.state_bufs[key]` (zeros) and `bucket.state_held[key]`; anything else the store keeps goes in `bucket.store_meta[key]`"
         raise NotImplementedError
-    def put(self, b, k:str, i:int, v:Tensor, at:int|None=None):
-        "Parameter `i`'s state `k` takes tensor `v` (`at`: flat `v` is its elements from `at`, a multiple of `block`)"
+    def put(self, bucket, key:str, index:int, value:Tensor, at:int|None=None):
+        "Parameter `index`'s state `key` takes `value` (`at`: flat `value` is its elements from `at`, a multiple of `block`)"
         # a load first puts every tensor into a bucket of that parameter alone (`new` made its state), all or nothing: a
         # `put` reads and writes only the bucket's state (`state_bufs`, `state_held`, `store_meta`)
         raise NotImplementedError
-    def value(self, b, k:str, i:int) -> Tensor:
-        "Parameter `i`'s state `k`: fp32, a tensor of its own"
+    def value(self, bucket, key:str, index:int) -> Tensor:
+        "Parameter `index`'s state `key`: fp32, a tensor of its own (what `opt.state_dict()` and saves give)"
         raise NotImplementedError
-    def zero(self, b, k:str, a:int, c:int):
-        "Zero state `k` of parameters `a` to `c`"
+    def zero(self, bucket, key:str, first:int, end:int):
+        "Zero state `key` of parameters `first` to `end`"
         raise NotImplementedError
-    def load_window(self, b, k:str, i:int, j:int, scratch:Tensor|None=None) -> Tensor:
-        "State `k` of parameters `i` to `j` to step, in fp32 (within `b.clipped`: a piece of one parameter, which `b.part` gives)"
+    def load_window(self, bucket, key:str, first:int, end:int, scratch:Tensor|None=None) -> Tensor:
+        "State `key` of parameters `first` to `end` to step, in fp32 (into `scratch` where given; a clipped bucket: a piece)"
         raise NotImplementedError
-    def store_window(self, b, k:str, i:int, j:int, x:Tensor):
-        "What `load_window` gave, stepped, back into the store (the same piece: write through `b.part`)"
+    def store_window(self, bucket, key:str, first:int, end:int, stepped:Tensor):
+        "What `load_window` gave, `stepped`, back into the store (the same piece: write through `bucket.part`)"
         raise NotImplementedError
-    def window_writes(self, b, k:str, i:int, j:int) -> list:
-        "The tensors of state `k` a step of parameters `i` to `j` writes: put back where it is skipped on the device"
+    def window_writes(self, bucket, key:str, first:int, end:int) -> list:
+        "The tensors of state `key` a step of parameters `first` to `end` writes: put back where it is skipped on the device"
         raise NotImplementedError  # a store without it: the host reads each step's verdict (`FusedSteps.skips_on_device`)
     # ---- compiled (`mpx.compiled`): the kernel's tensors in, their new values out, in the same pass
-    def kernel_io(self, b, k:str, a:int, c:int) -> dict:
-        "The kernel's tensors of state `k` for parameters `a` to `c`"
+    def kernel_io(self, bucket, key:str, first:int, end:int) -> dict:
+        "The kernel's tensors of state `key` for parameters `first` to `end`, by name (updated from what `kernel_store` returns)"
         raise NotImplementedError
-    def kernel_shape(self, t:dict) -> dict:
-        "The kind's tensors `t`, shaped as the kernel reads them beside the store's"
-        return t
-    def kernel_load(self, t:dict, k:str) -> Tensor:
-        "State `k`'s fp32 values, in a kernel"
+    def kernel_shape(self, tensors:dict) -> dict:
+        "The kind's tensors, shaped as the kernel reads them beside the store's"
+        return tensors
+    def kernel_load(self, tensors:dict, key:str) -> Tensor:
+        "State `key`'s fp32 values, in a kernel, from the kernel's tensors"
         raise NotImplementedError
-    def kernel_store(self, t:dict, k:str, x:Tensor, keep:Tensor) -> dict:
-        "New tensors of state `k` from fp32 `x`, in a kernel"
+    def kernel_store(self, tensors:dict, key:str, stepped:Tensor, keep:Tensor) -> dict:
+        "New tensors of state `key` from fp32 `stepped`, by name, in a kernel (`keep`: the step is skipped, the old values stay)"
         raise NotImplementedError
-    def kernel_nearest(self, x:Tensor) -> Tensor:
-        "fp32 `x` rounded to bf16, still fp32, in a kernel over this store (a kind's fold)"
+    def kernel_nearest(self, values:Tensor) -> Tensor:
+        "fp32 `values` rounded to bf16, still fp32, in a kernel over this store (a kind's fold)"
         # through a conversion only where this store's own options keep its round trip: inductor folds it otherwise
-        through_casts = self.kernel_options.get('emulate_precision_casts') and _casts_kept(x.device.type)
-        if through_casts: return x.to(torch.bfloat16).float()
-        return bf16_nearest(x)  # on the bits
+        through_casts = self.kernel_options.get('emulate_precision_casts') and _casts_kept(values.device.type)
+        if through_casts: return values.to(torch.bfloat16).float()
+        return bf16_nearest(values)  # on the bits
 
 class DenseStore(Store):
     "Flat state in the stepped dtype (`opt_state='fp32'`)"

@@ -108,7 +108,9 @@ class BF16Kind(Kind):
         b.g = b.zeros(torch.bfloat16)
         self.split(b, x)
         b.shows = (b.w, None)  # the parameters, bf16: at the set-up's end (`Bucket.commit`)
-    def split(self, b, x:Tensor): b.w.copy_(x)  # to nearest
+    def split(self, bucket, values:Tensor):
+        "At the set-up: the bucket's fp32 `values` (flat, bucket-long) into the kind's storage (`bucket.w` and its own)"
+        bucket.w.copy_(values)  # to nearest
     def assign(self, b, i, x, at=None):
         flat_part(b.slot(b.w, i), at, x.numel()).copy_(x)  # as `split` does
     def to_step(self, b, i, j):
@@ -122,7 +124,9 @@ class BF16Kind(Kind):
             grad = b.params[k].grad.float().to_dense()
             b.slot(g, k, b.lo(i)).copy_(grad)
         return x,g
-    def widen(self, b, i, j, x): x.copy_(b.part(b.w, i, j))
+    def widen(self, bucket, first:int, end:int, out:Tensor):
+        "The fp32 values of parameters `first` to `end` into `out` (flat, the engine's scratch), for the step"
+        out.copy_(bucket.part(bucket.w, first, end))
     @staticmethod
     def kernel_widen(t, s): return t['w'].float(),t['g'].float()
     def finish(self, b):

@@ -176,7 +176,7 @@ def test_dynamic_scale_on_device():
 
 FALLBACK = dict(lamb=(Lamb, 'lamb_step reduces over each parameter'), larc=(Larc, 'reduce over each parameter'),
                 ranger=(ranger, 'Lookahead syncs its slow weights'),
-                mine=(lambda ps, **kw: Optimizer(ps, [sgd_step, lambda p, **k: None], **kw), "a step function is not fastai's own"))
+                mine=(lambda ps, **kw: Optimizer(ps, [sgd_step, lambda p, **k: None], **kw), "step function <lambda> is not fastai's own"))
 
 @pytest.mark.parametrize('opt', list(FALLBACK))
 def test_falls_back_with_a_reason(opt):
