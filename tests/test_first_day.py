@@ -208,3 +208,54 @@ def test_no_line_over_140():
              if p.name != '_modidx.py']
     long = [f'{p.relative_to(ROOT)}:{i}' for p in files for i,l in enumerate(p.read_text().splitlines(), 1) if len(l) > 140]
     assert not long, long
+
+# ---- make test: a plan, a quiet set-up, one summary (issue 70) -----------------------------------------------------
+
+PYTEST_OUT = '''========== 1200 passed, 3 skipped, 2 xfailed in 540.12s (0:09:00) ==========
+========== not checked in this run: 3 skipped, 2 expected to fail ==========
+    3 skipped: needs a CUDA GPU
+    2 xfail:   a known gap'''
+
+@pytest.fixture
+def stub_envs(tmp_path) -> tuple:
+    "Set-up `.venv` and `.venv-apps` stand-ins whose tools print what pytest and nbdev would and exit with $STUB_RC (0 by default)"
+    envs = []
+    for name,out in (('venv', PYTEST_OUT), ('apps', '===== 40 passed in 480.00s (0:08:00) =====')):
+        (tmp_path/name/'bin').mkdir(parents=True)
+        for tool in ('python', 'nbdev-export', 'nbdev-clean', 'nbdev-test'):
+            f = tmp_path/name/'bin'/tool
+            f.write_text(f"#!/bin/sh\ncat <<'OUT'\n{out if tool == 'python' else tool}\nOUT\nexit ${{STUB_RC:-0}}\n")
+            f.chmod(0o755)
+        (tmp_path/name/'.mpx-installed').touch()
+        envs.append(tmp_path/name)
+    return tuple(envs)
+
+def test_make_test_plan_and_summary(stub_envs):
+    "`make test` says first what it runs and how long it takes, runs every step, and ends with one summary: outcomes, counts, skips."
+    venv,apps = stub_envs
+    for rc in ('0', '1'):
+        res = subprocess.run(['make', 'test', f'VENV={venv}', f'APPS={apps}', 'CHROMIUM=/no/such/chromium'], cwd=ROOT,
+                             env={**ENV, 'STUB_RC': rc}, capture_output=True, text=True, timeout=600)
+        out = res.stdout
+        assert out.startswith('make test: ') and 'about 20 minutes' in out.splitlines()[2], out[:500]
+        assert [l.split()[2] for l in out.splitlines() if l.startswith('== make ')] == [
+            'check-export', 'check-clean', 'nbtest', 'pytest', 'apptest', 'test:'], out  # every step, whatever one gave
+        summary = out[out.index('== make test: summary'):]
+        outcome = 'passed' if rc == '0' else 'FAILED'
+        for step in ('check-export', 'check-clean', 'nbtest', 'pytest', 'apptest'):
+            assert re.search(rf'^  {step} +{outcome} ', summary, re.M), summary
+        assert '1200 passed, 3 skipped, 2 xfailed' in summary and '40 passed' in summary, summary
+        assert '    pytest: 3 skipped: needs a CUDA GPU' in summary and 'NOT TESTED: the docs site' in summary, summary
+        assert (res.returncode == 0) == (rc == '0') and ('every step passed' in summary) == (rc == '0'), summary
+
+def test_setup_output_kept_out(tmp_path):
+    "A set-up prints one line and where pip's output went; the demo's output follows it, with nothing of pip's between."
+    (tmp_path/'bin').mkdir()
+    (tmp_path/'bin'/'python').write_text('#!/bin/sh\necho "pip or the demo: $*"\n')
+    (tmp_path/'bin'/'python').chmod(0o755)
+    res = subprocess.run(['make', 'demo', f'VENV={tmp_path}', 'PYTHON=true'], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                         timeout=600)
+    lines = res.stdout.splitlines()
+    assert res.returncode == 0 and lines[0] == f"setting up {tmp_path} (a few minutes; pip's output: {tmp_path}/setup.log)", lines
+    assert 'make apps-env' in lines[1] and lines[2:] == ['pip or the demo: demo/digits.py'], lines
+    assert 'pip or the demo: -m pip install' in (tmp_path/'setup.log').read_text()
