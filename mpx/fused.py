@@ -522,7 +522,7 @@ _in_place = Kind()
 
 class _Scratch(Kind):
     "A bucket holding only a store's state: a load's trial (`FusedSteps.load_state`)"
-    def build(self, b:Bucket): pass
+    def build(self, bucket:Bucket): pass
 _scratch = _Scratch()
 
 def _in_fp32(v, lazy:bool=False):

@@ -211,21 +211,21 @@ class DenseStore(Store):
     "Flat state in the stepped dtype (`opt_state='fp32'`)"
     name,views = 'fp32',True
     def bytes(self, dtype) -> float: return torch.empty((), dtype=dtype).element_size()
-    def new(self, b, k:str, dtype):
-        b.state_bufs[k] = b.zeros(dtype)
-        b.state_held[k] = b.views(b.state_bufs[k])
-    def put(self, b, k:str, i:int, v:Tensor, at:int|None=None):
-        flat_part(b.state_held[k][i], at, v.numel()).copy_(v)
-    def value(self, b, k:str, i:int) -> Tensor:
-        return b.state_held[k][i].clone(memory_format=torch.preserve_format)
-    def zero(self, b, k:str, a:int, c:int):
-        b.part(b.state_bufs[k], a, c).zero_()
-    def load_window(self, b, k:str, i:int, j:int, scratch:Tensor|None=None) -> Tensor:
-        return b.part(b.state_bufs[k], i, j)
-    def store_window(self, b, k:str, i:int, j:int, x:Tensor): pass
-    def window_writes(self, b, k:str, i:int, j:int) -> list: return [b.part(b.state_bufs[k], i, j)]
-    def kernel_io(self, b, k:str, a:int, c:int) -> dict:
-        return {k: b.part(b.state_bufs[k], a, c)}
+    def new(self, bucket, k:str, dtype):
+        bucket.state_bufs[k] = bucket.zeros(dtype)
+        bucket.state_held[k] = bucket.views(bucket.state_bufs[k])
+    def put(self, bucket, k:str, i:int, v:Tensor, at:int|None=None):
+        flat_part(bucket.state_held[k][i], at, v.numel()).copy_(v)
+    def value(self, bucket, k:str, i:int) -> Tensor:
+        return bucket.state_held[k][i].clone(memory_format=torch.preserve_format)
+    def zero(self, bucket, k:str, a:int, c:int):
+        bucket.part(bucket.state_bufs[k], a, c).zero_()
+    def load_window(self, bucket, k:str, i:int, j:int, scratch:Tensor|None=None) -> Tensor:
+        return bucket.part(bucket.state_bufs[k], i, j)
+    def store_window(self, bucket, k:str, i:int, j:int, x:Tensor): pass
+    def window_writes(self, bucket, k:str, i:int, j:int) -> list: return [bucket.part(bucket.state_bufs[k], i, j)]
+    def kernel_io(self, bucket, k:str, a:int, c:int) -> dict:
+        return {k: bucket.part(bucket.state_bufs[k], a, c)}
     def kernel_load(self, t:dict, k:str) -> Tensor: return t[k]
     def kernel_store(self, t:dict, k:str, x:Tensor, keep:Tensor) -> dict:
         return {k: where_skipped(keep, t[k], x)}
@@ -234,19 +234,19 @@ class BF16Store(DenseStore):
     "State tensors rounded to bf16 (`opt_state='bf16'`)"
     name,bits,views = 'bf16',16,False
     def bytes(self, dtype) -> float: return 2.
-    def new(self, b, k, dtype):
-        b.state_bufs[k] = b.zeros(torch.bfloat16)
-        b.state_held[k] = _handles(b, k)
-    def put(self, b, k, i, v, at=None):
-        slot = b.slot(b.state_bufs[k], i)
+    def new(self, bucket, k, dtype):
+        bucket.state_bufs[k] = bucket.zeros(torch.bfloat16)
+        bucket.state_held[k] = _handles(bucket, k)
+    def put(self, bucket, k, i, v, at=None):
+        slot = bucket.slot(bucket.state_bufs[k], i)
         flat_part(slot, at, v.numel()).copy_(v)
-    def value(self, b, k, i):
-        return b.slot(b.state_bufs[k], i).float()
-    def load_window(self, b, k, i, j, scratch=None):
-        scratch.copy_(b.part(b.state_bufs[k], i, j))
+    def value(self, bucket, k, i):
+        return bucket.slot(bucket.state_bufs[k], i).float()
+    def load_window(self, bucket, k, i, j, scratch=None):
+        scratch.copy_(bucket.part(bucket.state_bufs[k], i, j))
         return scratch
-    def store_window(self, b, k, i, j, x):
-        b.part(b.state_bufs[k], i, j).copy_(x)
+    def store_window(self, bucket, k, i, j, x):
+        bucket.part(bucket.state_bufs[k], i, j).copy_(x)
     # `kernel_store` is the dense one: `where_skipped`'s conversion rounds as `store_window`'s copy
     def kernel_load(self, t, k): return t[k].float()
     # with bf16 state, a pure bf16 kernel's tensors are all bf16, and inductor's vectors then hold 32 lanes: its bit
@@ -361,74 +361,74 @@ class QuantStore(BF16Store):
         key = (sign, str(device))
         if key not in self.maps: self.maps[key] = self.maps[sign].to(device)
         return self.maps[key]
-    def new(self, b, k, dtype):
-        n_bytes = b.n * self.bits // 8
-        b.state_bufs[k] = torch.zeros(n_bytes, dtype=torch.uint8, device=b.device)
-        b.store_meta[k] = torch.zeros(b.n // self.block, device=b.device)
-        self.zero(b, k, 0, len(b.params))
-        b.state_held[k] = _handles(b, k)
+    def new(self, bucket, k, dtype):
+        n_bytes = bucket.n * self.bits // 8
+        bucket.state_bufs[k] = torch.zeros(n_bytes, dtype=torch.uint8, device=bucket.device)
+        bucket.store_meta[k] = torch.zeros(bucket.n // self.block, device=bucket.device)
+        self.zero(bucket, k, 0, len(bucket.params))
+        bucket.state_held[k] = _handles(bucket, k)
     def _span(self, lo:int, hi:int) -> slice:
         "Where the codes of elements `lo` to `hi` lie in the bytes"
         return slice(lo, hi) if self.bits == 8 else slice(lo//2, hi//2)
-    def _code_bytes(self, b, k, lo:int, hi:int) -> Tensor:
+    def _code_bytes(self, bucket, k, lo:int, hi:int) -> Tensor:
         "The bytes holding the codes of elements `lo` to `hi`"
-        return b.state_bufs[k][self._span(lo, hi)]
-    def _scales(self, b, k, lo:int, hi:int) -> Tensor:
+        return bucket.state_bufs[k][self._span(lo, hi)]
+    def _scales(self, bucket, k, lo:int, hi:int) -> Tensor:
         "The scales of the blocks of elements `lo` to `hi`"
-        return b.store_meta[k][lo // self.block:hi // self.block]
+        return bucket.store_meta[k][lo // self.block:hi // self.block]
     def _enc(self, k, x):
         return x.clamp_min(0).sqrt() if k == 'sqr_avg' else x  # the second moment as its square root
     def _dec(self, k, x): return x.square() if k == 'sqr_avg' else x
-    def _store(self, b, k, lo:int, hi:int, x:Tensor):
+    def _store(self, bucket, k, lo:int, hi:int, x:Tensor):
         "Code fp32 `x` into elements `lo` to `hi` (block-aligned)"
         codes,scale = self.codes.encode(self._enc(k, x), self.qmap(k, x.device))
-        self._code_bytes(b, k, lo, hi).copy_(codes)
-        self._scales(b, k, lo, hi).copy_(scale)
-    def _load(self, b, k, lo:int, hi:int) -> Tensor:
-        scale = self._scales(b, k, lo, hi)
-        codes = self._code_bytes(b, k, lo, hi)
-        x = self.codes.decode(codes, scale, self.qmap(k, b.device))
+        self._code_bytes(bucket, k, lo, hi).copy_(codes)
+        self._scales(bucket, k, lo, hi).copy_(scale)
+    def _load(self, bucket, k, lo:int, hi:int) -> Tensor:
+        scale = self._scales(bucket, k, lo, hi)
+        codes = self._code_bytes(bucket, k, lo, hi)
+        x = self.codes.decode(codes, scale, self.qmap(k, bucket.device))
         return self._dec(k, x)
-    def zero(self, b, k, a, c):
+    def zero(self, bucket, k, a, c):
         "Zeros' codes and scales filled in, with no fp32 tensor"
-        lo,hi = b.lo(a),b.end(c)
-        zeros = self._enc(k, torch.zeros(self.block, device=b.device))
-        codes,scale = self.codes.encode(zeros, self.qmap(k, b.device))
-        self._code_bytes(b, k, lo, hi).fill_(codes[0])
-        self._scales(b, k, lo, hi).fill_(scale[0])
-    def put(self, b, k, i, v, at=None):
+        lo,hi = bucket.lo(a),bucket.end(c)
+        zeros = self._enc(k, torch.zeros(self.block, device=bucket.device))
+        codes,scale = self.codes.encode(zeros, self.qmap(k, bucket.device))
+        self._code_bytes(bucket, k, lo, hi).fill_(codes[0])
+        self._scales(bucket, k, lo, hi).fill_(scale[0])
+    def put(self, bucket, k, i, v, at=None):
         if at is None:
-            lo,hi = b.lo(i),b.end(i+1)
-            x = self._load(b, k, lo, hi)
-            b.slot(x, i, lo).copy_(v)
-            return self._store(b, k, lo, hi, x)
+            lo,hi = bucket.lo(i),bucket.end(i+1)
+            x = self._load(bucket, k, lo, hi)
+            bucket.slot(x, i, lo).copy_(v)
+            return self._store(bucket, k, lo, hi, x)
         if at % self.block: raise ValueError(f"a piece of state at element {at}: not on a block of {self.block}")
-        lo = b.offs[i] + at  # the blocks the piece covers alone: decoded, written, coded again
+        lo = bucket.offs[i] + at  # the blocks the piece covers alone: decoded, written, coded again
         block_end = -(-(lo + v.numel()) // self.block) * self.block  # the piece's end, rounded up to a block
-        hi = min(block_end, b.end(i+1))
-        x = self._load(b, k, lo, hi)
+        hi = min(block_end, bucket.end(i+1))
+        x = self._load(bucket, k, lo, hi)
         x[:v.numel()].copy_(v)
-        self._store(b, k, lo, hi, x)
-    def value(self, b, k, i):
-        lo = b.lo(i)
-        x = self._load(b, k, lo, b.end(i+1))
-        return b.slot(x, i, lo).clone()
-    def load_window(self, b, k, i, j, scratch=None):
-        scratch.copy_(self._load(b, k, b.lo(i), b.end(j)))
+        self._store(bucket, k, lo, hi, x)
+    def value(self, bucket, k, i):
+        lo = bucket.lo(i)
+        x = self._load(bucket, k, lo, bucket.end(i+1))
+        return bucket.slot(x, i, lo).clone()
+    def load_window(self, bucket, k, i, j, scratch=None):
+        scratch.copy_(self._load(bucket, k, bucket.lo(i), bucket.end(j)))
         return scratch
-    def store_window(self, b, k, i, j, x):
-        self._store(b, k, b.lo(i), b.end(j), x)
-    def window_writes(self, b, k, i, j):
-        lo,hi = b.lo(i),b.end(j)
-        return [self._code_bytes(b, k, lo, hi), self._scales(b, k, lo, hi)]
+    def store_window(self, bucket, k, i, j, x):
+        self._store(bucket, k, bucket.lo(i), bucket.end(j), x)
+    def window_writes(self, bucket, k, i, j):
+        lo,hi = bucket.lo(i),bucket.end(j)
+        return [self._code_bytes(bucket, k, lo, hi), self._scales(bucket, k, lo, hi)]
     # ---- compiled: the codes and scales (and a 4-bit map) in, new codes and scales out, in the same pass
-    def kernel_io(self, b, k, a, c):
-        lo,hi = b.lo(a),b.end(c)
-        codes = self.codes.typed(self._code_bytes(b, k, lo, hi))
+    def kernel_io(self, bucket, k, a, c):
+        lo,hi = bucket.lo(a),bucket.end(c)
+        codes = self.codes.typed(self._code_bytes(bucket, k, lo, hi))
         codes = static_rows(codes.view(-1, self.block * self.bits // 8))
-        scale = self._scales(b, k, lo, hi)
+        scale = self._scales(bucket, k, lo, hi)
         t = {kernel_name(k, 'codes'): codes, kernel_name(k, 'scale'): scale}
-        if self.bits == 4: t[kernel_name(k, 'map')] = self.qmap(k, b.device)
+        if self.bits == 4: t[kernel_name(k, 'map')] = self.qmap(k, bucket.device)
         return t
     def kernel_shape(self, t):
         "The kind's flat tensors as rows of a block, of static length"

@@ -41,89 +41,89 @@ class MasterKind(Kind):
     "fp32 masters of a half model's parameters, stepped in their place"
     takes,in_place = True,False
     def __init__(self, dtype:torch.dtype): self.half = dtype
-    def state_dtype(self, b): return torch.float32
-    def build(self, b):
+    def state_dtype(self, bucket): return torch.float32
+    def build(self, bucket):
         "Flat buffers of fp32 masters, half weights and both gradients"
-        masters = b.hold_weights(torch.float32)
-        b.w,b.g = b.zeros(self.half),b.zeros(self.half)
-        b.w.copy_(masters)
-        grads = b.own_grads()
-        gx = b.packed(grads, torch.float32)  # the last fit's gradients, handed back in their slots (`finish`)
-        if gx is not None: b.g.copy_(b.zero_missing(gx, grads))  # no second fp32 copy of them while the layout is made
-        b.own = Masters(b, masters, b.zeros(torch.float32) if gx is None else gx)
+        masters = bucket.hold_weights(torch.float32)
+        bucket.w,bucket.g = bucket.zeros(self.half),bucket.zeros(self.half)
+        bucket.w.copy_(masters)
+        grads = bucket.own_grads()
+        gx = bucket.packed(grads, torch.float32)  # the last fit's gradients, handed back in their slots (`finish`)
+        if gx is not None: bucket.g.copy_(bucket.zero_missing(gx, grads))  # no second fp32 copy of them while the layout is made
+        bucket.own = Masters(bucket, masters, bucket.zeros(torch.float32) if gx is None else gx)
         # at the set-up's end (`Bucket.commit`): the half weights (and gradients, in their slots) shown in the model;
         # fresh gradients are cast to half each, taken into their slots at the first step (`adopt_grads`)
-        b.shows = (b.w, None if gx is None else b.g)
-    def to_step(self, b, i, j):
-        return b.part(b.own.masters, i, j),b.part(b.own.grads, i, j)
-    def assign(self, b, i, x, at=None):
-        flat_part(b.own.slots[i], at, x.numel()).copy_(x)  # the master exact, the half weight its rounding
-        flat_part(b.slot(b.w, i), at, x.numel()).copy_(x)
-    def written(self, b, idx):
-        for i in idx: merge_writes(b.own.slots[i], b.slot(b.w, i))  # the master takes what the write changed
-    def fold(self, b, i, j, x, turn=0): b.part(b.w, i, j).copy_(x)
-    def step_writes(self, b, i, j): return [b.part(b.own.masters, i, j), b.part(b.w, i, j)]
-    def checked(self, b): return [b.own.grads]
-    def grad_of(self, b, i): return b.own.grad_slots[i] if b.has_grad[i] else None
-    def _show(self, b, i):
+        bucket.shows = (bucket.w, None if gx is None else bucket.g)
+    def to_step(self, bucket, i, j):
+        return bucket.part(bucket.own.masters, i, j),bucket.part(bucket.own.grads, i, j)
+    def assign(self, bucket, i, x, at=None):
+        flat_part(bucket.own.slots[i], at, x.numel()).copy_(x)  # the master exact, the half weight its rounding
+        flat_part(bucket.slot(bucket.w, i), at, x.numel()).copy_(x)
+    def written(self, bucket, idx):
+        for i in idx: merge_writes(bucket.own.slots[i], bucket.slot(bucket.w, i))  # the master takes what the write changed
+    def fold(self, bucket, i, j, x, turn=0): bucket.part(bucket.w, i, j).copy_(x)
+    def step_writes(self, bucket, i, j): return [bucket.part(bucket.own.masters, i, j), bucket.part(bucket.w, i, j)]
+    def checked(self, bucket): return [bucket.own.grads]
+    def grad_of(self, bucket, i): return bucket.own.grad_slots[i] if bucket.has_grad[i] else None
+    def _show(self, bucket, i):
         "Master `i` shown with the gradient it steps"
-        b.own.params[i].grad = b.own.shown[i] = self.grad_of(b, i)
-    def stepped(self, b, i):
-        if b.own.shown is None: b.own.shown = [None]*len(b.own.params)
-        self._show(b, i)
-        return b.own.params[i]
-    def value(self, b, i): return b.own.slots[i].clone()
-    def take(self, b, fresh:bool):
+        bucket.own.params[i].grad = bucket.own.shown[i] = self.grad_of(bucket, i)
+    def stepped(self, bucket, i):
+        if bucket.own.shown is None: bucket.own.shown = [None]*len(bucket.own.params)
+        self._show(bucket, i)
+        return bucket.own.params[i]
+    def value(self, bucket, i): return bucket.own.slots[i].clone()
+    def take(self, bucket, fresh:bool):
         "After a backward: the half gradients into the fp32 ones"
-        if fresh: b.own.grads.copy_(b.g)
-        else: b.own.grads.add_(b.g)
-        for i in sorted(b.apart):  # a sparse gradient, added densely
-            if fresh: b.own.grad_slots[i].zero_()
-            b.own.grad_slots[i].add_(b.params[i].grad)
-            b.params[i].grad.zero_()
-        if b.apart or not fresh: b.g.copy_(b.own.grads)
-        b.own.seen = _versions(b.grad_slots)  # autograd's own writes (it adds into `p.grad`) are not a callback's
-        if b.own.shown is None: return
+        if fresh: bucket.own.grads.copy_(bucket.g)
+        else: bucket.own.grads.add_(bucket.g)
+        for i in sorted(bucket.apart):  # a sparse gradient, added densely
+            if fresh: bucket.own.grad_slots[i].zero_()
+            bucket.own.grad_slots[i].add_(bucket.params[i].grad)
+            bucket.params[i].grad.zero_()
+        if bucket.apart or not fresh: bucket.g.copy_(bucket.own.grads)
+        bucket.own.seen = _versions(bucket.grad_slots)  # autograd's own writes (it adds into `p.grad`) are not a callback's
+        if bucket.own.shown is None: return
         # as a backward sets `p.grad`
-        for i in range(len(b.own.params)): self._show(b, i)
-    def merge(self, b, handed_out:bool=False):
+        for i in range(len(bucket.own.params)): self._show(bucket, i)
+    def merge(self, bucket, handed_out:bool=False):
         "Model gradients a callback wrote or assigned since: taken"
-        self._take_assigned(b)
-        if handed_out: self._show_handed(b)
-        now = _versions(b.grad_slots)
-        if b.own.seen is not None and now != b.own.seen:
-            for i,(v,u) in enumerate(zip(now, b.own.seen)):
-                if v != u: merge_writes(b.own.grad_slots[i], b.grad_slots[i])
-        b.own.seen = now
-    def _take_assigned(self, b):
+        self._take_assigned(bucket)
+        if handed_out: self._show_handed(bucket)
+        now = _versions(bucket.grad_slots)
+        if bucket.own.seen is not None and now != bucket.own.seen:
+            for i,(v,u) in enumerate(zip(now, bucket.own.seen)):
+                if v != u: merge_writes(bucket.own.grad_slots[i], bucket.grad_slots[i])
+        bucket.own.seen = now
+    def _take_assigned(self, bucket):
         "Gradients assigned to the masters through `learn.parameters()`"
         # None: not stepped (as fastai's loop skips it), a tensor: taken
-        if b.own.shown is None: return  # never handed out
-        if all(map(operator.is_, map(_grad_of, b.own.params), b.own.shown)): return  # or none assigned
-        for i,(m,s) in enumerate(zip(b.own.params, b.own.shown)):
+        if bucket.own.shown is None: return  # never handed out
+        if all(map(operator.is_, map(_grad_of, bucket.own.params), bucket.own.shown)): return  # or none assigned
+        for i,(m,s) in enumerate(zip(bucket.own.params, bucket.own.shown)):
             g = m.grad
             if g is s: continue
-            if g is None: b.has_grad[i] = False
+            if g is None: bucket.has_grad[i] = False
             else:
-                b.own.grad_slots[i].copy_(g)
-                b.slot(b.g, i).copy_(b.own.grad_slots[i])  # shown in the model too
-                b.has_grad[i] = True
-            self._show(b, i)
-            b.forget_grads()  # the next step asks the model's gradients again
-    def _show_handed(self, b):
+                bucket.own.grad_slots[i].copy_(g)
+                bucket.slot(bucket.g, i).copy_(bucket.own.grad_slots[i])  # shown in the model too
+                bucket.has_grad[i] = True
+            self._show(bucket, i)
+            bucket.forget_grads()  # the next step asks the model's gradients again
+    def _show_handed(self, bucket):
         "Masters or gradients written through `learn.parameters()`, shown"
-        now = _handed_versions(b.own)
-        for i,((m,g),(m0,g0)) in enumerate(zip(now, b.own.handed)):
-            if m != m0: b.slot(b.w, i).copy_(b.own.slots[i])
-            if g != g0: b.slot(b.g, i).copy_(b.own.grad_slots[i])
-        b.own.handed = now
-    def clear(self, b):
-        b.g.zero_()
-        b.own.seen = None  # before a step's second backward: autograd adds the new ones
-    def publish(self, b): b.g.copy_(b.own.grads)  # the checked (unscaled) gradients, shown in the model
-    def finish(self, b):
+        now = _handed_versions(bucket.own)
+        for i,((m,g),(m0,g0)) in enumerate(zip(now, bucket.own.handed)):
+            if m != m0: bucket.slot(bucket.w, i).copy_(bucket.own.slots[i])
+            if g != g0: bucket.slot(bucket.g, i).copy_(bucket.own.grad_slots[i])
+        bucket.own.handed = now
+    def clear(self, bucket):
+        bucket.g.zero_()
+        bucket.own.seen = None  # before a step's second backward: autograd adds the new ones
+    def publish(self, bucket): bucket.g.copy_(bucket.own.grads)  # the checked (unscaled) gradients, shown in the model
+    def finish(self, bucket):
         "The masters become the fp32 parameters, never rounded through half, their gradients in the fp32 buffer's slots"
-        for p,m,gx in zip(b.params, b.own.slots, b.own.grad_slots):
+        for p,m,gx in zip(bucket.params, bucket.own.slots, bucket.own.grad_slots):
             g = p.grad
             p.grad = None
             p.data = m  # a tensor of its own once the engine releases it (`Bucket.release`)
@@ -132,27 +132,27 @@ class MasterKind(Kind):
             else:
                 gx.copy_(g)  # the model's gradient as it was, in fp32: the next fit takes this buffer too
                 p.grad = gx
-    def carried(self, b, idle:bool=False) -> dict:
+    def carried(self, bucket, idle:bool=False) -> dict:
         "The fp32 and half gradients of a step under way, by `id`"
         if idle: return {}  # no step under way: the model's gradients are the last step's, already taken
         res = {}
-        for p,gx,g,l in zip(b.params, b.own.grad_slots, b.grad_slots, b.has_grad):
+        for p,gx,g,l in zip(bucket.params, bucket.own.grad_slots, bucket.grad_slots, bucket.has_grad):
             if l: res[id(p)] = ('master', gx.clone(), g.clone())
         return res
-    def restore(self, b, grads:dict):
+    def restore(self, bucket, grads:dict):
         "What `carried` took from an earlier layout, into this one"
-        for i,p in enumerate(b.params):
+        for i,p in enumerate(bucket.params):
             if id(p) not in grads: continue
             _,gx,g = grads[id(p)]
-            b.own.grad_slots[i].copy_(gx)
-            b.grad_slots[i].copy_(g)
-            p.grad = b.grad_slots[i]
-            b.has_grad[i] = True
-        b.forget_grads()
-        b.own.seen = _versions(b.grad_slots)
-    def kernel_io(self, b, a, c, turn=0):
-        bufs = dict(x=b.own.masters, gx=b.own.grads, w=b.w)
-        return {k: b.part(t, a, c) for k,t in bufs.items()},{}
+            bucket.own.grad_slots[i].copy_(gx)
+            bucket.grad_slots[i].copy_(g)
+            p.grad = bucket.grad_slots[i]
+            bucket.has_grad[i] = True
+        bucket.forget_grads()
+        bucket.own.seen = _versions(bucket.grad_slots)
+    def kernel_io(self, bucket, a, c, turn=0):
+        bufs = dict(x=bucket.own.masters, gx=bucket.own.grads, w=bucket.w)
+        return {k: bucket.part(t, a, c) for k,t in bufs.items()},{}
     @staticmethod
     def kernel_widen(t, s): return t['x'],t['gx']
     @staticmethod

@@ -99,52 +99,52 @@ class BF16Kind(Kind):
     widens,in_place = True,False
     is_weight_kind = True  # what the argument check knows a kind by (`update=`: `mpx.core` imports nothing of mpx)
     bytes = 4.  # what a large weight holds besides its optimizer state: bf16 weight and gradient (a subclass adds its own)
-    def state_dtype(self, b): return torch.float32
-    def build(self, b):
+    def state_dtype(self, bucket): return torch.float32
+    def build(self, bucket):
         "Each fp32 weight split into the kind's bf16 storage"
         # the fp32 weights as one buffer: the one a former fit left, else a parameter at a time
-        x = b.hold_weights(torch.float32)
-        b.w = b.zeros(torch.bfloat16)
-        b.g = b.zeros(torch.bfloat16)
-        self.split(b, x)
-        b.shows = (b.w, None)  # the parameters, bf16: at the set-up's end (`Bucket.commit`)
+        x = bucket.hold_weights(torch.float32)
+        bucket.w = bucket.zeros(torch.bfloat16)
+        bucket.g = bucket.zeros(torch.bfloat16)
+        self.split(bucket, x)
+        bucket.shows = (bucket.w, None)  # the parameters, bf16: at the set-up's end (`Bucket.commit`)
     def split(self, bucket, values:Tensor):
         "At the set-up: the bucket's fp32 `values` (flat, bucket-long) into the kind's storage (`bucket.w` and its own)"
         bucket.w.copy_(values)  # to nearest
-    def assign(self, b, i, x, at=None):
-        flat_part(b.slot(b.w, i), at, x.numel()).copy_(x)  # as `split` does
-    def to_step(self, b, i, j):
+    def assign(self, bucket, i, x, at=None):
+        flat_part(bucket.slot(bucket.w, i), at, x.numel()).copy_(x)  # as `split` does
+    def to_step(self, bucket, i, j):
         "The fp32 values and gradients of parameters `i` to `j`"
-        n = b.end(j) - b.lo(i)
-        x = b.workspace(b.device, n, 'stepped')
-        g = b.workspace(b.device, n, 'stepped_grad')
-        self.widen(b, i, j, x)
-        g.copy_(b.part(b.g, i, j))
-        for k in sorted(k for k in b.apart if i <= k < j):  # summed in fp32
-            grad = b.params[k].grad.float().to_dense()
-            b.slot(g, k, b.lo(i)).copy_(grad)
+        n = bucket.end(j) - bucket.lo(i)
+        x = bucket.workspace(bucket.device, n, 'stepped')
+        g = bucket.workspace(bucket.device, n, 'stepped_grad')
+        self.widen(bucket, i, j, x)
+        g.copy_(bucket.part(bucket.g, i, j))
+        for k in sorted(k for k in bucket.apart if i <= k < j):  # summed in fp32
+            grad = bucket.params[k].grad.float().to_dense()
+            bucket.slot(g, k, bucket.lo(i)).copy_(grad)
         return x,g
     def widen(self, bucket, first:int, end:int, out:Tensor):
         "The fp32 values of parameters `first` to `end` into `out` (flat, the engine's scratch), for the step"
         out.copy_(bucket.part(bucket.w, first, end))
     @staticmethod
     def kernel_widen(t, s): return t['w'].float(),t['g'].float()
-    def finish(self, b):
+    def finish(self, bucket):
         "Each weight back in fp32, a tensor of its own (as plain torch holds it)"
-        for i,p in enumerate(b.params):
+        for i,p in enumerate(bucket.params):
             v = torch.empty_like(p, dtype=torch.float32)
-            v.copy_(self.value(b, i))
+            v.copy_(self.value(bucket, i))
             set_data(p, v)  # a parameter with a gradient keeps it, in fp32
-    def values(self, b) -> list:
-        return [self.value(b, i) for i in range(len(b.params))]
-    def carried(self, b, idle=False) -> dict:
-        return {id(p): ('bf16', p.grad.clone()) for p in b.params if p.grad is not None}
-    def restore(self, b, grads:dict):
-        for i,p in enumerate(b.params):
+    def values(self, bucket) -> list:
+        return [self.value(bucket, i) for i in range(len(bucket.params))]
+    def carried(self, bucket, idle=False) -> dict:
+        return {id(p): ('bf16', p.grad.clone()) for p in bucket.params if p.grad is not None}
+    def restore(self, bucket, grads:dict):
+        for i,p in enumerate(bucket.params):
             if id(p) not in grads: continue
-            b.grad_slots[i].copy_(grads[id(p)][1])
-            p.grad = b.grad_slots[i]
-            b.has_grad[i] = True
+            bucket.grad_slots[i].copy_(grads[id(p)][1])
+            p.grad = bucket.grad_slots[i]
+            bucket.has_grad[i] = True
 
 # %% ../nbs/05_pure.ipynb #pb000020
 def _mark(w:Tensor, chunk:int=1<<20) -> Tensor:
@@ -159,51 +159,51 @@ def _mark(w:Tensor, chunk:int=1<<20) -> Tensor:
 class KahanKind(BF16Kind):
     "bf16 weights and Kahan compensations, stepped as `w + c`"
     bytes = 6.  # and a bf16 compensation
-    def split(self, b, x):
-        b.own = Slots(b, b.zeros(torch.bfloat16))  # the compensations
-        self._fold_whole(b, x, b.w, b.own.buf)
-    def assign(self, b, i, x, at=None):
-        b.own.marks = None  # values of a load: any later write resets a compensation, as during a fit
-        w,c = b.slot(b.w, i),b.own.slots[i]
+    def split(self, bucket, x):
+        bucket.own = Slots(bucket, bucket.zeros(torch.bfloat16))  # the compensations
+        self._fold_whole(bucket, x, bucket.w, bucket.own.buf)
+    def assign(self, bucket, i, x, at=None):
+        bucket.own.marks = None  # values of a load: any later write resets a compensation, as during a fit
+        w,c = bucket.slot(bucket.w, i),bucket.own.slots[i]
         if not w.is_contiguous(): return fold_kahan([x], [w], [c])  # another order of its elements (transposed): whole
         a = at or 0
         span = slice(a, a + x.numel())  # the flat elements `x` gives
-        self._fold_whole(b, x.reshape(-1), w.view(-1)[span], c.view(-1)[span])
-    def _fold_whole(self, b, x, w, c, chunk:int=1<<20):
+        self._fold_whole(bucket, x.reshape(-1), w.view(-1)[span], c.view(-1)[span])
+    def _fold_whole(self, bucket, x, w, c, chunk:int=1<<20):
         "`fold_kahan` of flat `x` into `w` and `c`, a chunk at a time"
         for a in range(0, x.numel(), chunk):
             span = slice(a, a + chunk)
-            self._fold(b, x[span], w[span], c[span])
-    def _fold(self, b, x, w, c):
+            self._fold(bucket, x[span], w[span], c[span])
+    def _fold(self, bucket, x, w, c):
         "`fold_kahan` of `x` into `w` and `c`, its temporaries in the workspace"
-        rest = self._scratch(b, x, 'kahan_rest')
-        total = self._scratch(b, x, 'kahan_sum')
+        rest = self._scratch(bucket, x, 'kahan_rest')
+        total = self._scratch(bucket, x, 'kahan_sum')
         fold_kahan([x], [w], [c], rest, total)
-    def written(self, b, idx:list):
-        marks = b.own.marks
+    def written(self, bucket, idx:list):
+        marks = bucket.own.marks
         # between fits only the weights whose values changed: torch's `register_parametrization` touches one (`set_`)
-        if marks is not None: idx = [i for i in idx if not torch.equal(_mark(b.part(b.w, i, i+1)), marks[i])]
-        if idx: torch._foreach_zero_([b.own.slots[i] for i in idx])  # what was written, exactly
-    def rest(self, b):
-        b.own.marks = torch.stack([_mark(b.part(b.w, i, i+1)) for i in range(len(b.params))])
-    def _parts(self, b, i, j) -> tuple:
+        if marks is not None: idx = [i for i in idx if not torch.equal(_mark(bucket.part(bucket.w, i, i+1)), marks[i])]
+        if idx: torch._foreach_zero_([bucket.own.slots[i] for i in idx])  # what was written, exactly
+    def rest(self, bucket):
+        bucket.own.marks = torch.stack([_mark(bucket.part(bucket.w, i, i+1)) for i in range(len(bucket.params))])
+    def _parts(self, bucket, i, j) -> tuple:
         "The bf16 weights and compensations of parameters `i` to `j`"
-        return b.part(b.w, i, j),b.part(b.own.buf, i, j)
-    def widen(self, b, i, j, x):
-        w,c = self._parts(b, i, j)
-        widen_kahan([x], [w], [c], self._scratch(b, x, 'kahan_sum'))
-    def fold(self, b, i, j, x, turn=0):
-        w,c = self._parts(b, i, j)
-        self._fold(b, x, w, c)
-        b.own.marks = None  # a step: the marks of the last rest no longer say the weights
-    def _scratch(self, b, x, slot:str) -> list:
+        return bucket.part(bucket.w, i, j),bucket.part(bucket.own.buf, i, j)
+    def widen(self, bucket, i, j, x):
+        w,c = self._parts(bucket, i, j)
+        widen_kahan([x], [w], [c], self._scratch(bucket, x, 'kahan_sum'))
+    def fold(self, bucket, i, j, x, turn=0):
+        w,c = self._parts(bucket, i, j)
+        self._fold(bucket, x, w, c)
+        bucket.own.marks = None  # a step: the marks of the last rest no longer say the weights
+    def _scratch(self, bucket, x, slot:str) -> list:
         "The fp32 scratch buffer `slot` for a window's bf16 operands"
-        return [b.workspace(b.device, x.numel(), slot)]
-    def value(self, b, i):
-        return b.params[i].data.float().add_(b.own.slots[i].float())
-    def kernel_io(self, b, a, c, turn=0):
-        w,comp = self._parts(b, a, c)
-        return dict(w=w, c=comp, g=b.part(b.g, a, c)),{}
+        return [bucket.workspace(bucket.device, x.numel(), slot)]
+    def value(self, bucket, i):
+        return bucket.params[i].data.float().add_(bucket.own.slots[i].float())
+    def kernel_io(self, bucket, a, c, turn=0):
+        w,comp = self._parts(bucket, a, c)
+        return dict(w=w, c=comp, g=bucket.part(bucket.g, a, c)),{}
     @staticmethod
     def kernel_widen(t, s):
         return t['w'].float() + t['c'].float(),t['g'].float()
@@ -262,16 +262,16 @@ class StochasticKind(BF16Kind):
     # `stream`: a kind that has one is given the callback's (its seed, and a count that checkpoints carry, `make_kind`)
     def __init__(self, stream:Stream|None=None): self.stream = stream or Stream()
     def tick(self): self.stream.tick()
-    def _base(self, b, i:int) -> int:
-        return (b.base + b.lo(i)) % 2**31  # parameter `i`'s first index in the stream
-    def fold(self, b, i, j, x, turn=0):
-        w = round_stochastic(x, self.stream.key(turn), self._base(b, i))
-        b.part(b.w, i, j).copy_(w)  # exact: every value is a bf16 now
-    def kernel_io(self, b, a, c, turn=0):
-        t,_ = super().kernel_io(b, a, c)
+    def _base(self, bucket, i:int) -> int:
+        return (bucket.base + bucket.lo(i)) % 2**31  # parameter `i`'s first index in the stream
+    def fold(self, bucket, i, j, x, turn=0):
+        w = round_stochastic(x, self.stream.key(turn), self._base(bucket, i))
+        bucket.part(bucket.w, i, j).copy_(w)  # exact: every value is a bf16 now
+    def kernel_io(self, bucket, a, c, turn=0):
+        t,_ = super().kernel_io(bucket, a, c)
         mixed = _int32(_mix32(self.stream.seed))  # the seed's part of the key, as an int32
-        count,skipped = self.stream.on(b.device)
-        base = self._base(b, a)
+        count,skipped = self.stream.on(bucket.device)
+        base = self._base(bucket, a)
         return t,dict(count=count, skipped=skipped, mixed=mixed, turn=turn, base=base)
     @staticmethod
     def kernel_fold(t, s, x, nearest=None):
@@ -281,24 +281,24 @@ class StochasticKind(BF16Kind):
 
 class FrozenKind(BF16Kind):
     "bf16 weights frozen when the fit began, their fp32 values kept aside"
-    def split(self, b, x):
-        b.own = Slots(b, x)  # the fp32 values, kept
-        b.w.copy_(x)
-    def assign(self, b, i, x, at=None):
-        flat_part(b.own.slots[i], at, x.numel()).copy_(x)
-        super().assign(b, i, x, at)
-    def to_step(self, b, i, j):
-        _,g = super().to_step(b, i, j)  # nothing widened: the kept fp32 values are stepped
-        return b.part(b.own.buf, i, j),g
-    def widen(self, b, i, j, x): pass
-    def written(self, b, idx):
-        for i in idx: merge_writes(b.own.slots[i], b.slot(b.w, i))
-    def fold(self, b, i, j, x, turn=0): b.part(b.w, i, j).copy_(x)
-    def value(self, b, i):
-        return exact_fp32(b.params[i].data, b.own.slots[i])
-    def kernel_io(self, b, a, c, turn=0):
-        t,s = super().kernel_io(b, a, c)
-        return dict(x=b.part(b.own.buf, a, c), **t),s
+    def split(self, bucket, x):
+        bucket.own = Slots(bucket, x)  # the fp32 values, kept
+        bucket.w.copy_(x)
+    def assign(self, bucket, i, x, at=None):
+        flat_part(bucket.own.slots[i], at, x.numel()).copy_(x)
+        super().assign(bucket, i, x, at)
+    def to_step(self, bucket, i, j):
+        _,g = super().to_step(bucket, i, j)  # nothing widened: the kept fp32 values are stepped
+        return bucket.part(bucket.own.buf, i, j),g
+    def widen(self, bucket, i, j, x): pass
+    def written(self, bucket, idx):
+        for i in idx: merge_writes(bucket.own.slots[i], bucket.slot(bucket.w, i))
+    def fold(self, bucket, i, j, x, turn=0): bucket.part(bucket.w, i, j).copy_(x)
+    def value(self, bucket, i):
+        return exact_fp32(bucket.params[i].data, bucket.own.slots[i])
+    def kernel_io(self, bucket, a, c, turn=0):
+        t,s = super().kernel_io(bucket, a, c)
+        return dict(x=bucket.part(bucket.own.buf, a, c), **t),s
     @staticmethod
     def kernel_widen(t, s): return t['x'],t['g'].float()
     @staticmethod
