@@ -312,3 +312,41 @@ def test_saved_reprs_are_todays():
     reprs = [(nb, cid, m[0]) for nb,cid,t in saved_outputs() for m in pat.finditer(t)]
     assert len(reprs) > 5
     assert not [r for r in reprs if re.search(r'loss_scale=\d+\.0\b|flat_master', r[2])]
+
+CONTRACTS = {'flat': ('mpx.flat', 'Kind', ['state_dtype', 'build', 'finish', 'value', 'assign', 'to_step', 'fold', 'written',
+                      'step_writes', 'tick', 'rest', 'checked', 'stepped', 'grad_of', 'carried', 'restore', 'take', 'merge',
+                      'clear', 'publish', 'kernel_io', 'kernel_widen', 'kernel_fold']),
+             'lowbit': ('mpx.lowbit', 'Store', ['bytes', 'new', 'put', 'value', 'zero', 'load_window', 'store_window',
+                        'window_writes', 'kernel_io', 'kernel_shape', 'kernel_load', 'kernel_store', 'kernel_nearest', 'kernel_key']),
+             'pure': ('mpx.pure', 'BF16Kind', ['split', 'widen'])}
+BUCKET_CALLS = ['zeros', 'views', 'lo', 'end', 'part', 'slot', 'clipped']
+
+def _contract_methods() -> list:
+    "`(page, class name, method)` for every method of a kind's or a store's contract, and the bucket's a kind or a store calls"
+    import importlib
+    res = []
+    for page,(mod,cls,ms) in CONTRACTS.items():
+        c = getattr(importlib.import_module(mod), cls)
+        res += [(page, cls, getattr(c, m)) for m in ms]
+    from mpx.flat import Bucket
+    return res + [('flat', 'Bucket', getattr(Bucket, m)) for m in BUCKET_CALLS]
+
+def test_contract_signatures_spelled_out():
+    "No contract method takes a one-letter argument, and each says what it does"
+    import inspect
+    for _,cls,f in _contract_methods():
+        args = [a for a in inspect.signature(f).parameters if a != 'self']
+        assert not [a for a in args if len(a) == 1], (cls, f.__name__, args)
+        assert (f.__doc__ or '').strip(), (cls, f.__name__)
+
+def test_contracts_on_the_site(pages):
+    "Each contract method has a heading on its page, with its arguments' names and its docstring's words there"
+    import inspect
+    for page,cls,f in _contract_methods():
+        p = pages[page]
+        assert f'{cls}.{f.__name__}' in p['headings'], (page, cls, f.__name__)
+        text = ' '.join(p['text'].split())
+        args = [a for a in inspect.signature(f).parameters if a != 'self']
+        assert all(a in text for a in args), (cls, f.__name__, [a for a in args if a not in text])
+        first = ' '.join(f.__doc__.split())[:40].replace('`', '')
+        assert first in text.replace('`', ''), (cls, f.__name__, first)
