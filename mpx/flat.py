@@ -331,12 +331,12 @@ class Bucket:
             if t is not None and not _in_slot(t, at, o, spec, dtype): return None
         buf = torch.empty(0, dtype=dtype, device=self.device)
         return buf.set_(st, 0, (self.n,), (1,))
-    def hold_weights(self, dtype=None, shared:bool=False) -> Tensor:
-        "The parameters' data as one flat buffer: theirs already, else a new one (`shared`: in shared memory)"
+    def hold_weights(self, dtype=None) -> Tensor:
+        "The parameters' data as one flat buffer: theirs already, else a new one (shared where they all are)"
         buf = self.packed([p.data for p in self.params], dtype)
         if buf is not None: return buf
         buf = self.zeros(dtype or self.dtype)
-        if shared: buf.share_memory_()
+        if all(p.is_shared() for p in self.params): buf.share_memory_()  # `model.share_memory()`: shared it stays
         for p,v in zip(self.params, self.views(buf)):
             v.copy_(p.data)
             set_data(p, v)  # each old tensor freed as it is copied
@@ -359,8 +359,7 @@ class Bucket:
         "A released bucket's parameters in one flat buffer again, with the values they hold now"
         if not self.released: return
         self._cast_back()
-        shared = all(p.is_shared() for p in self.params)  # `model.share_memory()` since: the buffer shared too
-        self.w = self.hold_weights(shared=shared)
+        self.w = self.hold_weights()
         self.ptrs,self.versions = _ptrs(self.params),[p._version for p in self.params]
     def _cast_back(self):
         "A released bucket: gradients in their slots again, parameters cast by hand since (`model.double()`) cast back"

@@ -15,18 +15,20 @@ def wide():
     "BatchNorm's statistics, and a 4,096-weight layer whose state a low-bit store holds"
     return nn.Sequential(nn.Linear(1, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
 
+HANDED_BACK = {'amp': lambda l: l.to_bf16(), 'master': lambda l: l.to_bf16(master=True)}  # fastai's layout between fits
+
 def session(mode, between=None):
     "A learner in `mode` after a fit, `between(learn)`, and a second fit"
     learn = tiny_learner(lr=1e-2, opt_func=Adam, model=wide)
-    KEPT[mode](learn)
+    {**KEPT, **HANDED_BACK}[mode](learn)
     fit_quiet(learn, 1)
     if between is not None: between(learn)
     fit_quiet(learn, 1)
     return learn
 
-@pytest.mark.parametrize('mode', KEPT)
+@pytest.mark.parametrize('mode', [*KEPT, *HANDED_BACK])
 def test_share_memory(mode):
-    "`model.share_memory()` between fits (as torch.multiprocessing's queues do to a parameter) moves the buckets' storages: nothing is written, no compensation is lost, and every later step is the session's without it."
+    "`model.share_memory()` between fits (as torch.multiprocessing's queues do to a parameter) moves the buckets' storages: nothing is written, no compensation is lost, every later step is the session's without it, and the weights stay shared."
     ref = session(mode)
     moved = session(mode, lambda l: l.model.share_memory())
     assert all(p.is_shared() for p in moved.model.parameters())
