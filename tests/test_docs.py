@@ -345,7 +345,7 @@ def test_contracts_on_the_site(pages):
     for page,cls,f in _contract_methods():
         p = pages[page]
         assert f'{cls}.{f.__name__}' in p['headings'], (page, cls, f.__name__)
-        text = ' '.join(p['text'].split())
+        text = ' '.join(p['text'].replace('\u2019', "'").split())  # Sphinx's curly apostrophes
         args = [a for a in inspect.signature(f).parameters if a != 'self']
         assert all(a in text for a in args), (cls, f.__name__, [a for a in args if a not in text])
         first = ' '.join(f.__doc__.split())[:40].replace('`', '')
