@@ -27,5 +27,7 @@ html_theme_options = dict(
     **(dict(repository_url=_git, repository_branch=_s.get('branch', 'main'), use_repository_button=True) if _git else {}),
     use_download_button=False,  # it would offer the notebook sources, which the site does not copy
     home_page_in_toc=True, show_toc_level=2, navigation_with_keys=False)
+# one search box: the header's (the theme's sidebar repeats it as a field of its own)
+html_sidebars = {'**': ['navbar-logo.html', 'icon-links.html', 'sbt-sidebar-nav.html']}
 html_favicon = '_static/favicon.svg'  # without one the browser asks for /favicon.ico and logs a 404
 html_context = dict(default_mode='light')  # pydata-sphinx-theme logs an error on a fresh profile without it

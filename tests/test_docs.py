@@ -350,3 +350,15 @@ def test_contracts_on_the_site(pages):
         assert all(a in text for a in args), (cls, f.__name__, [a for a in args if a not in text])
         first = ' '.join(f.__doc__.split())[:40].replace('`', '')
         assert first in text.replace('`', ''), (cls, f.__name__, first)
+
+_CODE_AND_SEARCH = '''() => ({
+  wide: [...document.querySelectorAll('.bd-article .cell_input div.highlight pre, .bd-article section > div.highlight pre')]
+          .filter(e => e.scrollWidth > e.clientWidth + 1).map(e => e.textContent.split('\\n').find(l => l.length > 80) || ''),
+  searches: [...document.querySelectorAll('.search-button-field, .bd-search')].filter(e => e.offsetParent !== null).length,
+})'''
+
+@pytest.mark.parametrize('page', ['own_kind', 'flat', 'tutorial.digits'])
+def test_code_fits_and_one_search_box_1280(site, base_url, browser, page):
+    "In a 1280-pixel window no code block of a page scrolls sideways (long lines wrap), and one search box shows"
+    got = _at_1280(browser, f'{base_url}{page}.html', _CODE_AND_SEARCH)
+    assert not got['wide'] and got['searches'] == 1, got
