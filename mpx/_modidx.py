@@ -1248,7 +1248,6 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                 'mpx.test_utils.learner_problems': ('test_utils.html#learner_problems', 'mpx/test_utils.py'),
                                 'mpx.test_utils.names_overflows': ('test_utils.html#names_overflows', 'mpx/test_utils.py'),
                                 'mpx.test_utils.needs_mode': ('test_utils.html#needs_mode', 'mpx/test_utils.py'),
-                                'mpx.test_utils.one_thread': ('test_utils.html#one_thread', 'mpx/test_utils.py'),
                                 'mpx.test_utils.opt_diffs': ('test_utils.html#opt_diffs', 'mpx/test_utils.py'),
                                 'mpx.test_utils.precision_cb': ('test_utils.html#precision_cb', 'mpx/test_utils.py'),
                                 'mpx.test_utils.precision_cbs': ('test_utils.html#precision_cbs', 'mpx/test_utils.py'),

@@ -4,16 +4,15 @@
 
 # %% auto #0
 __all__ = ['STEP_LR_TOL', 'precision_cbs', 'precision_cb', 'names_overflows', 'CountSyncs', 'CountOps', 'count_syncs',
-           'one_thread', 'bf16_lstm_runs', 'needs_mode', 'bf16_edges', 'InjectGrad', 'PoisonLoss', 'PoisonInput',
-           'weights', 'state_of', 'state_diffs', 'same_state', 'all_stepped_changed', 'Snapshot',
-           'check_skips_change_nothing', 'assert_same_state', 'learner_problems', 'suspended', 'rel_err', 'grad_norm',
-           'GradNormProbe', 'DtypeHook', 'PredProbe', 'LossProbe', 'replay', 'stepped_opt', 'opt_diffs', 'Ramps',
-           'ramps_split', 'ramp_learner', 'check_stochastic_rounding', 'StepLrs', 'step_lr_tol', 'check_step_lrs',
-           'raised', 'StepProfile', 'check_compiled_steps', 'KernelRuns', 'MASTER_MODES', 'MODES', 'BASIC_MODES',
-           'ALL_MODES', 'OPTIMIZERS', 'ALL_MODES_FP8', 'tiny_dls', 'tiny_model', 'tiny_split', 'tiny_learner',
-           'fit_quiet', 'TupleModel', 'first_mse', 'tabular_split', 'tabular_app_learner', 'collab_app_learner',
-           'text_app_learner', 'Tied', 'tied_split', 'tied_learner', 'SparseEmb', 'sparse_learner', 'fastai_gan',
-           'gan_learner']
+           'bf16_lstm_runs', 'needs_mode', 'bf16_edges', 'InjectGrad', 'PoisonLoss', 'PoisonInput', 'weights',
+           'state_of', 'state_diffs', 'same_state', 'all_stepped_changed', 'Snapshot', 'check_skips_change_nothing',
+           'assert_same_state', 'learner_problems', 'suspended', 'rel_err', 'grad_norm', 'GradNormProbe', 'DtypeHook',
+           'PredProbe', 'LossProbe', 'replay', 'stepped_opt', 'opt_diffs', 'Ramps', 'ramps_split', 'ramp_learner',
+           'check_stochastic_rounding', 'StepLrs', 'step_lr_tol', 'check_step_lrs', 'raised', 'StepProfile',
+           'check_compiled_steps', 'KernelRuns', 'MASTER_MODES', 'MODES', 'BASIC_MODES', 'ALL_MODES', 'OPTIMIZERS',
+           'ALL_MODES_FP8', 'tiny_dls', 'tiny_model', 'tiny_split', 'tiny_learner', 'fit_quiet', 'TupleModel',
+           'first_mse', 'tabular_split', 'tabular_app_learner', 'collab_app_learner', 'text_app_learner', 'Tied',
+           'tied_split', 'tied_learner', 'SparseEmb', 'sparse_learner', 'fastai_gan', 'gan_learner']
 
 # %% ../nbs/99_test_utils.ipynb #29d10340
 import functools, os, re, sys
@@ -26,6 +25,7 @@ from .test_learners import _quiet
 from .callback import PrecisionCallback
 from .core import Fused
 from .lowbit import LowBitState
+from .hardware import _one_thread as one_thread  # tiny tensors on one thread (`tests/conftest.py`'s fixture)
 from .compiled import find_nonfinite, CHECK_RANGE
 
 # %% ../nbs/99_test_utils.ipynb #tu600001
@@ -88,14 +88,6 @@ def count_syncs(learn:Learner, n_epoch:int=1, **kwargs) -> int:
     return c.n
 
 # %% ../nbs/99_test_utils.ipynb #tu380002
-@contextmanager
-def one_thread():
-    "While inside, torch uses one intra-op thread"
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try: yield
-    finally: torch.set_num_threads(n)
-
 @functools.cache
 def bf16_lstm_runs(device:str='cpu') -> bool:
     "Whether `device` has a bf16 LSTM kernel under autocast"
