@@ -97,6 +97,9 @@ nbtest: $(STAMP)
 CHROMIUM ?= $(or $(MPX_CHROMIUM),/usr/bin/chromium)
 # A worker on each core, a test file each (the cases of a file share their fixtures and files); XDIST= runs in one process
 XDIST ?= -n 2 --dist loadfile
+# the apps' cases by group (tests/apps/test_vision.py: an architecture's on one worker, its fp32 runs made once), the others
+# spread: the vision file alone would keep one worker busy while the other finished Hugging Face's
+APPS_XDIST ?= $(if $(XDIST),-n 2 --dist loadgroup,)
 pytest: $(STAMP)
 	@mkdir -p $(LOGS); MPX_CHROMIUM=$(CHROMIUM) $(BIN)/python -m pytest -ra $(XDIST) tests --ignore=tests/apps 2>&1 | \
 	  tee $(LOGS)/pytest.log; rc=$${PIPESTATUS[0]}; \
@@ -126,7 +129,7 @@ $(APPS_STAMP): settings.ini setup.py pyproject.toml constraints.txt constraints-
 
 apptest:
 	$(call setup,$(APPS_STAMP),$(APPS),first use only: about 3 minutes and ~7 GB of disk,$(APPS_DONE))
-	@mkdir -p $(LOGS); $(APPS)/bin/python -m pytest -ra $(XDIST) tests/apps 2>&1 | tee $(LOGS)/apptest.log; exit $${PIPESTATUS[0]}
+	@mkdir -p $(LOGS); $(APPS)/bin/python -m pytest -ra $(APPS_XDIST) tests/apps 2>&1 | tee $(LOGS)/apptest.log; exit $${PIPESTATUS[0]}
 
 # The apps' stack alone, for scripts of your own on fastai.vision or Hugging Face: in .venv torchvision does not import
 apps-env:
