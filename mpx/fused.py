@@ -451,7 +451,7 @@ class FusedSteps:
         if groups != len(o.param_lists) or n != sum(map(len, o.param_lists)):
             raise ValueError(f"the checkpoint's optimizer state has {n} parameters in {groups} groups")
         ps = o.all_params().itemgot(0)
-        # all or nothing: each tensor put first into a scratch store of its own, so a put that fails does before any is
+        # all or nothing: each tensor put first into a scratch store of its own, so a put that fails does so before any is
         # written (the optimizer's state then the one it had, whole: fastai warns that it could not load it)
         for p,s in zip(ps, sd['state']):
             for k,v in s.items(): self._stored(p, k, v, trial=True)
