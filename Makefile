@@ -38,12 +38,12 @@ demo:
 
 # `make test` runs every step, whatever an earlier one gave, and ends with one summary: each step's outcome and time, what
 # pytest skipped and why, what was not tested. pytest's and the apps' output also go to $(LOGS)/. The times are a 2-core
-# machine's (an AMD EPYC, Zen 2): about 20 minutes from a fresh clone, 17 once both environments are set up.
+# machine's (an AMD EPYC, Zen 2): about 18 minutes from a fresh clone (.ci/run, measured), 15 once both environments are set up.
 TEST_STEPS := check-export check-clean nbtest pytest apptest
 test:
 	@echo "make test: set-up of $(VENV) (first run only, ~2 min), then $(TEST_STEPS)"
-	@echo "  (the notebooks' export and cleanliness, their tests ~1 min, pytest ~9 min, the set-up of $(APPS) on first use ~3 min"
-	@echo "  and ~7 GB, tests/apps ~8 min): about 20 minutes on 2 cores, less on more; a summary at the end."
+	@echo "  (the notebooks' export and cleanliness, their tests ~1 min, pytest ~10 min, the set-up of $(APPS) on first use ~2 min"
+	@echo "  and ~7 GB, tests/apps ~4 min): about 18 minutes on 2 cores, less on more; a summary at the end."
 	$(call setup,$(STAMP),$(VENV),first run only: about 2 minutes,$(VENV_DONE))
 	$(if $(DRY),$(MAKE) $(TEST_STEPS),@$(run_steps))
 

@@ -237,7 +237,7 @@ def test_make_test_plan_and_summary(stub_envs):
         res = subprocess.run(['make', 'test', f'VENV={venv}', f'APPS={apps}', 'CHROMIUM=/no/such/chromium'], cwd=ROOT,
                              env={**ENV, 'STUB_RC': rc}, capture_output=True, text=True, timeout=600)
         out = res.stdout
-        assert out.startswith('make test: ') and 'about 20 minutes' in out.splitlines()[2], out[:500]
+        assert out.startswith('make test: ') and 'about 18 minutes' in out.splitlines()[2], out[:500]
         assert [l.split()[2] for l in out.splitlines() if l.startswith('== make ')] == [
             'check-export', 'check-clean', 'nbtest', 'pytest', 'apptest', 'test:'], out  # every step, whatever one gave
         summary = out[out.index('== make test: summary'):]
