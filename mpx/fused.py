@@ -414,15 +414,15 @@ class FusedSteps:
     def alone(self, sd:dict):
         "A state dict's tensors that lie in a bucket's buffer beside parameters it holds not (a submodule's), copied out"
         # torch saves a view's whole storage: a module's dict would carry the model; a dict of them all is left as it is
-        at,held = set(),collections.defaultdict(set)  # where the dict's tensors lie; by storage, where its parameters do
-        for t in sd.values():
-            if isinstance(t, Tensor) and t.numel(): at.add(t.data_ptr())
+        held = collections.defaultdict(set)  # by storage, where the flat buckets' parameters lie
         for b in self.buckets:
             for p in b.params if b.flat else []:
                 if p.numel(): held[p.untyped_storage().data_ptr()].add(p.data_ptr())
+        if not held: return
+        plain = {k: t for k,t in sd.items() if type(t) in (Tensor, nn.Parameter) and t.numel()}  # not a DTensor's shard
+        at = {t.data_ptr() for t in plain.values()}  # where the dict's tensors lie
         copied = {}  # a tensor under two keys (tied weights): one copy
-        for k,t in sd.items():
-            if not isinstance(t, Tensor) or not t.numel(): continue
+        for k,t in plain.items():
             ptrs = held.get(t.untyped_storage().data_ptr())
             if ptrs is None or ptrs <= at: continue
             if t.data_ptr() not in copied: copied[t.data_ptr()] = own_storage(t)
