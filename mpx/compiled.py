@@ -246,6 +246,7 @@ def _kernel(kind, store, chain:tuple, sig:tuple=()) -> tuple:
         opts = dict(dynamic=True, fullgraph=True)
         known = _known_options(store.kernel_options)
         options = {'options': known} if known else {}
+        # each its own code object (not a `partial`, whose calls all enter one function of torch's): cached, and counted, apart
         step = torch.compile(_own(step, name), **opts, **options)
         scalars = torch.compile(_own(scalars, name + '_scalars'), **opts)
         _kernels[key] = (scalars,step)
