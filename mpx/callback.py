@@ -20,7 +20,8 @@ from .patches import *
 from .warn import warn_user
 
 # %% auto #0
-__all__ = ['ScaleTelemetry', 'check_single_autocast', 'NormStats', 'first_not_fp32', 'PrecisionCallback']
+__all__ = ['ScaleTelemetry', 'check_single_autocast', 'NormStats', 'first_not_fp32', 'FitEvents', 'StepChecks',
+           'PrecisionCallback']
 
 # %% ../nbs/02_callback.ipynb #cb000007
 class ScaleTelemetry:
@@ -161,134 +162,10 @@ def _take_back_norms(model:nn.Module) -> Tensor|None:
         if b.dtype == torch.float64 and torch.equal(b.float().double(), b): b.data = b.data.float()
     return first(_norm_bufs(model))
 
-# %% ../nbs/02_callback.ipynb #e9ed62b0
-class PrecisionCallback(Callback, ScaleTelemetry, CheckpointState):
-    "What every precision mode shares"
-    order,input_dtype,scaler = 10,None,None  # `scaler`: the `LossScaler` of a mode that scales the loss
-    _mpx_precision = True  # see `is_mpx_precision`
-    def __init__(self,
-        amp_mode:str|AMPMode=AMPMode.FP16, # The 16-bit dtype: 'fp16' or 'bf16'
-        check_finite:bool=True, # Skip a step whose gradients hold inf/nan (one host sync a step), as fp16 always does
-        fused:bool|str=True, # How the step engine steps (`Fused`): True, False or 'compile'
-        schedule_skips:bool=True, # False: a skipped step, which makes no update, does not advance fastai's schedules
-        opt_state='fp32', # The optimizer's state: 'fp32', 'bf16', '8bit', '4bit', a `register_store` name or a `Store` (`mpx.lowbit`)
-    ):
-        check_args(check_finite=check_finite, schedule_skips=schedule_skips, opt_state=opt_state)
-        self.opt_state = _check_opt_state(opt_state, Fused.of(fused))
-        self.amp_mode,self.check_finite,self.fused = AMPMode(amp_mode),check_finite,Fused.of(fused)
-        self.step_log = StepLog()
-        self.schedule_skips,self._sched_skipped,self._batch_skipped = schedule_skips,0,False
-        self.device_type,self.fit_state,self.fused_steps,self.ledger = None,None,None,None
-        self._autocast,self._loss_autocast,self._entered = None,None,None  # the autocast contexts, and the one entered
-        self._norms,self._norms_due = None,False
-        self._checked,self._found = False,False  # this step was checked, and found non-finite
-        self._given = None  # a training batch's output as the model gave it, between `after_pred` and `after_loss`
-        self._outer = None  # during a fit, what each fit or validation nested in it put aside
-        self._began_kept = None  # whether the fit under way took the layout the last one kept (None: no fit began here)
-
-    @property
-    def scaling(self) -> bool:
-        "Whether the loss is scaled: the mode holds a `LossScaler`"
-        return self.scaler is not None
-    @property
-    def checking(self) -> bool:
-        "Whether each step's gradients are checked for inf/nan"
-        return self.scaling or self.check_finite
-    def _check_schedule_skips(self):
-        "Refuse `schedule_skips=False` where no step is ever skipped"
-        if self.schedule_skips or self.checking: return
-        raise ValueError(f"schedule_skips=False has no effect with check_finite=False and amp_mode='{self.amp_mode}': "
-                         "no step is ever skipped. Drop schedule_skips, or pass check_finite=True")
-    @property
-    def autocast_dtype(self) -> torch.dtype|None:
-        "The dtype the forward pass autocasts to, or None"
-        return None
-    @property
-    def loss_scale(self) -> float:
-        "The current loss scale, 1.0 where unscaled (a sync in a compiled fit)"
-        return 1.0 if self.scaler is None else self.scaler.pull().scale
-    @property
-    def _at_floor(self) -> bool:
-        "Whether the scale can fall no further"
-        return True
-
-    def __repr__(self):
-        head = f"{type(self).__name__}(amp_mode='{self.amp_mode}', loss_scale={self.loss_scale:g}, "
-        return f"{head}{self._repr_extra()}{self._repr_state()}skipped_steps={self.skipped_steps}/{self.total_steps})"
-    def _repr_extra(self) -> str:
-        s = self.scaler
-        if s is None or not s.dynamic or s.hysteresis == 1: return ''
-        return f'hysteresis={s.pull().hysteresis_left}/{s.hysteresis}, '
-    memory_mode = 'amp'  # the `MODE_BYTES` entry of `mpx.lowbit` saying what a parameter holds besides its state
-    keeps_layout = None  # between fits: None keeps a fit's layout where the state is low-bit, else a mode's True/False
-    @property
-    def resident(self) -> bool:
-        "Whether a fit's layout stays between fits, until `to_fp32()`"
-        keeps = not make_store(self.opt_state).views if self.keeps_layout is None else self.keeps_layout
-        return keeps and not (torch.distributed.is_available() and torch.distributed.is_initialized())
-    def param_bytes(self, n_state:int=2) -> float:
-        "Bytes a parameter holds between steps, with `n_state` state tensors"
-        return param_bytes(self.memory_mode, self.opt_state, n_state)
-    def _repr_state(self) -> str:
-        if make_store(self.opt_state).views: return ''
-        return f"opt_state={store_name(self.opt_state)!r} ({self.param_bytes():.3g} B/param with Adam), "
-
-    # ---- hooks a mode overrides
-    def _check_model(self, model:nn.Module):
-        "Raise a `ValueError` where the mode cannot train `model`"
-        bad = first_not_fp32(model)
-        if bad: raise ValueError(f"{type(self).__name__} needs an fp32 model: parameter {bad[0]!r} is {bad[1]}; "
-                                 "call learn.to_fp32() first (on the learner whose layout holds this model, where "
-                                 "another one does: it gives each weight's exact fp32 value back)")
-    def _check_untied(self):
-        "Refuse parameters sharing memory, which a half copy would untie"
-        ps = opt_params(self.learn.opt) if self.learn.opt is not None else list(self.model.parameters())
-        tied = overlapping(ps)
-        if not tied: return
-        names = [n for n,p in get_model(self.model).named_parameters() if id(p) in tied]
-        raise ValueError(f"parameters {names} share memory (one a view of another, the transpose say): "
-                         f"{type(self).__name__} keeps a half copy of each weight, which would untie them. "
-                         "Tie weights as modules do (one Parameter used twice), "
-                         "or train with AMP (learn.to_bf16() or learn.to_fp16()), which steps them where they lie")
-    def _check_cbs(self, cbs):
-        "Raise a `ValueError` where another callback does what the mode cannot"
-    def _new_fit_state(self):
-        "Prepare one fit (or `get_preds`): a `FitState`, or None"
-    def _new_fused_steps(self):
-        "The step engine of one fit on the learner's optimizer, or None"
-        if self.learn.opt is None: return None
-        kind_of = None if self.fit_state is None else self.fit_state.kind_of
-        return FusedSteps(self.learn.opt, kind_of, fused=self.fused, ledger=self.ledger, opt_state=self.opt_state)
-    def _scale_loss(self, loss): return loss if self.scaler is None else self.scaler.scale_loss(loss)
-    def _step_grads(self) -> list:
-        "The gradients the optimizer is about to apply, each tensor once"
-        if self.fused_steps is not None: return self.fused_steps.checked()
-        grads = (p.grad for pg in self.learn.opt.param_lists for p in pg if p.grad is not None)
-        return list({id(g): g for g in grads}.values())
-    def _named_grads(self) -> list:
-        "`(parameter name, gradient)` in model order, for the diagnosis"
-        if self.fused_steps is not None: return self.fused_steps.named_grads(get_model(self.model))
-        return [(n, p.grad) for n,p in get_model(self.model).named_parameters()]
-    def _unscale_and_find_overflow(self, lazy:bool=False) -> tuple:
-        "This step's scale, and whether its gradients hold inf/nan (one sync)"
-        s,grads = self.scaler,self._step_grads()
-        if s is not None and lazy: s.to_device(training_device(self.dls, self.model))  # the scale's state stays there
-        # a compiled step's unscaled gradients: read once, compiled (the eager kernel writes them back)
-        found = find_nonfinite(grads) if s is None and lazy and self.fused is Fused.COMPILE else None
-        if found is None: found = unscale_and_find_inf_(grads) if s is None else s.unscale_(grads)
-        scale = 1.0 if s is None else s.dev['scale'] if lazy else s.scale
-        return scale,(found if lazy else bool(found.item()))
-    def _update_scale(self, found:bool):
-        "Update the loss scale after a checked step"
-        if self.scaler is not None: self.scaler.update(found)
-    def reset_scaler(self):
-        "Start the loss scale afresh at its initial value"
-        if self.scaler is not None: self.scaler.reset()
-    def _scaler_state(self) -> dict: return {} if self.scaler is None else self.scaler.state_dict()
-    def _load_scaler_state(self, sd:dict):
-        if self.scaler is not None: self.scaler.load_state_dict(sd)
-
-    # ---- one fit: begun in `before_fit`, ended in `after_fit` or by whatever ends the fit
+# %% ../nbs/02_callback.ipynb #cbfit01
+class FitEvents:
+    "One fit of a precision callback: begun in `before_fit`, ended in `after_fit` or by whatever ends the fit"
+    # a part of `PrecisionCallback`: its methods read the callback's engine, ledger, fit state and autocast contexts
     def before_fit(self):
         "Check everything, then begin this mode's fit (or a nested one)"
         if self._outer is not None: return self._nest()
@@ -324,7 +201,6 @@ class PrecisionCallback(Callback, ScaleTelemetry, CheckpointState):
     def before_train(self):
         "Take the steps skipped so far off `pct_train` at the first batch"
         self._offset_due = bool(self._sched_skipped)
-
     def _begin_fit(self):
         "Install the mode's fit state, then the step engine, in one ledger"
         self.ledger = Ledger()
@@ -404,7 +280,6 @@ class PrecisionCallback(Callback, ScaleTelemetry, CheckpointState):
         entered,state = self._outer.pop()
         for k,v in state.items(): setattr(self, k, v)
         self._enter(entered)
-
     @contextlib.contextmanager
     def suspended(self):
         "Context manager: a fit under way is undone inside it, then resumed"
@@ -417,6 +292,175 @@ class PrecisionCallback(Callback, ScaleTelemetry, CheckpointState):
         finally:
             self._begin_fit()
             if self.fused_steps is not None: self.fused_steps.restore_grads(grads)
+
+# %% ../nbs/02_callback.ipynb #cbstep01
+class StepChecks:
+    "One optimizer step of a precision callback: the loss scale, the finite check, the skip"
+    # a part of `PrecisionCallback`: its methods read the callback's `scaler`, engine and step log
+    @property
+    def scaling(self) -> bool:
+        "Whether the loss is scaled: the mode holds a `LossScaler`"
+        return self.scaler is not None
+    @property
+    def checking(self) -> bool:
+        "Whether each step's gradients are checked for inf/nan"
+        return self.scaling or self.check_finite
+    def _check_schedule_skips(self):
+        "Refuse `schedule_skips=False` where no step is ever skipped"
+        if self.schedule_skips or self.checking: return
+        raise ValueError(f"schedule_skips=False has no effect with check_finite=False and amp_mode='{self.amp_mode}': "
+                         "no step is ever skipped. Drop schedule_skips, or pass check_finite=True")
+    @property
+    def loss_scale(self) -> float:
+        "The current loss scale, 1.0 where unscaled (a sync in a compiled fit)"
+        return 1.0 if self.scaler is None else self.scaler.pull().scale
+    @property
+    def _at_floor(self) -> bool:
+        "Whether the scale can fall no further"
+        return True
+    def _scale_loss(self, loss): return loss if self.scaler is None else self.scaler.scale_loss(loss)
+    def _step_grads(self) -> list:
+        "The gradients the optimizer is about to apply, each tensor once"
+        if self.fused_steps is not None: return self.fused_steps.checked()
+        grads = (p.grad for pg in self.learn.opt.param_lists for p in pg if p.grad is not None)
+        return list({id(g): g for g in grads}.values())
+    def _named_grads(self) -> list:
+        "`(parameter name, gradient)` in model order, for the diagnosis"
+        if self.fused_steps is not None: return self.fused_steps.named_grads(get_model(self.model))
+        return [(n, p.grad) for n,p in get_model(self.model).named_parameters()]
+    def _unscale_and_find_overflow(self, lazy:bool=False) -> tuple:
+        "This step's scale, and whether its gradients hold inf/nan (one sync)"
+        s,grads = self.scaler,self._step_grads()
+        if s is not None and lazy: s.to_device(training_device(self.dls, self.model))  # the scale's state stays there
+        # a compiled step's unscaled gradients: read once, compiled (the eager kernel writes them back)
+        found = find_nonfinite(grads) if s is None and lazy and self.fused is Fused.COMPILE else None
+        if found is None: found = unscale_and_find_inf_(grads) if s is None else s.unscale_(grads)
+        scale = 1.0 if s is None else s.dev['scale'] if lazy else s.scale
+        return scale,(found if lazy else bool(found.item()))
+    def _update_scale(self, found:bool):
+        "Update the loss scale after a checked step"
+        if self.scaler is not None: self.scaler.update(found)
+    def reset_scaler(self):
+        "Start the loss scale afresh at its initial value"
+        if self.scaler is not None: self.scaler.reset()
+    def _scaler_state(self) -> dict: return {} if self.scaler is None else self.scaler.state_dict()
+    def _load_scaler_state(self, sd:dict):
+        if self.scaler is not None: self.scaler.load_state_dict(sd)
+    def before_step(self):
+        "Unscale and check the gradients, and skip a step holding inf/nan"
+        self._norms_due = True
+        self._restart_if_stale()
+        if not self.checking: return self._record(1.0)
+        lazy = self._on_device()
+        scale,self._found = self._unscale_and_find_overflow(lazy)
+        self._checked = True
+        self._record(scale, skipped=self._found)
+        if lazy: return self._skip_on_device(self._found)
+        self._batch_skipped = self._found
+        if self._found: self._skip(scale)
+    skip_on_device = None  # None: a step's verdict stays on the device where the data is not on the CPU; True, False: always, never
+    def _on_device(self) -> bool:
+        "Whether this step is skipped on the device (no host read): compiled, or the engine's eager step putting back its writes"
+        fs = self.fused_steps
+        if fs is None: return False
+        if self.fused is Fused.COMPILE and fs.will_compile(): return True
+        on = self.device_type != 'cpu' if self.skip_on_device is None else self.skip_on_device  # a CPU's read waits for nothing
+        return on and fs.skips_on_device()
+    def _skip_on_device(self, found:Tensor):
+        "Skip the step where `found`, with no host sync"
+        self.fused_steps.found = found
+        if self._norms is not None: self._norms.restore_where(found)
+        if not self.schedule_skips: self._batch_skipped = bool(found.item())
+    def _skip(self, scale):
+        "Put the norm statistics back, diagnose, and cancel the step"
+        if self._norms is not None: self._norms.restore()
+        self._on_overflow(self._named_grads(), float(scale), at_floor=self._at_floor)
+        raise CancelStepException()
+    def after_step(self): self._close_step()
+    def _close_step(self):
+        "Update the scale once for a checked step, wherever it ended"
+        checked,found,self._checked,self._found = self._checked,self._found,False,False  # never retried if it fails
+        if self.fused_steps is not None:
+            self.fused_steps.found = None
+            self.fused_steps.settle(wait=False)  # a verdict the host knows already: `opt.state` as the step left it
+        if checked: self._update_scale(found)
+
+# %% ../nbs/02_callback.ipynb #e9ed62b0
+class PrecisionCallback(Callback, FitEvents, StepChecks, ScaleTelemetry, CheckpointState):
+    "What every precision mode shares"
+    order,input_dtype,scaler = 10,None,None  # `scaler`: the `LossScaler` of a mode that scales the loss
+    _mpx_precision = True  # see `is_mpx_precision`
+    def __init__(self,
+        amp_mode:str|AMPMode=AMPMode.FP16, # The 16-bit dtype: 'fp16' or 'bf16'
+        check_finite:bool=True, # Skip a step whose gradients hold inf/nan (one host sync a step), as fp16 always does
+        fused:bool|str=True, # How the step engine steps (`Fused`): True, False or 'compile'
+        schedule_skips:bool=True, # False: a skipped step, which makes no update, does not advance fastai's schedules
+        opt_state='fp32', # The optimizer's state: 'fp32', 'bf16', '8bit', '4bit', a `register_store` name or a `Store` (`mpx.lowbit`)
+    ):
+        check_args(check_finite=check_finite, schedule_skips=schedule_skips, opt_state=opt_state)
+        self.opt_state = _check_opt_state(opt_state, Fused.of(fused))
+        self.amp_mode,self.check_finite,self.fused = AMPMode(amp_mode),check_finite,Fused.of(fused)
+        self.step_log = StepLog()
+        self.schedule_skips,self._sched_skipped,self._batch_skipped = schedule_skips,0,False
+        self.device_type,self.fit_state,self.fused_steps,self.ledger = None,None,None,None
+        self._autocast,self._loss_autocast,self._entered = None,None,None  # the autocast contexts, and the one entered
+        self._norms,self._norms_due = None,False
+        self._checked,self._found = False,False  # this step was checked, and found non-finite
+        self._given = None  # a training batch's output as the model gave it, between `after_pred` and `after_loss`
+        self._outer = None  # during a fit, what each fit or validation nested in it put aside
+        self._began_kept = None  # whether the fit under way took the layout the last one kept (None: no fit began here)
+
+    @property
+    def autocast_dtype(self) -> torch.dtype|None:
+        "The dtype the forward pass autocasts to, or None"
+        return None
+    def __repr__(self):
+        head = f"{type(self).__name__}(amp_mode='{self.amp_mode}', loss_scale={self.loss_scale:g}, "
+        return f"{head}{self._repr_extra()}{self._repr_state()}skipped_steps={self.skipped_steps}/{self.total_steps})"
+    def _repr_extra(self) -> str:
+        s = self.scaler
+        if s is None or not s.dynamic or s.hysteresis == 1: return ''
+        return f'hysteresis={s.pull().hysteresis_left}/{s.hysteresis}, '
+    memory_mode = 'amp'  # the `MODE_BYTES` entry of `mpx.lowbit` saying what a parameter holds besides its state
+    keeps_layout = None  # between fits: None keeps a fit's layout where the state is low-bit, else a mode's True/False
+    @property
+    def resident(self) -> bool:
+        "Whether a fit's layout stays between fits, until `to_fp32()`"
+        keeps = not make_store(self.opt_state).views if self.keeps_layout is None else self.keeps_layout
+        return keeps and not (torch.distributed.is_available() and torch.distributed.is_initialized())
+    def param_bytes(self, n_state:int=2) -> float:
+        "Bytes a parameter holds between steps, with `n_state` state tensors"
+        return param_bytes(self.memory_mode, self.opt_state, n_state)
+    def _repr_state(self) -> str:
+        if make_store(self.opt_state).views: return ''
+        return f"opt_state={store_name(self.opt_state)!r} ({self.param_bytes():.3g} B/param with Adam), "
+
+    # ---- hooks a mode overrides
+    def _check_model(self, model:nn.Module):
+        "Raise a `ValueError` where the mode cannot train `model`"
+        bad = first_not_fp32(model)
+        if bad: raise ValueError(f"{type(self).__name__} needs an fp32 model: parameter {bad[0]!r} is {bad[1]}; "
+                                 "call learn.to_fp32() first (on the learner whose layout holds this model, where "
+                                 "another one does: it gives each weight's exact fp32 value back)")
+    def _check_untied(self):
+        "Refuse parameters sharing memory, which a half copy would untie"
+        ps = opt_params(self.learn.opt) if self.learn.opt is not None else list(self.model.parameters())
+        tied = overlapping(ps)
+        if not tied: return
+        names = [n for n,p in get_model(self.model).named_parameters() if id(p) in tied]
+        raise ValueError(f"parameters {names} share memory (one a view of another, the transpose say): "
+                         f"{type(self).__name__} keeps a half copy of each weight, which would untie them. "
+                         "Tie weights as modules do (one Parameter used twice), "
+                         "or train with AMP (learn.to_bf16() or learn.to_fp16()), which steps them where they lie")
+    def _check_cbs(self, cbs):
+        "Raise a `ValueError` where another callback does what the mode cannot"
+    def _new_fit_state(self):
+        "Prepare one fit (or `get_preds`): a `FitState`, or None"
+    def _new_fused_steps(self):
+        "The step engine of one fit on the learner's optimizer, or None"
+        if self.learn.opt is None: return None
+        kind_of = None if self.fit_state is None else self.fit_state.kind_of
+        return FusedSteps(self.learn.opt, kind_of, fused=self.fused, ledger=self.ledger, opt_state=self.opt_state)
 
     # ---- one batch
     def before_batch(self):
@@ -464,46 +508,6 @@ class PrecisionCallback(Callback, ScaleTelemetry, CheckpointState):
         lf,dt = getattr(self.learn, 'loss_func', None),self.input_dtype
         if dt is None or not isinstance(lf, nn.Module) or not any(p.dtype == dt for p in lf.parameters()): return None
         return torch.autocast(self.device_type, dtype=dt)
-
-    # ---- one optimizer step
-    def before_step(self):
-        "Unscale and check the gradients, and skip a step holding inf/nan"
-        self._norms_due = True
-        self._restart_if_stale()
-        if not self.checking: return self._record(1.0)
-        lazy = self._on_device()
-        scale,self._found = self._unscale_and_find_overflow(lazy)
-        self._checked = True
-        self._record(scale, skipped=self._found)
-        if lazy: return self._skip_on_device(self._found)
-        self._batch_skipped = self._found
-        if self._found: self._skip(scale)
-    skip_on_device = None  # None: a step's verdict stays on the device where the data is not on the CPU; True, False: always, never
-    def _on_device(self) -> bool:
-        "Whether this step is skipped on the device (no host read): compiled, or the engine's eager step putting back its writes"
-        fs = self.fused_steps
-        if fs is None: return False
-        if self.fused is Fused.COMPILE and fs.will_compile(): return True
-        on = self.device_type != 'cpu' if self.skip_on_device is None else self.skip_on_device  # a CPU's read waits for nothing
-        return on and fs.skips_on_device()
-    def _skip_on_device(self, found:Tensor):
-        "Skip the step where `found`, with no host sync"
-        self.fused_steps.found = found
-        if self._norms is not None: self._norms.restore_where(found)
-        if not self.schedule_skips: self._batch_skipped = bool(found.item())
-    def _skip(self, scale):
-        "Put the norm statistics back, diagnose, and cancel the step"
-        if self._norms is not None: self._norms.restore()
-        self._on_overflow(self._named_grads(), float(scale), at_floor=self._at_floor)
-        raise CancelStepException()
-    def after_step(self): self._close_step()
-    def _close_step(self):
-        "Update the scale once for a checked step, wherever it ended"
-        checked,found,self._checked,self._found = self._checked,self._found,False,False  # never retried if it fails
-        if self.fused_steps is not None:
-            self.fused_steps.found = None
-            self.fused_steps.settle(wait=False)  # a verdict the host knows already: `opt.state` as the step left it
-        if checked: self._update_scale(found)
 
     # ---- what `export` pickles
     def __getstate__(self):

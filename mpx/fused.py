@@ -20,7 +20,8 @@ from .foreign import ForeignSteps, LookaheadSync
 from .lowbit import Store, DenseStore, LowBitState, make_store, MIN_LOWBIT
 
 # %% auto #0
-__all__ = ['why_not_fused', 'why_not_lowbit', 'StepPhase', 'default_chunk', 'Verdict', 'Unsettled', 'FusedSteps']
+__all__ = ['why_not_fused', 'why_not_lowbit', 'StepPhase', 'default_chunk', 'Verdict', 'Unsettled', 'EngineGrads',
+           'EngineCheckpoints', 'FusedSteps']
 
 # %% ../nbs/01a_fused.ipynb #fz0006
 def why_not_fused(opt) -> str|None:
@@ -96,14 +97,163 @@ class Unsettled:
                 if k in was: d[k] = was[k]
                 else: d.pop(k, None)
 
-# %% ../nbs/01a_fused.ipynb #fz0012
+# %% ../nbs/01a_fused.ipynb #fz0012h
 _grad = operator.attrgetter('grad')
 
 def _once(xs) -> list:
     "Each object in `xs` once (by identity), in order"
     return list({id(x): x for x in xs}.values())
 
-class FusedSteps:
+# %% ../nbs/01a_fused.ipynb #fz0012g
+class EngineGrads:
+    "`FusedSteps`' gradients: fastai's `zero_grad`, a taking kind's own (the master mode's), the step's phase"
+    # a part of the engine: its methods read the engine's `buckets`, `home`, `lists`, `phase` and `handed_out`
+    @torch.no_grad()
+    def zero_grad(self):
+        "fastai's `zero_grad`, one op a flat bucket"
+        gs = []
+        for b in self.buckets:
+            if b.flat and b.g is not None: gs.append(b.g)
+            own = list(map(_grad, b.params))
+            if b.grad_slots is not None and all(map(operator.is_, own, b.grad_slots)): continue  # all in the flat buffer: its one op
+            for i,g in enumerate(own):
+                if g is None or (b.grad_slots is not None and g is b.grad_slots[i]): continue
+                # only a `create_graph` backward leaves such a gradient
+                if g.grad_fn is not None or g.requires_grad: g.detach_()
+                gs.append(g)
+        if gs: torch._foreach_zero_(gs)
+        self.end_step()
+    def _taking(self) -> list: return [b for b in self.buckets if b.kind.takes]
+    @torch.no_grad()
+    def before_backward(self):
+        "Before a backward (in a step's second, callbacks' writes taken)"
+        fresh = self.phase.fresh
+        self.phase = StepPhase.BACKWARD if fresh else StepPhase.ACCUMULATING  # a backward the engine has not taken
+        if fresh: return
+        for b in self._taking():
+            b.adopt_grads()
+            b.kind.merge(b, self.handed_out)
+            b.kind.clear(b)
+    @torch.no_grad()
+    def take(self):
+        "After a backward: the taking kinds take the model's gradients"
+        for b in self._taking():
+            b.adopt_grads()
+            b.kind.take(b, self.phase.fresh)
+        self.phase = StepPhase.TAKEN
+    def checked(self) -> list:
+        "The gradients the finite check reads, one a flat bucket"
+        self.adopt_changes(full=False)  # the gradients adopted first
+        return [g for b in self.buckets for g in b.kind.checked(b) if g is not None]
+    @torch.no_grad()
+    def publish(self):
+        "The taking kinds' checked gradients back into the model's"
+        for b in self._taking(): b.kind.publish(b)
+    def named_grads(self, model:nn.Module) -> list:
+        "`(name, stepped gradient)` of `model`'s parameters"
+        res = []
+        for n,p in model.named_parameters():
+            h = self.home.get(id(p))
+            res.append((n, p.grad if h is None else h[0].kind.grad_of(*h)))
+        return res
+    def stepped(self) -> list:
+        "Each parameter's stepped tensor, with its gradient"
+        self.handed_out = True  # a caller may write into them: the step asks their version counters
+        seen = {id(p): p for pg in self.lists for p in pg}
+        return [b.kind.stepped(b, i) for b,i in (self.home[k] for k in seen)]
+    def end_step(self):
+        "The step is over (taken or skipped): the next backward's gradients are the next step's first"
+        self.phase = StepPhase.BACKWARD if self.phase.pending else StepPhase.READY
+    def grads_in_flight(self) -> dict:
+        "Gradients accumulated since the last step that `undo` would drop"
+        idle = self.phase is StepPhase.READY  # no gradient accumulated, none pending: nothing to carry
+        res = {}
+        for b in self.buckets: res.update(b.kind.carried(b, idle))
+        # by `id` of parameter; 'at': where the step stands
+        return {**res, 'at': self.phase} if res else {}
+    def restore_grads(self, grads:dict):
+        "Put back what `grads_in_flight` took from an earlier layout"
+        if not grads: return
+        for b in self.buckets: b.kind.restore(b, grads)
+        self.phase = grads['at']
+
+# %% ../nbs/01a_fused.ipynb #fz0012c
+class EngineCheckpoints:
+    "`FusedSteps`' part in checkpoints: fastai's state dict, and each tensor's fp32 value, a tensor at a time"
+    # a part of the engine: its methods read the engine's `buckets`, `home`, `inner`, `low` and `lookaheads`
+    def _state_dict(self) -> dict:
+        "fastai's `state_dict`, in fastai's layout"
+        self.steps_to_host()  # the step counts from the device
+        sd = type(self.inner).state_dict(self.inner)
+        if self.low.views: return sd
+        state = [{k: _in_fp32(v, self.lazy) for k,v in s.items()} for s in sd['state']]
+        return {**sd, 'state': state}
+    def alone(self, sd:dict):
+        "A state dict's tensors that lie in a bucket's buffer beside parameters it holds not (a submodule's), copied out"
+        # torch saves a view's whole storage: a module's dict would carry the model; a dict of them all is left as it is
+        held = collections.defaultdict(set)  # by storage, where the flat buckets' parameters lie
+        for b in self.buckets:
+            for p in b.params if b.flat else []:
+                if p.numel(): held[p.untyped_storage().data_ptr()].add(p.data_ptr())
+        if not held: return
+        plain = {k: t for k,t in sd.items() if type(t) in (Tensor, nn.Parameter) and t.numel()}  # not a DTensor's shard
+        at = {t.data_ptr() for t in plain.values()}  # where the dict's tensors lie
+        copied = {}  # a tensor under two keys (tied weights): one copy
+        for k,t in plain.items():
+            ptrs = held.get(t.untyped_storage().data_ptr())
+            if ptrs is None or ptrs <= at: continue
+            if t.data_ptr() not in copied: copied[t.data_ptr()] = own_storage(t)
+            sd[k] = copied[t.data_ptr()]
+    def fp32_of(self, p:Tensor) -> Callable|None:
+        "How to make `p`'s fp32 value where the engine holds it otherwise (None: `p` is it)"
+        h = self.home.get(id(p))
+        if h is None or h[0].kind.in_place: return None
+        return partial(_value_now, *h)
+    def assign(self, p:Tensor, x:Tensor, at:int|None=None) -> bool:
+        "Parameter `p` takes fp32 value `x` (`at`: its flat elements from `at`); False where the engine holds it not"
+        h = self.home.get(id(p))
+        if h is None or h[0].kind.in_place: return False
+        b,i = h
+        b.kind.assign(b, i, x.to(b.device, torch.float32), at)
+        # held as a fit beginning from `x` holds it: not a write for the kind to take
+        b.versions[i] = b.params[i]._version
+        return True
+    def load_state(self, sd:dict):
+        "fastai's `load_state_dict`, each state tensor into its store (a streamed checkpoint's read then)"
+        o = self.inner
+        # `Lookahead`'s own state beside: loaded whole (a torch optimizer's: `Learner.load`'s own)
+        if not self.own_step or self.lookaheads:
+            return self.opt.load_state_dict(read_stored(sd))
+        n,groups = len(sd['state']),len(sd['hypers'])
+        if groups != len(o.param_lists) or n != sum(map(len, o.param_lists)):
+            raise ValueError(f"the checkpoint's optimizer state has {n} parameters in {groups} groups")
+        ps = o.all_params().itemgot(0)
+        # all or nothing: each tensor put first into a scratch store of its own, so a put that fails does so before any is
+        # written (the optimizer's state then the one it had, whole: fastai warns that it could not load it)
+        for p,s in zip(ps, sd['state']):
+            for k,v in s.items(): self._stored(p, k, v, trial=True)
+        o.hypers = sd['hypers']
+        state = {}
+        for p,s in zip(ps, sd['state']): state[p] = {k: self._stored(p, k, v) for k,v in s.items()}
+        o.state = state
+    def _stored(self, p:Tensor, k:str, v, trial:bool=False):
+        "State `k` of `p` from a checkpoint, into its store where its bucket keeps one, a piece at a time (`trial`: a scratch's)"
+        if not isinstance(v, (Stored, Tensor)): return v
+        h = self.home.get(id(p))
+        flat = h is not None and h[0].flat and v.dtype.is_floating_point and v.shape == p.shape
+        if not flat: return None if trial else read_stored(v).to(p.device)
+        b,i = h
+        dtype = b.kind.state_dtype(b)
+        if trial: b,i = Bucket([p], _scratch, True, b.group, store=b.store, commit=False),0  # `p` itself untouched
+        b.state_new(k, dtype)
+        on_blocks = max(LOAD_PIECE // b.store.block, 1) * b.store.block  # each piece begins on the store's blocks
+        parts = pieces(v, on_blocks) if p.is_contiguous() else [(None, read_stored(v))]
+        for at,x in parts:
+            b.store.put(b, k, i, x.to(b.device), at)
+        return b.state_held[k][i]
+
+# %% ../nbs/01a_fused.ipynb #fz0012
+class FusedSteps(EngineGrads, EngineCheckpoints):
     "The optimizer step of one fit, over flat buffers"
     # ---- the set-up: buckets laid out, a stepper chosen for each, the optimizer's step swapped for the engine's
     def __init__(self,
@@ -332,148 +482,6 @@ class FusedSteps:
         self.settle()
         for st in _once(b.stepper for b in self.buckets if b.stepper is not None):
             if hasattr(st, 'to_host'): st.to_host(self)  # only a compiled stepper has any: a no-op otherwise
-
-    # ---- the gradients: fastai's `zero_grad`, a taking kind's own (the master mode's), the step's phase
-    @torch.no_grad()
-    def zero_grad(self):
-        "fastai's `zero_grad`, one op a flat bucket"
-        gs = []
-        for b in self.buckets:
-            if b.flat and b.g is not None: gs.append(b.g)
-            own = list(map(_grad, b.params))
-            if b.grad_slots is not None and all(map(operator.is_, own, b.grad_slots)): continue  # all in the flat buffer: its one op
-            for i,g in enumerate(own):
-                if g is None or (b.grad_slots is not None and g is b.grad_slots[i]): continue
-                # only a `create_graph` backward leaves such a gradient
-                if g.grad_fn is not None or g.requires_grad: g.detach_()
-                gs.append(g)
-        if gs: torch._foreach_zero_(gs)
-        self.end_step()
-    def _taking(self) -> list: return [b for b in self.buckets if b.kind.takes]
-    @torch.no_grad()
-    def before_backward(self):
-        "Before a backward (in a step's second, callbacks' writes taken)"
-        fresh = self.phase.fresh
-        self.phase = StepPhase.BACKWARD if fresh else StepPhase.ACCUMULATING  # a backward the engine has not taken
-        if fresh: return
-        for b in self._taking():
-            b.adopt_grads()
-            b.kind.merge(b, self.handed_out)
-            b.kind.clear(b)
-    @torch.no_grad()
-    def take(self):
-        "After a backward: the taking kinds take the model's gradients"
-        for b in self._taking():
-            b.adopt_grads()
-            b.kind.take(b, self.phase.fresh)
-        self.phase = StepPhase.TAKEN
-    def checked(self) -> list:
-        "The gradients the finite check reads, one a flat bucket"
-        self.adopt_changes(full=False)  # the gradients adopted first
-        return [g for b in self.buckets for g in b.kind.checked(b) if g is not None]
-    @torch.no_grad()
-    def publish(self):
-        "The taking kinds' checked gradients back into the model's"
-        for b in self._taking(): b.kind.publish(b)
-    def named_grads(self, model:nn.Module) -> list:
-        "`(name, stepped gradient)` of `model`'s parameters"
-        res = []
-        for n,p in model.named_parameters():
-            h = self.home.get(id(p))
-            res.append((n, p.grad if h is None else h[0].kind.grad_of(*h)))
-        return res
-    def stepped(self) -> list:
-        "Each parameter's stepped tensor, with its gradient"
-        self.handed_out = True  # a caller may write into them: the step asks their version counters
-        seen = {id(p): p for pg in self.lists for p in pg}
-        return [b.kind.stepped(b, i) for b,i in (self.home[k] for k in seen)]
-    def end_step(self):
-        "The step is over (taken or skipped): the next backward's gradients are the next step's first"
-        self.phase = StepPhase.BACKWARD if self.phase.pending else StepPhase.READY
-    def grads_in_flight(self) -> dict:
-        "Gradients accumulated since the last step that `undo` would drop"
-        idle = self.phase is StepPhase.READY  # no gradient accumulated, none pending: nothing to carry
-        res = {}
-        for b in self.buckets: res.update(b.kind.carried(b, idle))
-        # by `id` of parameter; 'at': where the step stands
-        return {**res, 'at': self.phase} if res else {}
-    def restore_grads(self, grads:dict):
-        "Put back what `grads_in_flight` took from an earlier layout"
-        if not grads: return
-        for b in self.buckets: b.kind.restore(b, grads)
-        self.phase = grads['at']
-
-    # ---- checkpoints: fastai's state dict, and each tensor's fp32 value, a tensor at a time
-    def _state_dict(self) -> dict:
-        "fastai's `state_dict`, in fastai's layout"
-        self.steps_to_host()  # the step counts from the device
-        sd = type(self.inner).state_dict(self.inner)
-        if self.low.views: return sd
-        state = [{k: _in_fp32(v, self.lazy) for k,v in s.items()} for s in sd['state']]
-        return {**sd, 'state': state}
-    def alone(self, sd:dict):
-        "A state dict's tensors that lie in a bucket's buffer beside parameters it holds not (a submodule's), copied out"
-        # torch saves a view's whole storage: a module's dict would carry the model; a dict of them all is left as it is
-        held = collections.defaultdict(set)  # by storage, where the flat buckets' parameters lie
-        for b in self.buckets:
-            for p in b.params if b.flat else []:
-                if p.numel(): held[p.untyped_storage().data_ptr()].add(p.data_ptr())
-        if not held: return
-        plain = {k: t for k,t in sd.items() if type(t) in (Tensor, nn.Parameter) and t.numel()}  # not a DTensor's shard
-        at = {t.data_ptr() for t in plain.values()}  # where the dict's tensors lie
-        copied = {}  # a tensor under two keys (tied weights): one copy
-        for k,t in plain.items():
-            ptrs = held.get(t.untyped_storage().data_ptr())
-            if ptrs is None or ptrs <= at: continue
-            if t.data_ptr() not in copied: copied[t.data_ptr()] = own_storage(t)
-            sd[k] = copied[t.data_ptr()]
-    def fp32_of(self, p:Tensor) -> Callable|None:
-        "How to make `p`'s fp32 value where the engine holds it otherwise (None: `p` is it)"
-        h = self.home.get(id(p))
-        if h is None or h[0].kind.in_place: return None
-        return partial(_value_now, *h)
-    def assign(self, p:Tensor, x:Tensor, at:int|None=None) -> bool:
-        "Parameter `p` takes fp32 value `x` (`at`: its flat elements from `at`); False where the engine holds it not"
-        h = self.home.get(id(p))
-        if h is None or h[0].kind.in_place: return False
-        b,i = h
-        b.kind.assign(b, i, x.to(b.device, torch.float32), at)
-        # held as a fit beginning from `x` holds it: not a write for the kind to take
-        b.versions[i] = b.params[i]._version
-        return True
-    def load_state(self, sd:dict):
-        "fastai's `load_state_dict`, each state tensor into its store (a streamed checkpoint's read then)"
-        o = self.inner
-        # `Lookahead`'s own state beside: loaded whole (a torch optimizer's: `Learner.load`'s own)
-        if not self.own_step or self.lookaheads:
-            return self.opt.load_state_dict(read_stored(sd))
-        n,groups = len(sd['state']),len(sd['hypers'])
-        if groups != len(o.param_lists) or n != sum(map(len, o.param_lists)):
-            raise ValueError(f"the checkpoint's optimizer state has {n} parameters in {groups} groups")
-        ps = o.all_params().itemgot(0)
-        # all or nothing: each tensor put first into a scratch store of its own, so a put that fails does so before any is
-        # written (the optimizer's state then the one it had, whole: fastai warns that it could not load it)
-        for p,s in zip(ps, sd['state']):
-            for k,v in s.items(): self._stored(p, k, v, trial=True)
-        o.hypers = sd['hypers']
-        state = {}
-        for p,s in zip(ps, sd['state']): state[p] = {k: self._stored(p, k, v) for k,v in s.items()}
-        o.state = state
-    def _stored(self, p:Tensor, k:str, v, trial:bool=False):
-        "State `k` of `p` from a checkpoint, into its store where its bucket keeps one, a piece at a time (`trial`: a scratch's)"
-        if not isinstance(v, (Stored, Tensor)): return v
-        h = self.home.get(id(p))
-        flat = h is not None and h[0].flat and v.dtype.is_floating_point and v.shape == p.shape
-        if not flat: return None if trial else read_stored(v).to(p.device)
-        b,i = h
-        dtype = b.kind.state_dtype(b)
-        if trial: b,i = Bucket([p], _scratch, True, b.group, store=b.store, commit=False),0  # `p` itself untouched
-        b.state_new(k, dtype)
-        on_blocks = max(LOAD_PIECE // b.store.block, 1) * b.store.block  # each piece begins on the store's blocks
-        parts = pieces(v, on_blocks) if p.is_contiguous() else [(None, read_stored(v))]
-        for at,x in parts:
-            b.store.put(b, k, i, x.to(b.device), at)
-        return b.state_held[k][i]
 
     # ---- between fits and at the end: writes by hand taken back, the layout kept at rest, or fastai's fp32 layout back
     def recast(self) -> Tensor|None:
