@@ -50,9 +50,9 @@ def _damped(mom:Tensor, dampening:bool) -> Tensor:
     "The gradient's weight in a moving average"
     return 1 - mom if dampening else torch.ones_like(mom)
 
-def _debias(hyper:dict, k:str, step:Tensor) -> Tensor:
+def _debias(hyper:dict, key:str, step:Tensor) -> Tensor:
     "fastai's `debias` of a dampened moving average, its momentum `hyper[k]`"
-    return debias(hyper[k], 1-hyper[k], step)
+    return debias(hyper[key], 1-hyper[key], step)
 
 @_compiled_as(average_grad)
 class _AverageGrad:
@@ -177,18 +177,18 @@ def _scalar_body(chain:tuple, hyper:dict, steps:Tensor|None) -> dict:
     for f,kw in chain: _COMPILED[f].scalars(run, hyper, dict(kw))
     return {k: v for k,v in run.items() if v is not None}
 
-def _kernel_body(kind, store, chain:tuple, keys:list, t:dict, hyper:dict, run:dict):
+def _kernel_body(kind, store, chain:tuple, keys:list, tensors:dict, hyper:dict, run:dict):
     "One step of `chain` (keeping state `keys`) on a run: widen, step, fold"
-    x,g = kind.kernel_widen(t, hyper)
+    x,g = kind.kernel_widen(tensors, hyper)
     vals = dict(x=x, g=g)
-    for k in keys: vals[k] = store.kernel_load(t, k)  # the state, dequantised where it is low-bit
+    for k in keys: vals[k] = store.kernel_load(tensors, k)  # the state, dequantised where it is low-bit
     for f,kw in chain: _COMPILED[f].update(vals, run, dict(kw))
     keep = hyper['found'] != 0  # nothing changes where the finite check found an inf or nan
-    folded = kind.kernel_fold(t, hyper, vals['x'], store.kernel_nearest)
-    out = {k: where_skipped(keep, t[k], v) for k,v in folded.items()}
-    for k in keys: out.update(store.kernel_store(t, k, vals[k], keep))
-    for k,v in out.items(): t[k].copy_(v)
-    if 'steps' in t: t['steps'].copy_(torch.where(keep, t['steps'], t['steps'] + 1))
+    folded = kind.kernel_fold(tensors, hyper, vals['x'], store.kernel_nearest)
+    out = {k: where_skipped(keep, tensors[k], v) for k,v in folded.items()}
+    for k in keys: out.update(store.kernel_store(tensors, k, vals[k], keep))
+    for k,v in out.items(): tensors[k].copy_(v)
+    if 'steps' in tensors: tensors['steps'].copy_(torch.where(keep, tensors['steps'], tensors['steps'] + 1))
 
 _kernels = {}
 _failed = {}
@@ -200,9 +200,9 @@ def _chain_key(chain:tuple) -> tuple:
 
 _KERNEL_METHODS = ('kernel_io', 'kernel_load', 'kernel_store')  # what a store implements to be stepped in a kernel
 
-def _failure_key(b, chain:tuple) -> tuple:
+def _failure_key(bucket, chain:tuple) -> tuple:
     "What a kernel that failed to build is remembered by, as kernels are: its kind, its store and its steps (the others compile)"
-    return type(b.kind),type(b.store),_chain_key(chain)
+    return type(bucket.kind),type(bucket.store),_chain_key(chain)
 
 def _why(e:BaseException) -> str:
     "An exception's type and its message's first line (none: the type alone)"
@@ -230,10 +230,10 @@ def _own(f, name:str) -> Callable:
     code = f.__code__.replace(co_name=name)
     return types.FunctionType(code, f.__globals__, name, None, f.__closure__)
 
-def _signature(t:dict, hyper:dict) -> tuple:
+def _signature(tensors:dict, hyper:dict) -> tuple:
     "What a kernel specialises on"
-    tensors = tuple((k, v.dtype, v.numel() == 1) for k,v in sorted(t.items()))
-    return tensors + tuple((k, v.dtype) for k,v in sorted(hyper.items()))
+    shapes = tuple((k, v.dtype, v.numel() == 1) for k,v in sorted(tensors.items()))
+    return shapes + tuple((k, v.dtype) for k,v in sorted(hyper.items()))
 
 def _kernel(kind, store, chain:tuple, sig:tuple=()) -> tuple:
     "The compiled scalars and step of `chain`, made once a process"
@@ -242,7 +242,7 @@ def _kernel(kind, store, chain:tuple, sig:tuple=()) -> tuple:
         name = f"mpx_{type(kind).__name__}_{store.name}_{'_'.join(f.__name__ for f,_ in chain)}"
         def scalars(hyper, steps): return _scalar_body(chain, hyper, steps)
         keys = _state_keys(chain)
-        def step(t, hyper, run): return _kernel_body(kind, store, chain, keys, t, hyper, run)
+        def step(tensors, hyper, run): return _kernel_body(kind, store, chain, keys, tensors, hyper, run)
         opts = dict(dynamic=True, fullgraph=True)
         known = _known_options(store.kernel_options)
         options = {'options': known} if known else {}
@@ -269,42 +269,42 @@ def _marked(d:dict|None):
 class DeviceSteps:
     "A bucket's step counts on its device, derived from the dicts"
     # each count read is marked (`StepCount`), so that any write is seen (a dict replaced by a copy keeps its mark)
-    def __init__(self, b:Bucket):
-        self.host = [_step_of(d) for d in b.dicts]
-        self.marks = [_marked(d) for d in b.dicts]
-        self.t = torch.tensor([float(v) for v in self.host], device=b.device)
+    def __init__(self, bucket:Bucket):
+        self.host = [_step_of(d) for d in bucket.dicts]
+        self.marks = [_marked(d) for d in bucket.dicts]
+        self.t = torch.tensor([float(v) for v in self.host], device=bucket.device)
         self.hist = [hash(('at', v)) for v in self.host]
 
-    def follow(self, b:Bucket):
+    def follow(self, bucket:Bucket):
         "Counts written in the dicts since the last look, onto the device"
-        moved = [i for i,(d,m) in enumerate(zip(b.dicts, self.marks)) if (d or {}).get('step') is not m]
+        moved = [i for i,(d,m) in enumerate(zip(bucket.dicts, self.marks)) if (d or {}).get('step') is not m]
         if not moved: return
         for i in moved:
-            self.host[i] = _step_of(b.dicts[i])
-            self.marks[i] = _marked(b.dicts[i])
+            self.host[i] = _step_of(bucket.dicts[i])
+            self.marks[i] = _marked(bucket.dicts[i])
             self.hist[i] = hash(('at', self.host[i]))
-        idx = torch.tensor(moved, device=b.device)
-        counts = torch.tensor([float(self.host[i]) for i in moved], device=b.device)
+        idx = torch.tensor(moved, device=bucket.device)
+        counts = torch.tensor([float(self.host[i]) for i in moved], device=bucket.device)
         self.t.index_put_((idx,), counts)
 
-    def keys(self, b:Bucket) -> list:
+    def keys(self, bucket:Bucket) -> list:
         "Each parameter's run key: `do_wd`, its state keys, its history"
-        ks = tuple(b.state_bufs)
-        return [(d.get('do_wd', True), *(k in d for k in ks), h) for d,h in zip(b.dicts, self.hist)]
+        ks = tuple(bucket.state_bufs)
+        return [(d.get('do_wd', True), *(k in d for k in ks), h) for d,h in zip(bucket.dicts, self.hist)]
 
-    def advance(self, b:Bucket, counts:bool=True):
+    def advance(self, bucket:Bucket, counts:bool=True):
         "After a compiled step: histories move, new counts marked"
-        self.hist = [hash((h, l)) for h,l in zip(self.hist, b.has_grad)]
+        self.hist = [hash((h, l)) for h,l in zip(self.hist, bucket.has_grad)]
         if not counts or None not in self.marks: return
         # as fastai's `step_stat` adds `step` at a parameter's first step
-        for i,(d,l) in enumerate(zip(b.dicts, b.has_grad)):
+        for i,(d,l) in enumerate(zip(bucket.dicts, bucket.has_grad)):
             if l and d is not None and self.marks[i] is None:
                 self.marks[i] = d['step'] = StepCount(self.host[i])
 
-    def to_host(self, b:Bucket, dicts:list|None=None):
+    def to_host(self, bucket:Bucket, dicts:list|None=None):
         "The device's counts into the dicts where none was written since (one sync)"
         counts = self.t.tolist()
-        for i,(d,v,m) in enumerate(zip(dicts or b.dicts, counts, self.marks)):
+        for i,(d,v,m) in enumerate(zip(dicts or bucket.dicts, counts, self.marks)):
             if d is None: continue
             s = d.get('step')
             if s is None or s is m:  # else a callback wrote it since the last step: that count is the truth
@@ -372,57 +372,57 @@ class CompiledSteps:
         self.dev = {}
         self.scal = {}
 
-    def why_not(self, eng, b:Bucket, chain:tuple|None=None) -> str|None:
-        "Why bucket `b` cannot step `chain` compiled now (None where it can; no `chain`: a failed kernel of its kind and store)"
+    def why_not(self, eng, bucket:Bucket, chain:tuple|None=None) -> str|None:
+        "Why `bucket` cannot step `chain` compiled now (None where it can; no `chain`: a failed kernel of its kind and store)"
         if torch._C._len_torch_dispatch_stack():
             return "a dispatch mode is active (an op counter), and torch.compile refuses to run under one"
-        if not b.flat: return "a parameter cannot take a slot in a flat buffer (a DTensor, a non-dense tensor)"
-        if b.apart: return "a gradient is sparse: its parameter is stepped by fastai's loop"
-        missing = [m for m in _KERNEL_METHODS if getattr(type(b.store), m) is getattr(Store, m)]
-        if missing: return f"{type(b.store).__name__} has no kernel methods ({', '.join(missing)}): it is stepped through its windows"
-        if chain is not None: return _failed.get(_failure_key(b, chain))
-        ours = (type(b.kind), type(b.store))
+        if not bucket.flat: return "a parameter cannot take a slot in a flat buffer (a DTensor, a non-dense tensor)"
+        if bucket.apart: return "a gradient is sparse: its parameter is stepped by fastai's loop"
+        missing = [m for m in _KERNEL_METHODS if getattr(type(bucket.store), m) is getattr(Store, m)]
+        if missing: return f"{type(bucket.store).__name__} has no kernel methods ({', '.join(missing)}): it is stepped through its windows"
+        if chain is not None: return _failed.get(_failure_key(bucket, chain))
+        ours = (type(bucket.kind), type(bucket.store))
         return next((why for k,why in _failed.items() if k[:2] == ours), None)
 
-    def bucket(self, eng, b:Bucket, hyper:dict, part:tuple|None=None):
-        "`b` compiled, a kernel a run, or eagerly where it cannot be (`part`: `(i, n)`, parameter `i`'s extra turn `n`)"
+    def bucket(self, eng, bucket:Bucket, hyper:dict, part:tuple|None=None):
+        "`bucket` compiled, a kernel a run, or eagerly where it cannot be (`part`: `(index, turn)`, a parameter's extra turn)"
         if part is None:
-            ds = self._steps(b)
-            runs,turn = b.runs(0, len(b.params), ds.keys(b)),0
+            ds = self._steps(bucket)
+            runs,turn = bucket.runs(0, len(bucket.params), ds.keys(bucket)),0
         else:
             i,turn = part
             ds,runs = None,[(i, i+1)]
         chain = _static_chain(eng.inner.cbs, hyper)
-        why = self.why_not(eng, b, chain)
+        why = self.why_not(eng, bucket, chain)
         if why is None:
             scal = _hypers(chain, hyper)
             for k,(a,c) in enumerate(runs):
-                if self._run(eng, b, a, c, chain, scal, turn): continue
-                why = _failed[_failure_key(b, chain)]
+                if self._run(eng, bucket, a, c, chain, scal, turn): continue
+                why = _failed[_failure_key(bucket, chain)]
                 if k: raise RuntimeError(f"mpx: a compiled kernel failed after another of the same bucket ran: {why}")
                 break
             else:
                 if ds is not None:
-                    ds.advance(b, any(base_fn(cb) is step_stat for cb in eng.inner.cbs))
+                    ds.advance(bucket, any(base_fn(cb) is step_stat for cb in eng.inner.cbs))
                 return
-        self.to_host(eng, b)
+        self.to_host(eng, bucket)
         # a step skipped on the device: the eager one puts back what it writes, or (a bucket it cannot guard) must not run
-        if eng.found is not None and not eng.guards(b) and bool(eng.found): return
+        if eng.found is not None and not eng.guards(bucket) and bool(eng.found): return
         eng.warn_eager(why)
-        if turn: self.eager.extra(eng, b, runs[0][0], turn, hyper)
-        else: self.eager.bucket(eng, b, hyper)
-    def extra(self, eng, b:Bucket, i:int, n:int, hyper:dict):
-        self.bucket(eng, b, hyper, (i, n))
+        if turn: self.eager.extra(eng, bucket, runs[0][0], turn, hyper)
+        else: self.eager.bucket(eng, bucket, hyper)
+    def extra(self, eng, bucket:Bucket, index:int, turn:int, hyper:dict):
+        self.bucket(eng, bucket, hyper, (index, turn))
 
-    def _steps(self, b:Bucket) -> DeviceSteps:
-        ds = self.dev.get(id(b))
-        if ds is None: ds = self.dev[id(b)] = DeviceSteps(b)
-        ds.follow(b)
+    def _steps(self, bucket:Bucket) -> DeviceSteps:
+        ds = self.dev.get(id(bucket))
+        if ds is None: ds = self.dev[id(bucket)] = DeviceSteps(bucket)
+        ds.follow(bucket)
         return ds
 
-    def to_host(self, eng, b:Bucket|None=None):
-        "Each bucket's (or `b`'s) device counts into fastai's dicts"
-        buckets = [b] if b is not None else eng.buckets
+    def to_host(self, eng, bucket:Bucket|None=None):
+        "Each bucket's (or `bucket`'s) device counts into fastai's dicts"
+        buckets = [bucket] if bucket is not None else eng.buckets
         for bb in buckets:
             ds = self.dev.pop(id(bb), None)  # dropped: the counts are read from the dicts again after
             if ds is None: continue
@@ -446,40 +446,40 @@ class CompiledSteps:
             res[k] = t
         return res
 
-    def _run(self, eng, b:Bucket, a:int, c:int, chain:tuple, scal:dict, turn:int) -> bool:
-        "One kernel over `a` to `c` of `b` (False where compiling failed)"
-        t,extra = b.kind.kernel_io(b, a, c, turn)
-        t = b.store.kernel_shape(t)
-        dtype = b.kind.state_dtype(b)
-        for k in _state_keys(chain): t.update(_zeros_state(b, k, a, c, dtype))
+    def _run(self, eng, bucket:Bucket, first:int, end:int, chain:tuple, scal:dict, turn:int) -> bool:
+        "One kernel over parameters `first` to `end` of `bucket` (False where compiling failed)"
+        t,extra = bucket.kind.kernel_io(bucket, first, end, turn)
+        t = bucket.store.kernel_shape(t)
+        dtype = bucket.kind.state_dtype(bucket)
+        for k in _state_keys(chain): t.update(_zeros_state(bucket, k, first, end, dtype))
         if any(g is step_stat for g,_ in chain):
-            t['steps'] = self.dev[id(b)].t[a:c]
-        do_wd = b.dicts[a].get('do_wd', True)
+            t['steps'] = self.dev[id(bucket)].t[first:end]
+        do_wd = bucket.dicts[first].get('do_wd', True)
         wd = scal.get('wd', 0.) if do_wd else 0.
-        hyper = self._scalars(b.device, {**scal, 'wd': wd, **extra})
+        hyper = self._scalars(bucket.device, {**scal, 'wd': wd, **extra})
         found = eng.found
-        if found is None: found = self._scalars(b.device, {'nothing_found': 0.})['nothing_found']
+        if found is None: found = self._scalars(bucket.device, {'nothing_found': 0.})['nothing_found']
         hyper['found'] = found.reshape(())  # a view: the finite check's flag may come as one element of rank 1
         try:
-            if b.store.kernel_options.get('emulate_precision_casts'): probe_casts(b.device)  # before the kernel's trace reads it
-            scalars,step = _kernel(b.kind, b.store, chain, _signature(t, hyper))
+            if bucket.store.kernel_options.get('emulate_precision_casts'): probe_casts(bucket.device)  # before the kernel's trace reads it
+            scalars,step = _kernel(bucket.kind, bucket.store, chain, _signature(t, hyper))
             run = scalars(hyper, t.get('steps'))
             step(t, hyper, run)
         except Exception as e:
             if torch._C._len_torch_dispatch_stack(): raise
             steps = ', '.join(f.__name__ for f,_ in chain)
-            _failed[_failure_key(b, chain)] = (f"torch.compile failed for {type(b.kind).__name__} with {type(b.store).__name__} "
-                                               f"stepping {steps} ({_why(e)})")
+            kind,store = type(bucket.kind).__name__,type(bucket.store).__name__
+            _failed[_failure_key(bucket, chain)] = f"torch.compile failed for {kind} with {store} stepping {steps} ({_why(e)})"
             return False  # nothing changed
         return True
 
-def _zeros_state(b:Bucket, k:str, a:int, c:int, dtype) -> dict:
-    "The kernel's tensors of state `k` for run `a` to `c`"
-    b.state_new(k, dtype)
-    if k not in b.dicts[a]:  # the run has none yet: zeros
-        b.store.zero(b, k, a, c)
-        for i in range(a, c): b.dicts[i][k] = b.state_held[k][i]
-    return b.store.kernel_io(b, k, a, c)
+def _zeros_state(bucket:Bucket, key:str, first:int, end:int, dtype) -> dict:
+    "The kernel's tensors of state `key` for the run of parameters `first` to `end`"
+    bucket.state_new(key, dtype)
+    if key not in bucket.dicts[first]:  # the run has none yet: zeros
+        bucket.store.zero(bucket, key, first, end)
+        for i in range(first, end): bucket.dicts[i][key] = bucket.state_held[key][i]
+    return bucket.store.kernel_io(bucket, key, first, end)
 
 # %% ../nbs/01g_compiled.ipynb #fabcaeea
 def _nonfinite_body(rows:list, tails:list, zero:Tensor) -> Tensor:

@@ -45,10 +45,10 @@ def why_not_lowbit(opt, fused, opt_state:str) -> str|None:
         why = "a step function is not fastai's own, and may read its state in any way"
     return f"opt_state={opt_state!r} needs the step engine's own steps: {why}. Use opt_state='fp32'" if why else None
 
-def _own_zero_grad(o) -> bool:
-    "Whether `o` has a `zero_grad` of its own"
-    base = Lookahead if isinstance(o, Lookahead) else Optimizer
-    return 'zero_grad' in vars(o) or type(o).zero_grad is not base.zero_grad
+def _own_zero_grad(opt) -> bool:
+    "Whether `opt` has a `zero_grad` of its own"
+    base = Lookahead if isinstance(opt, Lookahead) else Optimizer
+    return 'zero_grad' in vars(opt) or type(opt).zero_grad is not base.zero_grad
 
 # %% ../nbs/01a_fused.ipynb #fz0010
 class StepPhase(Enum):
@@ -209,13 +209,13 @@ class EngineCheckpoints:
         h = self.home.get(id(p))
         if h is None or h[0].kind.in_place: return None
         return partial(_value_now, *h)
-    def assign(self, p:Tensor, x:Tensor, at:int|None=None) -> bool:
-        "Parameter `p` takes fp32 value `x` (`at`: its flat elements from `at`); False where the engine holds it not"
+    def assign(self, p:Tensor, values:Tensor, at:int|None=None) -> bool:
+        "Parameter `p` takes fp32 `values` (`at`: its flat elements from `at`); False where the engine holds it not"
         h = self.home.get(id(p))
         if h is None or h[0].kind.in_place: return False
         b,i = h
-        b.kind.assign(b, i, x.to(b.device, torch.float32), at)
-        # held as a fit beginning from `x` holds it: not a write for the kind to take
+        b.kind.assign(b, i, values.to(b.device, torch.float32), at)
+        # held as a fit beginning from `values` holds it: not a write for the kind to take
         b.versions[i] = b.params[i]._version
         return True
     def load_state(self, sd:dict):
@@ -236,21 +236,21 @@ class EngineCheckpoints:
         state = {}
         for p,s in zip(ps, sd['state']): state[p] = {k: self._stored(p, k, v) for k,v in s.items()}
         o.state = state
-    def _stored(self, p:Tensor, k:str, v, trial:bool=False):
-        "State `k` of `p` from a checkpoint, into its store where its bucket keeps one, a piece at a time (`trial`: a scratch's)"
-        if not isinstance(v, (Stored, Tensor)): return v
+    def _stored(self, p:Tensor, key:str, value, trial:bool=False):
+        "State `key` of `p` from a checkpoint, into its store where its bucket keeps one, a piece at a time (`trial`: a scratch's)"
+        if not isinstance(value, (Stored, Tensor)): return value
         h = self.home.get(id(p))
-        flat = h is not None and h[0].flat and v.dtype.is_floating_point and v.shape == p.shape
-        if not flat: return None if trial else read_stored(v).to(p.device)
+        flat = h is not None and h[0].flat and value.dtype.is_floating_point and value.shape == p.shape
+        if not flat: return None if trial else read_stored(value).to(p.device)
         b,i = h
         dtype = b.kind.state_dtype(b)
         if trial: b,i = Bucket([p], _scratch, True, b.group, store=b.store, commit=False),0  # `p` itself untouched
-        b.state_new(k, dtype)
+        b.state_new(key, dtype)
         on_blocks = max(LOAD_PIECE // b.store.block, 1) * b.store.block  # each piece begins on the store's blocks
-        parts = pieces(v, on_blocks) if p.is_contiguous() else [(None, read_stored(v))]
+        parts = pieces(value, on_blocks) if p.is_contiguous() else [(None, read_stored(value))]
         for at,x in parts:
-            b.store.put(b, k, i, x.to(b.device), at)
-        return b.state_held[k][i]
+            b.store.put(b, key, i, x.to(b.device), at)
+        return b.state_held[key][i]
 
 # %% ../nbs/01a_fused.ipynb #fz0012
 class FusedSteps(EngineGrads, EngineCheckpoints):
@@ -452,21 +452,21 @@ class FusedSteps(EngineGrads, EngineCheckpoints):
         if why in self.warned: return
         self.warned.add(why)
         warn_user(f"fused='compile' steps eagerly here: {why}")
-    def guard(self, b:Bucket, i:int, j:int) -> SkipGuard|None:
-        "A `SkipGuard` of parameters `i` to `j` of `b` where the step's verdict is on the device (else None), its dicts noted"
+    def guard(self, bucket:Bucket, first:int, end:int) -> SkipGuard|None:
+        "A `SkipGuard` of parameters `first` to `end` of `bucket` where the step's verdict is on the device (else None), its dicts noted"
         # a bucket no guard can hold (a compiled step's fallback) was stepped knowing the verdict: read, so the step is taken
-        if self._skip is None or not self.guards(b): return None
-        for d,live in zip(b.dicts[i:j], b.has_grad[i:j]):
+        if self._skip is None or not self.guards(bucket): return None
+        for d,live in zip(bucket.dicts[first:end], bucket.has_grad[first:end]):
             if live and d is not None: self._noted.setdefault(id(d), (d, dict(d)))  # a piece after the first: as the step found it
-        return SkipGuard(b, i, j, self._skip)
+        return SkipGuard(bucket, first, end, self._skip)
     @property
     def guarding(self) -> bool:
         "Whether this step's windows each keep a copy of what they write (the verdict is on the device)"
         return self._skip is not None
-    def guards(self, b:Bucket) -> bool:
-        "Whether a `SkipGuard` can put back what a step of bucket `b` writes"
-        if not b.flat and not all(type(p) in (Tensor, nn.Parameter) for p in b.params): return False  # a DTensor's own
-        return type(b.store).window_writes is not Store.window_writes  # a user's store may not say what a step writes
+    def guards(self, bucket:Bucket) -> bool:
+        "Whether a `SkipGuard` can put back what a step of `bucket` writes"
+        if not bucket.flat and not all(type(p) in (Tensor, nn.Parameter) for p in bucket.params): return False  # a DTensor's own
+        return type(bucket.store).window_writes is not Store.window_writes  # a user's store may not say what a step writes
     def skips_on_device(self) -> bool:
         "Whether a step can be skipped on the device: the engine steps every bucket, and puts back what each step writes"
         if self.hands_found: return True
@@ -533,14 +533,14 @@ class _Scratch(Kind):
     def build(self, bucket:Bucket): pass
 _scratch = _Scratch()
 
-def _in_fp32(v, lazy:bool=False):
-    "State value `v`, low-bit state dequantised (`lazy`: as a `LazyTensor`)"
-    if not isinstance(v, LowBitState): return v
-    return LazyTensor(v.float, torch.float32, v.shape) if lazy else v.float()
+def _in_fp32(value, lazy:bool=False):
+    "State `value`, low-bit state dequantised (`lazy`: as a `LazyTensor`)"
+    if not isinstance(value, LowBitState): return value
+    return LazyTensor(value.float, torch.float32, value.shape) if lazy else value.float()
 
-def _value_of(ref:weakref.ref, i:int) -> Tensor: return _value_now(ref(), i)  # the bucket, not pointed back at
+def _value_of(ref:weakref.ref, index:int) -> Tensor: return _value_now(ref(), index)  # the bucket, not pointed back at
 
-def _value_now(b:Bucket, i:int) -> Tensor:
-    "Parameter `i`'s fp32 value, a write since the last step taken first"
-    b.adopt_weights()
-    return b.kind.value(b, i)
+def _value_now(bucket:Bucket, index:int) -> Tensor:
+    "Parameter `index`'s fp32 value, a write since the last step taken first"
+    bucket.adopt_weights()
+    return bucket.kind.value(bucket, index)

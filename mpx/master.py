@@ -29,9 +29,9 @@ def _handed_versions(own:Masters) -> list:
 
 class Masters:
     "A bucket's fp32 masters and their gradients (`b.own`), flat and in slots, and what the kind saw of them"
-    def __init__(self, b, masters:Tensor, grads:Tensor):
+    def __init__(self, bucket, masters:Tensor, grads:Tensor):
         self.masters,self.grads = masters,grads
-        self.slots,self.grad_slots = b.views(masters),b.views(grads)  # each parameter's slot
+        self.slots,self.grad_slots = bucket.views(masters),bucket.views(grads)  # each parameter's slot
         self.params = [nn.Parameter(m, requires_grad=False) for m in self.slots]  # what `learn.parameters()` hands out
         self.handed = _handed_versions(self)  # their versions, as handed
         self.seen = None  # the model gradients' versions after a backward's take
@@ -54,25 +54,26 @@ class MasterKind(Kind):
         # at the set-up's end (`Bucket.commit`): the half weights (and gradients, in their slots) shown in the model;
         # fresh gradients are cast to half each, taken into their slots at the first step (`adopt_grads`)
         bucket.shows = (bucket.w, None if gx is None else bucket.g)
-    def to_step(self, bucket, i, j):
-        return bucket.part(bucket.own.masters, i, j),bucket.part(bucket.own.grads, i, j)
-    def assign(self, bucket, i, x, at=None):
-        flat_part(bucket.own.slots[i], at, x.numel()).copy_(x)  # the master exact, the half weight its rounding
-        flat_part(bucket.slot(bucket.w, i), at, x.numel()).copy_(x)
+    def to_step(self, bucket, first, end):
+        return bucket.part(bucket.own.masters, first, end),bucket.part(bucket.own.grads, first, end)
+    def assign(self, bucket, index, values, at=None):
+        flat_part(bucket.own.slots[index], at, values.numel()).copy_(values)  # the master exact, the half weight its rounding
+        flat_part(bucket.slot(bucket.w, index), at, values.numel()).copy_(values)
     def written(self, bucket, idx):
         for i in idx: merge_writes(bucket.own.slots[i], bucket.slot(bucket.w, i))  # the master takes what the write changed
-    def fold(self, bucket, i, j, x, turn=0): bucket.part(bucket.w, i, j).copy_(x)
-    def step_writes(self, bucket, i, j): return [bucket.part(bucket.own.masters, i, j), bucket.part(bucket.w, i, j)]
+    def fold(self, bucket, first, end, stepped, turn=0): bucket.part(bucket.w, first, end).copy_(stepped)
+    def step_writes(self, bucket, first, end):
+        return [bucket.part(bucket.own.masters, first, end), bucket.part(bucket.w, first, end)]
     def checked(self, bucket): return [bucket.own.grads]
-    def grad_of(self, bucket, i): return bucket.own.grad_slots[i] if bucket.has_grad[i] else None
-    def _show(self, bucket, i):
-        "Master `i` shown with the gradient it steps"
-        bucket.own.params[i].grad = bucket.own.shown[i] = self.grad_of(bucket, i)
-    def stepped(self, bucket, i):
+    def grad_of(self, bucket, index): return bucket.own.grad_slots[index] if bucket.has_grad[index] else None
+    def _show(self, bucket, index):
+        "Master `index` shown with the gradient it steps"
+        bucket.own.params[index].grad = bucket.own.shown[index] = self.grad_of(bucket, index)
+    def stepped(self, bucket, index):
         if bucket.own.shown is None: bucket.own.shown = [None]*len(bucket.own.params)
-        self._show(bucket, i)
-        return bucket.own.params[i]
-    def value(self, bucket, i): return bucket.own.slots[i].clone()
+        self._show(bucket, index)
+        return bucket.own.params[index]
+    def value(self, bucket, index): return bucket.own.slots[index].clone()
     def take(self, bucket, fresh:bool):
         "After a backward: the half gradients into the fp32 ones"
         if fresh: bucket.own.grads.copy_(bucket.g)
@@ -150,13 +151,14 @@ class MasterKind(Kind):
             bucket.has_grad[i] = True
         bucket.forget_grads()
         bucket.own.seen = _versions(bucket.grad_slots)
-    def kernel_io(self, bucket, a, c, turn=0):
+    def kernel_io(self, bucket, first, end, turn=0):
         bufs = dict(x=bucket.own.masters, gx=bucket.own.grads, w=bucket.w)
-        return {k: bucket.part(t, a, c) for k,t in bufs.items()},{}
+        return {k: bucket.part(t, first, end) for k,t in bufs.items()},{}
     @staticmethod
-    def kernel_widen(t, s): return t['x'],t['gx']
+    def kernel_widen(tensors, scalars): return tensors['x'],tensors['gx']
     @staticmethod
-    def kernel_fold(t, s, x, nearest=None): return dict(x=x, w=x)  # the half weights are the stepped masters, cast
+    def kernel_fold(tensors, scalars, stepped, nearest=None):
+        return dict(x=stepped, w=stepped)  # the half weights are the stepped masters, cast
 
 # %% ../nbs/04_master.ipynb #8802bdff
 class _LoadHook:
