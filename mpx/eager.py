@@ -30,8 +30,8 @@ def _keywords(cb) -> dict:
 ELEMENTWISE = {weight_decay, l2_reg, average_grad, average_sqr_grad, step_stat, sgd_step, momentum_step, rms_prop_step,
                adam_step, radam_step, qhadam_step}  # each element of their results depends on that element alone
 
-def _is(f, fns) -> bool:
-    try: return f in fns
+def _is(fn, fns) -> bool:
+    try: return fn in fns
     except TypeError: return False  # an unhashable callable
 
 def not_fastais(cbs) -> list:
@@ -56,80 +56,81 @@ class _Item:
         self.data,self.grad = data,grad
 
 class StateWindow:
-    "The fp32 state of flat bucket `b`'s parameters `i` to `j`"
-    def __init__(self, b:Bucket, i:int, j:int):
-        self.b,self.i,self.j = b,i,j
-        self.lo = b.lo(i)
+    "The fp32 state of flat `bucket`'s parameters `first` to `end`"
+    def __init__(self, bucket:Bucket, first:int, end:int):
+        self.b,self.i,self.j = bucket,first,end
+        self.lo = bucket.lo(first)
         self.x = {}
-        for k in b.state_bufs: self._open(k)
-    def _open(self, k:str):
+        for k in bucket.state_bufs: self._open(k)
+    def _open(self, key:str):
         b = self.b
         scratch = None  # a store of views loads without one
-        if not b.store.views: scratch = b.workspace(b.device, b.end(self.j) - self.lo, ('state', k))
-        self.x[k] = b.store.load_window(b, k, self.i, self.j, scratch)
-    def part(self, k:str, a:int, c:int) -> Tensor:
-        return self.b.part(self.x[k], a, c, self.lo)
-    def slot(self, k:str, i:int) -> Tensor:
-        return self.b.slot(self.x[k], i, self.lo)
-    def make(self, k:str, dtype):
-        "State `k`, new to the bucket: its store made, zero, and opened"
-        if k not in self.b.state_bufs:
-            self.b.state_new(k, dtype)
-            self._open(k)
+        if not b.store.views: scratch = b.workspace(b.device, b.end(self.j) - self.lo, ('state', key))
+        self.x[key] = b.store.load_window(b, key, self.i, self.j, scratch)
+    def part(self, key:str, first:int, end:int) -> Tensor:
+        return self.b.part(self.x[key], first, end, self.lo)
+    def slot(self, key:str, index:int) -> Tensor:
+        return self.b.slot(self.x[key], index, self.lo)
+    def make(self, key:str, dtype):
+        "State `key`, new to the bucket: its store made, zero, and opened"
+        if key not in self.b.state_bufs:
+            self.b.state_new(key, dtype)
+            self._open(key)
     def close(self):
         "The window's state back into its store"
         for k,x in self.x.items():
             self.b.store.store_window(self.b, k, self.i, self.j, x)
 
-def _cut(sw:StateWindow, k:str, a:int, c:int, shaped:bool) -> Tensor:
-    "State `k` of run `a` to `c` in `sw`; `shaped`: one parameter's slot"
-    return sw.slot(k, a) if shaped else sw.part(k, a, c)
+def _cut(sw:StateWindow, key:str, first:int, end:int, shaped:bool) -> Tensor:
+    "State `key` of run `first` to `end` in `sw`; `shaped`: one parameter's slot"
+    return sw.slot(key, first) if shaped else sw.part(key, first, end)
 
-def _is_state(v, n:int, shaped:bool) -> bool:
-    "Whether `v` belongs in a state buffer: floating, of the run's `n` elements, flat unless `shaped`"
-    if not isinstance(v, Tensor) or v.numel() != n: return False
-    return (shaped or v.dim() == 1) and v.is_floating_point()
+def _is_state(value, numel:int, shaped:bool) -> bool:
+    "Whether `value` belongs in a state buffer: floating, of the run's `numel` elements, flat unless `shaped`"
+    if not isinstance(value, Tensor) or value.numel() != numel: return False
+    return (shaped or value.dim() == 1) and value.is_floating_point()
 
-def run_state(b:Bucket, a:int, c:int, sw:StateWindow, shaped:bool=False) -> dict:
-    "The state dict of run `a` to `c` of `b`"
-    own = {k: _cut(sw, k, a, c, shaped) for k in sw.x if k in b.dicts[a]}
-    return {**b.dicts[a], **own}
+def run_state(bucket:Bucket, first:int, end:int, sw:StateWindow, shaped:bool=False) -> dict:
+    "The state dict of run `first` to `end` of `bucket`"
+    own = {k: _cut(sw, k, first, end, shaped) for k in sw.x if k in bucket.dicts[first]}
+    return {**bucket.dicts[first], **own}
 
-def put_state(b:Bucket, a:int, c:int, new:dict|None, sw:StateWindow, shaped:bool=False):
-    "Run `a` to `c`'s new state into the window and the dicts"
+def put_state(bucket:Bucket, first:int, end:int, new:dict|None, sw:StateWindow, shaped:bool=False):
+    "Run `first` to `end`'s new state into the window and the dicts"
     if not isinstance(new, dict): return
-    n = b.sizes[a] if shaped else b.end(c) - b.lo(a)
+    n = bucket.sizes[first] if shaped else bucket.end(end) - bucket.lo(first)
     for k,v in new.items():
         if _is_state(v, n, shaped):
             sw.make(k, v.dtype)
-            s = _cut(sw, k, a, c, shaped)
+            s = _cut(sw, k, first, end, shaped)
             # stepped in place: the dicts hold it
             if v is s or (v.data_ptr() == s.data_ptr() and v.shape == s.shape): continue
             s.copy_(v)
-            held = b.state_held[k][a:c]  # each parameter's view of its slot
-            for d,t in zip(b.dicts[a:c], held): d[k] = t
+            held = bucket.state_held[k][first:end]  # each parameter's view of its slot
+            for d,t in zip(bucket.dicts[first:end], held): d[k] = t
         else:
-            for d in b.dicts[a:c]: d[k] = v
+            for d in bucket.dicts[first:end]: d[k] = v
 
 # %% ../nbs/01f_eager.ipynb #sg000002
 class SkipGuard:
     "What a window's step writes, kept aside, and put back where `skip` (the finite check's verdict, on the device) is set"
-    def __init__(self, b:Bucket, i:int, j:int, skip:Tensor):
+    def __init__(self, bucket:Bucket, first:int, end:int, skip:Tensor):
         self.skip = skip
-        self.ts = b.kind.step_writes(b, i, j) + [t for k in b.state_bufs for t in b.store.window_writes(b, k, i, j)]
-        if not b.flat: self.ts += [v for d in b.dicts[i:j] if d for v in d.values() if _is_float(v)]  # fastai's own tensors
-        self.kept = [_kept(b, n, t) for n,t in enumerate(self.ts)]
+        self.ts = (bucket.kind.step_writes(bucket, first, end)
+                   + [t for k in bucket.state_bufs for t in bucket.store.window_writes(bucket, k, first, end)])
+        if not bucket.flat: self.ts += [v for d in bucket.dicts[first:end] if d for v in d.values() if _is_float(v)]  # fastai's own tensors
+        self.kept = [_kept(bucket, n, t) for n,t in enumerate(self.ts)]
         if self.ts: torch._foreach_copy_(self.kept, self.ts)
     def put_back(self):
         "Each tensor as the window found it, where the step is skipped (no host sync)"
         for t,k in zip(self.ts, self.kept): torch.where(self.skip, k, t, out=t)
 
-def _is_float(v) -> bool: return isinstance(v, Tensor) and v.is_floating_point()
+def _is_float(value) -> bool: return isinstance(value, Tensor) and value.is_floating_point()
 
-def _kept(b:Bucket, n:int, t:Tensor) -> Tensor:
-    "Where a window keeps the `n`-th tensor it writes: the engine's workspace (a flat bucket's), else a tensor of its own"
-    if not b.flat: return torch.empty_like(t)
-    return b.workspace(b.device, t.numel(), ('kept', n), t.dtype).view(t.shape)
+def _kept(bucket:Bucket, position:int, tensor:Tensor) -> Tensor:
+    "Where a window keeps the tensor it writes at `position`: the engine's workspace (a flat bucket's), else a tensor of its own"
+    if not bucket.flat: return torch.empty_like(tensor)
+    return bucket.workspace(bucket.device, tensor.numel(), ('kept', position), tensor.dtype).view(tensor.shape)
 
 # %% ../nbs/01f_eager.ipynb #ea0011
 class ParamItems:
@@ -140,19 +141,19 @@ class ParamItems:
         self.n = len(data)
         self.memo = {}
         self._tensors = tensors
-    def arg(self, k, kw:dict, default=None) -> list:
-        "Argument `k` for each item, as fastai's loop passes it"
-        if k in self.hyper: return [self.hyper[k]]*self.n
+    def arg(self, key, kw:dict, default=None) -> list:
+        "Argument `key` for each item, as fastai's loop passes it"
+        if key in self.hyper: return [self.hyper[key]]*self.n
         if self._tensors is not None:
-            ts = self._tensors(k)
+            ts = self._tensors(key)
             if ts is not None: return ts  # a state tensor, in fp32
-        d = kw.get(k, default)
-        return [s.get(k, d) for s in self.states]
-    def hp(self, k, kw:dict, default=None):
-        "Argument `k`, a hyper-parameter: one value for the group"
-        return self.hyper[k] if k in self.hyper else kw.get(k, default)
-    def put(self, k, vals):
-        for s,v in zip(self.states, vals): s[k] = v
+        d = kw.get(key, default)
+        return [s.get(key, d) for s in self.states]
+    def hp(self, key, kw:dict, default=None):
+        "Argument `key`, a hyper-parameter: one value for the group"
+        return self.hyper[key] if key in self.hyper else kw.get(key, default)
+    def put(self, key, vals):
+        for s,v in zip(self.states, vals): s[key] = v
 
 def _one_scalar(vals:list):
     "One scalar where all `vals` are equal, else the list"
@@ -172,31 +173,31 @@ def _norms(ts:list) -> Tensor:
     "Each tensor's norm, stacked"
     return torch.stack(torch._foreach_norm(ts))
 
-def _larc_layer_lr(c:ParamItems, kw:dict):
+def _larc_layer_lr(items:ParamItems, kw:dict):
     "`larc_layer_lr`: `local_lr` from weight and gradient norms"
-    lr,tc,wd,eps = [c.hp(k, kw) for k in ('lr', 'trust_coeff', 'wd', 'eps')]
-    clip = c.hp('clip', kw, True)
-    pn = _norms(c.data)
-    gn = _norms(c.grads)
+    lr,tc,wd,eps = [items.hp(k, kw) for k in ('lr', 'trust_coeff', 'wd', 'eps')]
+    clip = items.hp('clip', kw, True)
+    pn = _norms(items.data)
+    gn = _norms(items.grads)
     local = lr*tc * (pn) / (gn + pn * wd + eps)
     lrs = local.unbind()
     if not clip:
-        c.memo['alpha'] = -local
-        return c.put('local_lr', lrs)
+        items.memo['alpha'] = -local
+        return items.put('local_lr', lrs)
     below = local < lr  # fastai's `min(lr, local_lr)`: the tensor where it is below `lr`, else `lr` itself
-    c.memo['alpha'] = -torch.where(below, local, lr)
+    items.memo['alpha'] = -torch.where(below, local, lr)
     local_lrs = [t if b else lr for t,b in zip(lrs, below.tolist())]
-    c.put('local_lr', local_lrs)
+    items.put('local_lr', local_lrs)
 
-def _larc_step(c:ParamItems, kw:dict):
+def _larc_step(items:ParamItems, kw:dict):
     "`larc_step`: `p -= local_lr * (grad_avg or grad)`"
-    avgs = c.arg('grad_avg', kw)
-    xs = [g if a is None else a for a,g in zip(avgs, c.grads)]
-    a = c.memo.pop('alpha', None)
+    avgs = items.arg('grad_avg', kw)
+    xs = [g if a is None else a for a,g in zip(avgs, items.grads)]
+    a = items.memo.pop('alpha', None)
     if a is None:  # `local_lr` from elsewhere
-        alphas = [float(-v) for v in c.arg('local_lr', kw)]
-        return _add_scaled(c.data, xs, alphas)
-    torch._foreach_addcmul_(c.data, xs, list(a.unbind()), value=1.)  # as `add_(alpha=)` rounds (tested)
+        alphas = [float(-v) for v in items.arg('local_lr', kw)]
+        return _add_scaled(items.data, xs, alphas)
+    torch._foreach_addcmul_(items.data, xs, list(a.unbind()), value=1.)  # as `add_(alpha=)` rounds (tested)
 
 # %% ../nbs/01f_eager.ipynb #ea0015
 def _debiased(mom:float, steps:list) -> list:
@@ -209,15 +210,15 @@ def _rms(ts:list) -> Tensor:
     sqs = torch._foreach_pow(ts, 2)
     return torch.stack([t.mean() for t in sqs]).sqrt()
 
-def _lamb_step(c:ParamItems, kw:dict):
+def _lamb_step(items:ParamItems, kw:dict):
     "`lamb_step`: Adam's step times a trust ratio of RMS norms"
-    lr,mom,sqr_mom,eps = [c.hp(k, kw) for k in ('lr','mom','sqr_mom','eps')]
-    steps = c.arg('step', kw)
+    lr,mom,sqr_mom,eps = [items.hp(k, kw) for k in ('lr','mom','sqr_mom','eps')]
+    steps = items.arg('step', kw)
     db1 = _debiased(mom, steps)
     db2 = _debiased(sqr_mom, steps)
-    r1 = _rms(c.data)
-    st = torch._foreach_div(c.arg('grad_avg', kw), _one_scalar(db1))
-    den = torch._foreach_div(c.arg('sqr_avg', kw), _one_scalar(db2))
+    r1 = _rms(items.data)
+    st = torch._foreach_div(items.arg('grad_avg', kw), _one_scalar(db1))
+    den = torch._foreach_div(items.arg('sqr_avg', kw), _one_scalar(db2))
     torch._foreach_sqrt_(den)
     torch._foreach_add_(den, eps)
     torch._foreach_div_(st, den)
@@ -226,55 +227,56 @@ def _lamb_step(c:ParamItems, kw:dict):
     a = torch.where(q > 10, -lr*10, -lr * q)  # fastai's `min(r1/r2, 10)`
     either_zero = (r1 == 0) | (r2 == 0)
     a = torch.where(either_zero, -lr*1, a)
-    torch._foreach_addcmul_(c.data, st, list(a.unbind()), value=1.)
+    torch._foreach_addcmul_(items.data, st, list(a.unbind()), value=1.)
 
 _MULTI = {larc_layer_lr: _larc_layer_lr, larc_step: _larc_step, lamb_step: _lamb_step}
 
 # %% ../nbs/01f_eager.ipynb #ea0017
 class LoopSteps:
     "fastai's loop, on each live parameter's stepped tensor"
-    def bucket(self, eng, b:Bucket, hyper:dict):
-        for i,j,_,_ in b.windows(eng.chunk, kept=eng.guarding): self.window(eng, b, i, j, hyper)
-    def extra(self, eng, b:Bucket, i:int, n:int, hyper:dict):
-        self.window(eng, b, i, i+1, hyper, n)
-    def window(self, eng, b:Bucket, i:int, j:int, hyper:dict, turn:int=0):
-        if not any(b.has_grad[i:j]): return
-        guard = eng.guard(b, i, j)  # None where the host knows the step is taken
-        x,g = b.kind.to_step(b, i, j)
-        for k in range(i, j):
-            if b.has_grad[k]: loop_one(eng.inner, b, k, x, g, i, hyper)
-        b.kind.fold(b, i, j, x, turn)
+    def bucket(self, eng, bucket:Bucket, hyper:dict):
+        for i,j,_,_ in bucket.windows(eng.chunk, kept=eng.guarding): self.window(eng, bucket, i, j, hyper)
+    def extra(self, eng, bucket:Bucket, index:int, turn:int, hyper:dict):
+        self.window(eng, bucket, index, index+1, hyper, turn)
+    def window(self, eng, bucket:Bucket, first:int, end:int, hyper:dict, turn:int=0):
+        if not any(bucket.has_grad[first:end]): return
+        guard = eng.guard(bucket, first, end)  # None where the host knows the step is taken
+        x,g = bucket.kind.to_step(bucket, first, end)
+        for k in range(first, end):
+            if bucket.has_grad[k]: loop_one(eng.inner, bucket, k, x, g, first, hyper)
+        bucket.kind.fold(bucket, first, end, x, turn)
         if guard is not None: guard.put_back()
 
-def loop_one(o, b:Bucket, k:int, x, g, i:int, hyper:dict):
-    "fastai's step functions on parameter `k` of `b`"
-    p = b.params[k]
-    t = p if b.kind.in_place else _stepped_param(b, k, x, g, i)  # `x`, `g`: what `to_step` gave from parameter `i`
-    state = o.state[p]
-    for cb in o.cbs: state = _update(state, cb(t, **{**state, **hyper}))
-    o.state[p] = state
+def loop_one(opt, bucket:Bucket, index:int, stepped, grads, first:int, hyper:dict):
+    "fastai's step functions on parameter `index` of `bucket`"
+    p = bucket.params[index]
+    # `stepped`, `grads`: what `to_step` gave from parameter `first`
+    t = p if bucket.kind.in_place else _stepped_param(bucket, index, stepped, grads, first)
+    state = opt.state[p]
+    for cb in opt.cbs: state = _update(state, cb(t, **{**state, **hyper}))
+    opt.state[p] = state
 
-def _part(x, b:Bucket, k:int, i:int) -> Tensor:
-    "Parameter `k`'s part of `x`, what `to_step` gave from parameter `i`"
-    return x[k-i] if isinstance(x, list) else b.slot(x, k, b.lo(i))
+def _part(whole, bucket:Bucket, index:int, first:int) -> Tensor:
+    "Parameter `index`'s part of `whole`, what `to_step` gave from parameter `first`"
+    return whole[index-first] if isinstance(whole, list) else bucket.slot(whole, index, bucket.lo(first))
 
-def _stepped_param(b:Bucket, k:int, x, g, i:int) -> Tensor:
-    "A `Parameter` over parameter `k`'s part of `x`, `.grad` of `g`"
-    d = _part(x, b, k, i)
-    gr = _part(g, b, k, i)
+def _stepped_param(bucket:Bucket, index:int, stepped, grads, first:int) -> Tensor:
+    "A `Parameter` over parameter `index`'s part of `stepped`, `.grad` of `grads`"
+    d = _part(stepped, bucket, index, first)
+    gr = _part(grads, bucket, index, first)
     if isinstance(d, nn.Parameter) and d.grad is gr: return d
     t = nn.Parameter(d.detach(), requires_grad=False)
     t.grad = gr
     return t
 
 # %% ../nbs/01f_eager.ipynb #ea0018
-def _as_before(b:Bucket, i:int, d:dict):
-    "Parameter `i`'s dict as `d`, but with its state tensors as now: those `d` had (a state new to this step: new in each piece)"
-    now = b.dicts[i]
+def _as_before(bucket:Bucket, index:int, before:dict):
+    "Parameter `index`'s dict as `before`, its state tensors as now: those `before` had (a state new to this step: new in each piece)"
+    now = bucket.dicts[index]
     # a state the step began without is zeros in each piece: the store's elements past the first piece are a cleared state's
-    held = {k: now[k] for k in b.state_bufs if k in now and k in d}
+    held = {k: now[k] for k in bucket.state_bufs if k in now and k in before}
     now.clear()
-    now.update(d)
+    now.update(before)
     now.update(held)
 
 def _transcendental(cb, hyper:dict) -> bool:
@@ -282,61 +284,61 @@ def _transcendental(cb, hyper:dict) -> bool:
     if base_fn(cb) is not radam_step: return False
     return bool(hyper.get('beta', _keywords(cb).get('beta')))
 
-def _step_run(cb, it:_Item, b:Bucket, a:int, c:int, sw:StateWindow, hyper:dict, shaped:bool=False):
-    "fastai's `cb` on run `a` to `c` as `it`, called as fastai's loop calls it, its new state put back"
-    state = run_state(b, a, c, sw, shaped)
-    put_state(b, a, c, cb(it, **{**state, **hyper}), sw, shaped)
+def _step_run(cb, it:_Item, bucket:Bucket, first:int, end:int, sw:StateWindow, hyper:dict, shaped:bool=False):
+    "fastai's `cb` on run `first` to `end` as `it`, called as fastai's loop calls it, its new state put back"
+    state = run_state(bucket, first, end, sw, shaped)
+    put_state(bucket, first, end, cb(it, **{**state, **hyper}), sw, shaped)
 
 class RunSteps(LoopSteps):
     "A `plan` of fastai's functions, elementwise ones once a run"
     def __init__(self, plan:list): self.plan = plan
-    def bucket(self, eng, b:Bucket, hyper:dict):
+    def bucket(self, eng, bucket:Bucket, hyper:dict):
         "Each window, a large parameter in pieces where the plan allows"
         # elementwise, a run at a time
         split = all(w[0] == 'run' and not _transcendental(w[1], hyper) for w in self.plan)
         before = {}  # a parameter stepped in pieces: its dict as the step found it
-        for i,j,lo,hi in b.windows(eng.chunk, split, eng.guarding):
-            if (lo, hi) == (b.lo(i), b.end(j)):
-                self.window(eng, b, i, j, hyper)
+        for i,j,lo,hi in bucket.windows(eng.chunk, split, eng.guarding):
+            if (lo, hi) == (bucket.lo(i), bucket.end(j)):
+                self.window(eng, bucket, i, j, hyper)
                 continue
-            if i in before: _as_before(b, i, before[i])  # each piece reads the scalars (`step`) the step began with
-            else: before[i] = dict(b.dicts[i])
-            with b.clipped(lo, hi): self.window(eng, b, i, j, hyper)
+            if i in before: _as_before(bucket, i, before[i])  # each piece reads the scalars (`step`) the step began with
+            else: before[i] = dict(bucket.dicts[i])
+            with bucket.clipped(lo, hi): self.window(eng, bucket, i, j, hyper)
 
-    def window(self, eng, b:Bucket, i:int, j:int, hyper:dict, turn:int=0):
-        if not any(b.has_grad[i:j]): return
-        guard = eng.guard(b, i, j)  # None where the host knows the step is taken
-        x,g = b.kind.to_step(b, i, j)
-        ks = scalar_keys(b, i, j)  # the window's own: a bucket's would be read again in each window
-        rs = b.runs(i, j, ks)
-        lo = b.lo(i)
-        sw = StateWindow(b, i, j)
+    def window(self, eng, bucket:Bucket, first:int, end:int, hyper:dict, turn:int=0):
+        if not any(bucket.has_grad[first:end]): return
+        guard = eng.guard(bucket, first, end)  # None where the host knows the step is taken
+        x,g = bucket.kind.to_step(bucket, first, end)
+        ks = scalar_keys(bucket, first, end)  # the window's own: a bucket's would be read again in each window
+        rs = bucket.runs(first, end, ks)
+        lo = bucket.lo(first)
+        sw = StateWindow(bucket, first, end)
         for what in self.plan:
             cb = what[1]
             if what[0] == 'run' and _transcendental(cb, hyper):
-                for a,c in b.runs(i, j, ks, single=True):
-                    it = _Item(b.slot(x, a, lo), b.slot(g, a, lo))
-                    _step_run(cb, it, b, a, c, sw, hyper, shaped=True)
+                for a,c in bucket.runs(first, end, ks, single=True):
+                    it = _Item(bucket.slot(x, a, lo), bucket.slot(g, a, lo))
+                    _step_run(cb, it, bucket, a, c, sw, hyper, shaped=True)
             elif what[0] == 'run':
                 for a,c in rs:
-                    it = _Item(b.part(x, a, c, lo), b.part(g, a, c, lo))
-                    _step_run(cb, it, b, a, c, sw, hyper)
+                    it = _Item(bucket.part(x, a, c, lo), bucket.part(g, a, c, lo))
+                    _step_run(cb, it, bucket, a, c, sw, hyper)
             else:
-                items = self._params(b, x, g, rs, lo, hyper, sw)
+                items = self._params(bucket, x, g, rs, lo, hyper, sw)
                 what[2](items, what[3])
         sw.close()
-        if b.kind.in_place:
-            for k in sorted(b.apart):
-                if i <= k < j: loop_one(eng.inner, b, k, x, g, i, hyper)  # a sparse gradient
-        b.kind.fold(b, i, j, x, turn)
+        if bucket.kind.in_place:
+            for k in sorted(bucket.apart):
+                if first <= k < end: loop_one(eng.inner, bucket, k, x, g, first, hyper)  # a sparse gradient
+        bucket.kind.fold(bucket, first, end, x, turn)
         if guard is not None: guard.put_back()
 
-    def _params(self, b:Bucket, x, g, rs:list, lo:int, hyper:dict, sw:StateWindow) -> ParamItems:
+    def _params(self, bucket:Bucket, stepped, grads, rs:list, lo:int, hyper:dict, sw:StateWindow) -> ParamItems:
         ks = [k for a,c in rs for k in range(a, c)]
         def tensors(key):
             if key not in sw.x: return None
-            return [sw.slot(key, k) if key in b.dicts[k] else None for k in ks]
-        xs = [b.slot(x, k, lo) for k in ks]
-        gs = [b.slot(g, k, lo) for k in ks]
-        states = [b.dicts[k] for k in ks]
+            return [sw.slot(key, k) if key in bucket.dicts[k] else None for k in ks]
+        xs = [bucket.slot(stepped, k, lo) for k in ks]
+        gs = [bucket.slot(grads, k, lo) for k in ks]
+        states = [bucket.dicts[k] for k in ks]
         return ParamItems(xs, gs, states, hyper, tensors)

@@ -19,10 +19,10 @@ def dynamic_map(signed:bool=True, exp_bits:int=7, bits:int=8) -> Tensor:
     "Dettmers' dynamic quantisation map of `2**bits` values"
     vals = []
     free = bits - 1  # the bits after the sign (or the indicator bit, unsigned)
-    def level(i:int, n:int):
-        edges = torch.linspace(0.1, 1, n + 1)
+    def level(exponent:int, count:int):
+        edges = torch.linspace(0.1, 1, count + 1)
         mids = (edges[:-1] + edges[1:]) / 2
-        means = (mids * 10.**(i - exp_bits + 1)).tolist()
+        means = (mids * 10.**(exponent - exp_bits + 1)).tolist()
         vals.extend(means)
         if signed: vals.extend(-m for m in means)
     spare = free - exp_bits  # the bits beyond the exponent's
@@ -39,11 +39,11 @@ def root_map(bits:int=4) -> Tensor:
     return m
 
 # %% ../nbs/01i_lowbit.ipynb #lb0009
-def quantize(x:Tensor, qmap:Tensor, block:int) -> tuple:
-    "Flat `x` as codes of nearest `qmap` values, and block scales"
-    xb = x.reshape(-1, block)
+def quantize(values:Tensor, qmap:Tensor, block:int) -> tuple:
+    "Flat `values` as codes of nearest `qmap` values, and block scales"
+    xb = values.reshape(-1, block)
     scale = xb.abs().amax(-1).clamp_min(1e-12)
-    y = (xb / scale.view(-1, 1)).view(x.shape)
+    y = (xb / scale.view(-1, 1)).view(values.shape)
     n = qmap.numel()
     codes = torch.where(y >= qmap[n // 2], n // 2, 0)
     step = n // 4
@@ -78,9 +78,9 @@ class LowBitState:
     "A state dict's handle on low-bit state: it reads as its fp32 values"
     __slots__ = ('_b', 'k', 'i')
     # its bucket owns it: no strong pointer back
-    def __init__(self, b, k:str, i:int):
-        self._b = weakref.ref(b)
-        self.k,self.i = k,i
+    def __init__(self, bucket, key:str, index:int):
+        self._b = weakref.ref(bucket)
+        self.k,self.i = key,index
     @property
     def b(self):
         "The bucket holding the state (an error once its fit has ended)"
@@ -123,10 +123,10 @@ class LowBitState:
         in_place = name.endswith('_') and not name.endswith('__')
         target = kwargs.get('out', args[0] if args and in_place else None)
         if isinstance(target, LowBitState): raise target.refusal(name)
-        def read(o):
-            if isinstance(o, LowBitState): return o.float()
-            if type(o) in (list, tuple): return [read(v) for v in o]
-            return o
+        def read(arg):
+            if isinstance(arg, LowBitState): return arg.float()
+            if type(arg) in (list, tuple): return [read(v) for v in arg]
+            return arg
         return func(*map(read, args), **{k: read(v) for k,v in kwargs.items()})
 
 def _read(name:str) -> Callable:
@@ -139,13 +139,13 @@ for _name in ('__add__ __radd__ __sub__ __rsub__ __mul__ __rmul__ __truediv__ __
               '__array__').split():
     setattr(LowBitState, _name, _read(_name))
 
-def _handles(b, k:str) -> list:
-    "State `k`'s handle for each parameter of bucket `b`"
-    return [LowBitState(b, k, i) for i in range(len(b.params))]
+def _handles(bucket, key:str) -> list:
+    "State `key`'s handle for each parameter of `bucket`"
+    return [LowBitState(bucket, key, i) for i in range(len(bucket.params))]
 
-def flat_part(t:Tensor, at:int|None, n:int) -> Tensor:
-    "`t` itself, or (`at` given) its flat elements `at` to `at + n` (`t` contiguous): where a piece of a load goes"
-    return t if at is None else t.view(-1)[at:at+n]
+def flat_part(tensor:Tensor, at:int|None, numel:int) -> Tensor:
+    "`tensor` itself, or (`at` given) its flat elements `at` to `at + numel` (`tensor` contiguous): where a piece of a load goes"
+    return tensor if at is None else tensor.view(-1)[at:at+numel]
 
 class Store:
     "How a bucket holds its optimizer state, a flat buffer a key"
@@ -211,44 +211,44 @@ class DenseStore(Store):
     "Flat state in the stepped dtype (`opt_state='fp32'`)"
     name,views = 'fp32',True
     def bytes(self, dtype) -> float: return torch.empty((), dtype=dtype).element_size()
-    def new(self, bucket, k:str, dtype):
-        bucket.state_bufs[k] = bucket.zeros(dtype)
-        bucket.state_held[k] = bucket.views(bucket.state_bufs[k])
-    def put(self, bucket, k:str, i:int, v:Tensor, at:int|None=None):
-        flat_part(bucket.state_held[k][i], at, v.numel()).copy_(v)
-    def value(self, bucket, k:str, i:int) -> Tensor:
-        return bucket.state_held[k][i].clone(memory_format=torch.preserve_format)
-    def zero(self, bucket, k:str, a:int, c:int):
-        bucket.part(bucket.state_bufs[k], a, c).zero_()
-    def load_window(self, bucket, k:str, i:int, j:int, scratch:Tensor|None=None) -> Tensor:
-        return bucket.part(bucket.state_bufs[k], i, j)
-    def store_window(self, bucket, k:str, i:int, j:int, x:Tensor): pass
-    def window_writes(self, bucket, k:str, i:int, j:int) -> list: return [bucket.part(bucket.state_bufs[k], i, j)]
-    def kernel_io(self, bucket, k:str, a:int, c:int) -> dict:
-        return {k: bucket.part(bucket.state_bufs[k], a, c)}
-    def kernel_load(self, t:dict, k:str) -> Tensor: return t[k]
-    def kernel_store(self, t:dict, k:str, x:Tensor, keep:Tensor) -> dict:
-        return {k: where_skipped(keep, t[k], x)}
+    def new(self, bucket, key:str, dtype):
+        bucket.state_bufs[key] = bucket.zeros(dtype)
+        bucket.state_held[key] = bucket.views(bucket.state_bufs[key])
+    def put(self, bucket, key:str, index:int, value:Tensor, at:int|None=None):
+        flat_part(bucket.state_held[key][index], at, value.numel()).copy_(value)
+    def value(self, bucket, key:str, index:int) -> Tensor:
+        return bucket.state_held[key][index].clone(memory_format=torch.preserve_format)
+    def zero(self, bucket, key:str, first:int, end:int):
+        bucket.part(bucket.state_bufs[key], first, end).zero_()
+    def load_window(self, bucket, key:str, first:int, end:int, scratch:Tensor|None=None) -> Tensor:
+        return bucket.part(bucket.state_bufs[key], first, end)
+    def store_window(self, bucket, key:str, first:int, end:int, stepped:Tensor): pass
+    def window_writes(self, bucket, key:str, first:int, end:int) -> list: return [bucket.part(bucket.state_bufs[key], first, end)]
+    def kernel_io(self, bucket, key:str, first:int, end:int) -> dict:
+        return {key: bucket.part(bucket.state_bufs[key], first, end)}
+    def kernel_load(self, tensors:dict, key:str) -> Tensor: return tensors[key]
+    def kernel_store(self, tensors:dict, key:str, stepped:Tensor, keep:Tensor) -> dict:
+        return {key: where_skipped(keep, tensors[key], stepped)}
 
 class BF16Store(DenseStore):
     "State tensors rounded to bf16 (`opt_state='bf16'`)"
     name,bits,views = 'bf16',16,False
     def bytes(self, dtype) -> float: return 2.
-    def new(self, bucket, k, dtype):
-        bucket.state_bufs[k] = bucket.zeros(torch.bfloat16)
-        bucket.state_held[k] = _handles(bucket, k)
-    def put(self, bucket, k, i, v, at=None):
-        slot = bucket.slot(bucket.state_bufs[k], i)
-        flat_part(slot, at, v.numel()).copy_(v)
-    def value(self, bucket, k, i):
-        return bucket.slot(bucket.state_bufs[k], i).float()
-    def load_window(self, bucket, k, i, j, scratch=None):
-        scratch.copy_(bucket.part(bucket.state_bufs[k], i, j))
+    def new(self, bucket, key, dtype):
+        bucket.state_bufs[key] = bucket.zeros(torch.bfloat16)
+        bucket.state_held[key] = _handles(bucket, key)
+    def put(self, bucket, key, index, value, at=None):
+        slot = bucket.slot(bucket.state_bufs[key], index)
+        flat_part(slot, at, value.numel()).copy_(value)
+    def value(self, bucket, key, index):
+        return bucket.slot(bucket.state_bufs[key], index).float()
+    def load_window(self, bucket, key, first, end, scratch=None):
+        scratch.copy_(bucket.part(bucket.state_bufs[key], first, end))
         return scratch
-    def store_window(self, bucket, k, i, j, x):
-        bucket.part(bucket.state_bufs[k], i, j).copy_(x)
+    def store_window(self, bucket, key, first, end, stepped):
+        bucket.part(bucket.state_bufs[key], first, end).copy_(stepped)
     # `kernel_store` is the dense one: `where_skipped`'s conversion rounds as `store_window`'s copy
-    def kernel_load(self, t, k): return t[k].float()
+    def kernel_load(self, tensors, key): return tensors[key].float()
     # with bf16 state, a pure bf16 kernel's tensors are all bf16, and inductor's vectors then hold 32 lanes: its bit
     # casts there are twice as slow as conversions (pure kahan's kernel, 5.27M elements: 17.2 against 9.5 ms), so
     # the kernel keeps its conversions (inductor drops a round trip otherwise) and rounds through them
@@ -270,15 +270,15 @@ def probe_casts(device) -> bool:
     except Exception: _casts[dev] = False  # no kernel builds here: the compiled steps fall back and say why
     return _casts[dev]
 
-def _round_trip(x:Tensor) -> Tensor: return x.to(torch.bfloat16).float() - x  # zero where inductor drops the trip
+def _round_trip(values:Tensor) -> Tensor: return values.to(torch.bfloat16).float() - values  # zero where inductor drops the trip
 
 def _casts_kept(device_type:str) -> bool:
     "What `probe_casts` found for `device_type`; False where it has not run (a kernel then rounds on the bits, always right)"
     return _casts.get(device_type, False)
 
-def kernel_name(k:str, part:str) -> str:
-    "The name of state `k`'s `part` among a kernel's tensors"
-    return f'{k}@{part}'
+def kernel_name(key:str, part:str) -> str:
+    "The name of state `key`'s `part` among a kernel's tensors"
+    return f'{key}@{part}'
 
 def where_skipped(keep:Tensor, old:Tensor, new:Tensor) -> Tensor:
     "A kernel's `old` where `keep` (a skipped step), else `new`, in `old`'s dtype"
@@ -289,9 +289,9 @@ def where_skipped(keep:Tensor, old:Tensor, new:Tensor) -> Tensor:
     return old ^ flips
 
 # %% ../nbs/01i_lowbit.ipynb #lb0015c
-def bf16_nearest(x:Tensor) -> Tensor:
-    "fp32 `x` rounded to the nearest bf16, still fp32 (a NaN: the caller's)"
-    b = x.view(torch.int32)
+def bf16_nearest(values:Tensor) -> Tensor:
+    "fp32 `values` rounded to the nearest bf16, still fp32 (a NaN: the caller's)"
+    b = values.view(torch.int32)
     rounded = b + 0x7FFF + ((b >> 16) & 1)
     return (rounded & -65536).view(torch.float32)  # the low 16 bits dropped, rounded first
 
@@ -299,14 +299,14 @@ def bf16_nearest(x:Tensor) -> Tensor:
 class Float8Codes:
     "8-bit codes: fp8 e4m3 numbers, in blocks of 256"
     bits,block = 8,256
-    def scaled(self, x:Tensor) -> tuple:
-        "`x` scaled to its codes' values, and the block scales"
-        xb = x.reshape(-1, self.block)
+    def scaled(self, values:Tensor) -> tuple:
+        "`values` scaled to their codes' values, and the block scales"
+        xb = values.reshape(-1, self.block)
         scale = xb.abs().amax(-1).clamp_min(1e-12)
-        y = (xb * (256 / scale).view(-1, 1)).view(x.shape)
+        y = (xb * (256 / scale).view(-1, 1)).view(values.shape)
         return y,scale
-    def encode(self, x:Tensor, qmap=None) -> tuple:
-        y,scale = self.scaled(x)
+    def encode(self, values:Tensor, qmap=None) -> tuple:
+        y,scale = self.scaled(values)
         return y.to(torch.float8_e4m3fn).view(torch.uint8),scale
     def decode(self, codes:Tensor, scale:Tensor, qmap=None) -> Tensor:
         # in a kernel the codes come typed e4m3, and this view is no bit cast
@@ -315,30 +315,30 @@ class Float8Codes:
         return (rows * (scale / 256).view(-1, 1)).view(x.shape)
     # ---- compiled
     def typed(self, codes:Tensor) -> Tensor: return codes.view(torch.float8_e4m3fn)
-    def kernel_code(self, old:Tensor, x:Tensor, keep:Tensor, qmap=None) -> tuple:
-        "New codes of `x` (`old` where `keep`), typed e4m3, and the block scales"
-        y,scale = self.scaled(x)
+    def kernel_code(self, old:Tensor, values:Tensor, keep:Tensor, qmap=None) -> tuple:
+        "New codes of `values` (`old` where `keep`), typed e4m3, and the block scales"
+        y,scale = self.scaled(values)
         codes = torch.where(keep, old.float(), y).to(torch.float8_e4m3fn)  # an e4m3 number casts back to itself
         return codes,scale
 
 class MapCodes:
     "4-bit codes: nearest of a 16-value map, in blocks of 128, two a byte"
     bits,block = 4,128
-    def encode(self, x:Tensor, qmap:Tensor) -> tuple:
-        codes,scale = quantize(x, qmap, self.block)
+    def encode(self, values:Tensor, qmap:Tensor) -> tuple:
+        codes,scale = quantize(values, qmap, self.block)
         return pack4(codes),scale
     def decode(self, codes:Tensor, scale:Tensor, qmap:Tensor) -> Tensor:
         return dequantize(unpack4(codes), scale, qmap, self.block)
     def typed(self, codes:Tensor) -> Tensor: return codes
-    def kernel_code(self, old:Tensor, x:Tensor, keep:Tensor, qmap:Tensor) -> tuple:
-        codes,scale = self.encode(x, qmap)
+    def kernel_code(self, old:Tensor, values:Tensor, keep:Tensor, qmap:Tensor) -> tuple:
+        codes,scale = self.encode(values, qmap)
         return where_skipped(keep, old, codes),scale
 
 # %% ../nbs/01i_lowbit.ipynb #lb0022
-def static_rows(x:Tensor) -> Tensor:
-    "2-d `x`, its row length marked static for `torch.compile`"
-    torch._dynamo.mark_static(x, 1)  # a symbolic block length makes inductor's loops slow
-    return x
+def static_rows(tensor:Tensor) -> Tensor:
+    "2-d `tensor`, its row length marked static for `torch.compile`"
+    torch._dynamo.mark_static(tensor, 1)  # a symbolic block length makes inductor's loops slow
+    return tensor
 
 class QuantStore(BF16Store):
     "State quantised block-wise in `bits` (`opt_state='8bit'|'4bit'`)"
@@ -354,95 +354,95 @@ class QuantStore(BF16Store):
         self.maps = dict(signed=dynamic_map(True, 3, 4), unsigned=root_map(4))
     def __repr__(self): return f"QuantStore({self.bits})"
     def bytes(self, dtype) -> float: return self.bits / 8 + 4 / self.block
-    def qmap(self, k:str, device) -> Tensor|None:
-        "The map of key `k` on `device`, kept there (None for fp8 codes)"
+    def qmap(self, key:str, device) -> Tensor|None:
+        "The map of key `key` on `device`, kept there (None for fp8 codes)"
         if self.bits == 8: return None
-        sign = 'unsigned' if k == 'sqr_avg' else 'signed'
-        key = (sign, str(device))
-        if key not in self.maps: self.maps[key] = self.maps[sign].to(device)
-        return self.maps[key]
-    def new(self, bucket, k, dtype):
+        sign = 'unsigned' if key == 'sqr_avg' else 'signed'
+        kept = (sign, str(device))
+        if kept not in self.maps: self.maps[kept] = self.maps[sign].to(device)
+        return self.maps[kept]
+    def new(self, bucket, key, dtype):
         n_bytes = bucket.n * self.bits // 8
-        bucket.state_bufs[k] = torch.zeros(n_bytes, dtype=torch.uint8, device=bucket.device)
-        bucket.store_meta[k] = torch.zeros(bucket.n // self.block, device=bucket.device)
-        self.zero(bucket, k, 0, len(bucket.params))
-        bucket.state_held[k] = _handles(bucket, k)
+        bucket.state_bufs[key] = torch.zeros(n_bytes, dtype=torch.uint8, device=bucket.device)
+        bucket.store_meta[key] = torch.zeros(bucket.n // self.block, device=bucket.device)
+        self.zero(bucket, key, 0, len(bucket.params))
+        bucket.state_held[key] = _handles(bucket, key)
     def _span(self, lo:int, hi:int) -> slice:
         "Where the codes of elements `lo` to `hi` lie in the bytes"
         return slice(lo, hi) if self.bits == 8 else slice(lo//2, hi//2)
-    def _code_bytes(self, bucket, k, lo:int, hi:int) -> Tensor:
+    def _code_bytes(self, bucket, key, lo:int, hi:int) -> Tensor:
         "The bytes holding the codes of elements `lo` to `hi`"
-        return bucket.state_bufs[k][self._span(lo, hi)]
-    def _scales(self, bucket, k, lo:int, hi:int) -> Tensor:
+        return bucket.state_bufs[key][self._span(lo, hi)]
+    def _scales(self, bucket, key, lo:int, hi:int) -> Tensor:
         "The scales of the blocks of elements `lo` to `hi`"
-        return bucket.store_meta[k][lo // self.block:hi // self.block]
-    def _enc(self, k, x):
-        return x.clamp_min(0).sqrt() if k == 'sqr_avg' else x  # the second moment as its square root
-    def _dec(self, k, x): return x.square() if k == 'sqr_avg' else x
-    def _store(self, bucket, k, lo:int, hi:int, x:Tensor):
-        "Code fp32 `x` into elements `lo` to `hi` (block-aligned)"
-        codes,scale = self.codes.encode(self._enc(k, x), self.qmap(k, x.device))
-        self._code_bytes(bucket, k, lo, hi).copy_(codes)
-        self._scales(bucket, k, lo, hi).copy_(scale)
-    def _load(self, bucket, k, lo:int, hi:int) -> Tensor:
-        scale = self._scales(bucket, k, lo, hi)
-        codes = self._code_bytes(bucket, k, lo, hi)
-        x = self.codes.decode(codes, scale, self.qmap(k, bucket.device))
-        return self._dec(k, x)
-    def zero(self, bucket, k, a, c):
+        return bucket.store_meta[key][lo // self.block:hi // self.block]
+    def _enc(self, key, values):
+        return values.clamp_min(0).sqrt() if key == 'sqr_avg' else values  # the second moment as its square root
+    def _dec(self, key, values): return values.square() if key == 'sqr_avg' else values
+    def _store(self, bucket, key, lo:int, hi:int, values:Tensor):
+        "Code fp32 `values` into elements `lo` to `hi` (block-aligned)"
+        codes,scale = self.codes.encode(self._enc(key, values), self.qmap(key, values.device))
+        self._code_bytes(bucket, key, lo, hi).copy_(codes)
+        self._scales(bucket, key, lo, hi).copy_(scale)
+    def _load(self, bucket, key, lo:int, hi:int) -> Tensor:
+        scale = self._scales(bucket, key, lo, hi)
+        codes = self._code_bytes(bucket, key, lo, hi)
+        x = self.codes.decode(codes, scale, self.qmap(key, bucket.device))
+        return self._dec(key, x)
+    def zero(self, bucket, key, first, end):
         "Zeros' codes and scales filled in, with no fp32 tensor"
-        lo,hi = bucket.lo(a),bucket.end(c)
-        zeros = self._enc(k, torch.zeros(self.block, device=bucket.device))
-        codes,scale = self.codes.encode(zeros, self.qmap(k, bucket.device))
-        self._code_bytes(bucket, k, lo, hi).fill_(codes[0])
-        self._scales(bucket, k, lo, hi).fill_(scale[0])
-    def put(self, bucket, k, i, v, at=None):
+        lo,hi = bucket.lo(first),bucket.end(end)
+        zeros = self._enc(key, torch.zeros(self.block, device=bucket.device))
+        codes,scale = self.codes.encode(zeros, self.qmap(key, bucket.device))
+        self._code_bytes(bucket, key, lo, hi).fill_(codes[0])
+        self._scales(bucket, key, lo, hi).fill_(scale[0])
+    def put(self, bucket, key, index, value, at=None):
         if at is None:
-            lo,hi = bucket.lo(i),bucket.end(i+1)
-            x = self._load(bucket, k, lo, hi)
-            bucket.slot(x, i, lo).copy_(v)
-            return self._store(bucket, k, lo, hi, x)
+            lo,hi = bucket.lo(index),bucket.end(index+1)
+            x = self._load(bucket, key, lo, hi)
+            bucket.slot(x, index, lo).copy_(value)
+            return self._store(bucket, key, lo, hi, x)
         if at % self.block: raise ValueError(f"a piece of state at element {at}: not on a block of {self.block}")
-        lo = bucket.offs[i] + at  # the blocks the piece covers alone: decoded, written, coded again
-        block_end = -(-(lo + v.numel()) // self.block) * self.block  # the piece's end, rounded up to a block
-        hi = min(block_end, bucket.end(i+1))
-        x = self._load(bucket, k, lo, hi)
-        x[:v.numel()].copy_(v)
-        self._store(bucket, k, lo, hi, x)
-    def value(self, bucket, k, i):
-        lo = bucket.lo(i)
-        x = self._load(bucket, k, lo, bucket.end(i+1))
-        return bucket.slot(x, i, lo).clone()
-    def load_window(self, bucket, k, i, j, scratch=None):
-        scratch.copy_(self._load(bucket, k, bucket.lo(i), bucket.end(j)))
+        lo = bucket.offs[index] + at  # the blocks the piece covers alone: decoded, written, coded again
+        block_end = -(-(lo + value.numel()) // self.block) * self.block  # the piece's end, rounded up to a block
+        hi = min(block_end, bucket.end(index+1))
+        x = self._load(bucket, key, lo, hi)
+        x[:value.numel()].copy_(value)
+        self._store(bucket, key, lo, hi, x)
+    def value(self, bucket, key, index):
+        lo = bucket.lo(index)
+        x = self._load(bucket, key, lo, bucket.end(index+1))
+        return bucket.slot(x, index, lo).clone()
+    def load_window(self, bucket, key, first, end, scratch=None):
+        scratch.copy_(self._load(bucket, key, bucket.lo(first), bucket.end(end)))
         return scratch
-    def store_window(self, bucket, k, i, j, x):
-        self._store(bucket, k, bucket.lo(i), bucket.end(j), x)
-    def window_writes(self, bucket, k, i, j):
-        lo,hi = bucket.lo(i),bucket.end(j)
-        return [self._code_bytes(bucket, k, lo, hi), self._scales(bucket, k, lo, hi)]
+    def store_window(self, bucket, key, first, end, stepped):
+        self._store(bucket, key, bucket.lo(first), bucket.end(end), stepped)
+    def window_writes(self, bucket, key, first, end):
+        lo,hi = bucket.lo(first),bucket.end(end)
+        return [self._code_bytes(bucket, key, lo, hi), self._scales(bucket, key, lo, hi)]
     # ---- compiled: the codes and scales (and a 4-bit map) in, new codes and scales out, in the same pass
-    def kernel_io(self, bucket, k, a, c):
-        lo,hi = bucket.lo(a),bucket.end(c)
-        codes = self.codes.typed(self._code_bytes(bucket, k, lo, hi))
+    def kernel_io(self, bucket, key, first, end):
+        lo,hi = bucket.lo(first),bucket.end(end)
+        codes = self.codes.typed(self._code_bytes(bucket, key, lo, hi))
         codes = static_rows(codes.view(-1, self.block * self.bits // 8))
-        scale = self._scales(bucket, k, lo, hi)
-        t = {kernel_name(k, 'codes'): codes, kernel_name(k, 'scale'): scale}
-        if self.bits == 4: t[kernel_name(k, 'map')] = self.qmap(k, bucket.device)
+        scale = self._scales(bucket, key, lo, hi)
+        t = {kernel_name(key, 'codes'): codes, kernel_name(key, 'scale'): scale}
+        if self.bits == 4: t[kernel_name(key, 'map')] = self.qmap(key, bucket.device)
         return t
-    def kernel_shape(self, t):
+    def kernel_shape(self, tensors):
         "The kind's flat tensors as rows of a block, of static length"
-        return {k: static_rows(v.view(-1, self.block)) for k,v in t.items()}
-    def kernel_load(self, t, k):
-        codes = t[kernel_name(k, 'codes')]
-        scale = t[kernel_name(k, 'scale')]
-        qmap = t.get(kernel_name(k, 'map'))
-        return self._dec(k, self.codes.decode(codes, scale, qmap))
-    def kernel_store(self, t, k, x, keep):
-        c,s = kernel_name(k, 'codes'),kernel_name(k, 'scale')
-        qmap = t.get(kernel_name(k, 'map'))
-        codes,scale = self.codes.kernel_code(t[c], self._enc(k, x), keep, qmap)
-        return {c: codes, s: where_skipped(keep, t[s], scale)}
+        return {k: static_rows(v.view(-1, self.block)) for k,v in tensors.items()}
+    def kernel_load(self, tensors, key):
+        codes = tensors[kernel_name(key, 'codes')]
+        scale = tensors[kernel_name(key, 'scale')]
+        qmap = tensors.get(kernel_name(key, 'map'))
+        return self._dec(key, self.codes.decode(codes, scale, qmap))
+    def kernel_store(self, tensors, key, stepped, keep):
+        c,s = kernel_name(key, 'codes'),kernel_name(key, 'scale')
+        qmap = tensors.get(kernel_name(key, 'map'))
+        codes,scale = self.codes.kernel_code(tensors[c], self._enc(key, stepped), keep, qmap)
+        return {c: codes, s: where_skipped(keep, tensors[s], scale)}
 
 # %% ../nbs/01i_lowbit.ipynb #lb0029
 MIN_LOWBIT = 4096  # elements: smaller tensors keep their state in fp32

@@ -20,15 +20,15 @@ __all__ = ['stream_key', 'stream_key_t', 'random_bits16', 'round_stochastic', 'f
 # %% ../nbs/05_pure.ipynb #pb000007
 _hi = -65536  # 0xFFFF0000 as an int32: the bits of an fp32 that a bf16 keeps
 
-def _mix32(x:int|Tensor) -> int|Tensor:
+def _mix32(value:int|Tensor) -> int|Tensor:
     "Mueller's 32-bit integer hash of a Python int, or of each int64 of a tensor"
-    x = x & 0xFFFFFFFF
+    x = value & 0xFFFFFFFF
     for _ in range(2): x = ((x ^ (x >> 16)) * 0x45d9f3b) & 0xFFFFFFFF
     return x ^ (x >> 16)
 
-def _int32(k:int) -> int:
-    "Unsigned 32-bit `k` as a signed int32"
-    return k - 2**32 if k >= 2**31 else k
+def _int32(value:int) -> int:
+    "Unsigned 32-bit `value` as a signed int32"
+    return value - 2**32 if value >= 2**31 else value
 
 def stream_key(seed:int, count:int, turn:int=0) -> int:
     "The int32 key of step `count` (and `turn`) of stream `seed`"
@@ -47,20 +47,20 @@ def random_bits16(idx:Tensor, key) -> Tensor:
     for _ in range(2): x = (x ^ ((x >> 16) & 0xFFFF)) * 0x45d9f3b
     return (x ^ ((x >> 16) & 0xFFFF)) & 0xFFFF
 
-def round_stochastic(x:Tensor, key, base=0) -> Tensor:
-    "fp32 `x` rounded stochastically to a bf16 neighbour, still fp32"
-    # up with probability (dropped bits)/2**16: `x` (flat) plus 16 random bits, the low 16 bits dropped
-    pos = torch.arange(x.numel(), device=x.device, dtype=torch.int32)
-    idx = (pos + base).view(x.shape)
-    bits = x.view(torch.int32) + random_bits16(idx, key)
+def round_stochastic(values:Tensor, key, base=0) -> Tensor:
+    "fp32 `values` rounded stochastically to a bf16 neighbour, still fp32"
+    # up with probability (dropped bits)/2**16: `values` (flat) plus 16 random bits, the low 16 bits dropped
+    pos = torch.arange(values.numel(), device=values.device, dtype=torch.int32)
+    idx = (pos + base).view(values.shape)
+    bits = values.view(torch.int32) + random_bits16(idx, key)
     return (bits & _hi).view(torch.float32)
 
 # %% ../nbs/05_pure.ipynb #pb000013
 @torch.no_grad()
-def fold_kahan(xs:list, ws:list, cs:list, r:list|None=None, t:list|None=None):
-    "Write fp32 `xs` into bf16 weights `ws` and compensations `cs`"
-    r = _fp32_like(xs, r)
-    t = _fp32_like(xs, t)
+def fold_kahan(xs:list, ws:list, cs:list, rest:list|None=None, total:list|None=None):
+    "Write fp32 `xs` into bf16 weights `ws` and compensations `cs` (`rest`, `total`: fp32 scratch shaped as `xs`)"
+    r = _fp32_like(xs, rest)
+    t = _fp32_like(xs, total)
     torch._foreach_copy_(ws, xs)  # w = bf16(x), to nearest
     torch._foreach_copy_(t, ws)
     torch.ops.aten._foreach_sub.List_out(xs, t, out=r)  # x - w, exact in fp32
@@ -77,19 +77,19 @@ def _fp32_like(xs:list, given:list|None) -> list:
     if given is not None: return given
     return [torch.empty_like(x, dtype=torch.float32) for x in xs]
 
-def split_kahan(x:Tensor) -> tuple:
-    "fp32 `x` as a canonical pair of bf16 weight and compensation"
-    w = torch.empty_like(x, dtype=torch.bfloat16)
-    c = torch.empty_like(x, dtype=torch.bfloat16)
-    fold_kahan([x], [w], [c])
+def split_kahan(values:Tensor) -> tuple:
+    "fp32 `values` as a canonical pair of bf16 weight and compensation"
+    w = torch.empty_like(values, dtype=torch.bfloat16)
+    c = torch.empty_like(values, dtype=torch.bfloat16)
+    fold_kahan([values], [w], [c])
     return w,c
 
 @torch.no_grad()
-def widen_kahan(xs:list, ws:list, cs:list|None=None, t:list|None=None):
-    "Write the fp32 values `w + c` of bf16 `ws` and `cs` into `xs`"
+def widen_kahan(xs:list, ws:list, cs:list|None=None, total:list|None=None):
+    "Write the fp32 values `w + c` of bf16 `ws` and `cs` into `xs` (`total`: fp32 scratch shaped as `xs`)"
     torch._foreach_copy_(xs, ws)
     if not cs: return
-    t = _fp32_like(xs, t)
+    t = _fp32_like(xs, total)
     torch._foreach_copy_(t, cs)
     torch._foreach_add_(xs, t)
 
@@ -111,24 +111,24 @@ class BF16Kind(Kind):
     def split(self, bucket, values:Tensor):
         "At the set-up: the bucket's fp32 `values` (flat, bucket-long) into the kind's storage (`bucket.w` and its own)"
         bucket.w.copy_(values)  # to nearest
-    def assign(self, bucket, i, x, at=None):
-        flat_part(bucket.slot(bucket.w, i), at, x.numel()).copy_(x)  # as `split` does
-    def to_step(self, bucket, i, j):
-        "The fp32 values and gradients of parameters `i` to `j`"
-        n = bucket.end(j) - bucket.lo(i)
+    def assign(self, bucket, index, values, at=None):
+        flat_part(bucket.slot(bucket.w, index), at, values.numel()).copy_(values)  # as `split` does
+    def to_step(self, bucket, first, end):
+        "The fp32 values and gradients of parameters `first` to `end`"
+        n = bucket.end(end) - bucket.lo(first)
         x = bucket.workspace(bucket.device, n, 'stepped')
         g = bucket.workspace(bucket.device, n, 'stepped_grad')
-        self.widen(bucket, i, j, x)
-        g.copy_(bucket.part(bucket.g, i, j))
-        for k in sorted(k for k in bucket.apart if i <= k < j):  # summed in fp32
+        self.widen(bucket, first, end, x)
+        g.copy_(bucket.part(bucket.g, first, end))
+        for k in sorted(k for k in bucket.apart if first <= k < end):  # summed in fp32
             grad = bucket.params[k].grad.float().to_dense()
-            bucket.slot(g, k, bucket.lo(i)).copy_(grad)
+            bucket.slot(g, k, bucket.lo(first)).copy_(grad)
         return x,g
     def widen(self, bucket, first:int, end:int, out:Tensor):
         "The fp32 values of parameters `first` to `end` into `out` (flat, the engine's scratch), for the step"
         out.copy_(bucket.part(bucket.w, first, end))
     @staticmethod
-    def kernel_widen(t, s): return t['w'].float(),t['g'].float()
+    def kernel_widen(tensors, scalars): return tensors['w'].float(),tensors['g'].float()
     def finish(self, bucket):
         "Each weight back in fp32, a tensor of its own (as plain torch holds it)"
         for i,p in enumerate(bucket.params):
@@ -147,75 +147,75 @@ class BF16Kind(Kind):
             bucket.has_grad[i] = True
 
 # %% ../nbs/05_pure.ipynb #pb000020
-def _mark(w:Tensor, chunk:int=1<<20) -> Tensor:
-    "Two sums of flat bf16 `w`'s bits, one weighted by position: what a write that changes a value changes (chunked, as few temporaries)"
-    res = torch.zeros(2, dtype=torch.int64, device=w.device)
-    for a in range(0, w.numel(), chunk):
-        bits = w[a:a+chunk].view(torch.int16).long()
-        at = torch.arange(a, a + bits.numel(), device=w.device) % 65521 + 1
+def _mark(weights:Tensor, chunk:int=1<<20) -> Tensor:
+    "Two sums of flat bf16 `weights`' bits, one weighted by position: what a write changing a value changes (chunked, as few temporaries)"
+    res = torch.zeros(2, dtype=torch.int64, device=weights.device)
+    for a in range(0, weights.numel(), chunk):
+        bits = weights[a:a+chunk].view(torch.int16).long()
+        at = torch.arange(a, a + bits.numel(), device=weights.device) % 65521 + 1
         res += torch.stack([bits.sum(), (bits * at).sum()])
     return res
 
 class KahanKind(BF16Kind):
     "bf16 weights and Kahan compensations, stepped as `w + c`"
     bytes = 6.  # and a bf16 compensation
-    def split(self, bucket, x):
+    def split(self, bucket, values):
         bucket.own = Slots(bucket, bucket.zeros(torch.bfloat16))  # the compensations
-        self._fold_whole(bucket, x, bucket.w, bucket.own.buf)
-    def assign(self, bucket, i, x, at=None):
+        self._fold_whole(bucket, values, bucket.w, bucket.own.buf)
+    def assign(self, bucket, index, values, at=None):
         bucket.own.marks = None  # values of a load: any later write resets a compensation, as during a fit
-        w,c = bucket.slot(bucket.w, i),bucket.own.slots[i]
-        if not w.is_contiguous(): return fold_kahan([x], [w], [c])  # another order of its elements (transposed): whole
+        w,c = bucket.slot(bucket.w, index),bucket.own.slots[index]
+        if not w.is_contiguous(): return fold_kahan([values], [w], [c])  # another order of its elements (transposed): whole
         a = at or 0
-        span = slice(a, a + x.numel())  # the flat elements `x` gives
-        self._fold_whole(bucket, x.reshape(-1), w.view(-1)[span], c.view(-1)[span])
-    def _fold_whole(self, bucket, x, w, c, chunk:int=1<<20):
-        "`fold_kahan` of flat `x` into `w` and `c`, a chunk at a time"
-        for a in range(0, x.numel(), chunk):
+        span = slice(a, a + values.numel())  # the flat elements `values` gives
+        self._fold_whole(bucket, values.reshape(-1), w.view(-1)[span], c.view(-1)[span])
+    def _fold_whole(self, bucket, values, weight, comp, chunk:int=1<<20):
+        "`fold_kahan` of flat `values` into `weight` and compensation `comp`, a chunk at a time"
+        for a in range(0, values.numel(), chunk):
             span = slice(a, a + chunk)
-            self._fold(bucket, x[span], w[span], c[span])
-    def _fold(self, bucket, x, w, c):
-        "`fold_kahan` of `x` into `w` and `c`, its temporaries in the workspace"
-        rest = self._scratch(bucket, x, 'kahan_rest')
-        total = self._scratch(bucket, x, 'kahan_sum')
-        fold_kahan([x], [w], [c], rest, total)
-    def written(self, bucket, idx:list):
+            self._fold(bucket, values[span], weight[span], comp[span])
+    def _fold(self, bucket, values, weight, comp):
+        "`fold_kahan` of `values` into `weight` and compensation `comp`, its temporaries in the workspace"
+        rest = self._scratch(bucket, values, 'kahan_rest')
+        total = self._scratch(bucket, values, 'kahan_sum')
+        fold_kahan([values], [weight], [comp], rest, total)
+    def written(self, bucket, indices:list):
         marks = bucket.own.marks
         # between fits only the weights whose values changed: torch's `register_parametrization` touches one (`set_`)
-        if marks is not None: idx = [i for i in idx if not torch.equal(_mark(bucket.part(bucket.w, i, i+1)), marks[i])]
-        if idx: torch._foreach_zero_([bucket.own.slots[i] for i in idx])  # what was written, exactly
+        if marks is not None: indices = [i for i in indices if not torch.equal(_mark(bucket.part(bucket.w, i, i+1)), marks[i])]
+        if indices: torch._foreach_zero_([bucket.own.slots[i] for i in indices])  # what was written, exactly
     def rest(self, bucket):
         bucket.own.marks = torch.stack([_mark(bucket.part(bucket.w, i, i+1)) for i in range(len(bucket.params))])
-    def _parts(self, bucket, i, j) -> tuple:
-        "The bf16 weights and compensations of parameters `i` to `j`"
-        return bucket.part(bucket.w, i, j),bucket.part(bucket.own.buf, i, j)
-    def widen(self, bucket, i, j, x):
-        w,c = self._parts(bucket, i, j)
-        widen_kahan([x], [w], [c], self._scratch(bucket, x, 'kahan_sum'))
-    def fold(self, bucket, i, j, x, turn=0):
-        w,c = self._parts(bucket, i, j)
-        self._fold(bucket, x, w, c)
+    def _parts(self, bucket, first, end) -> tuple:
+        "The bf16 weights and compensations of parameters `first` to `end`"
+        return bucket.part(bucket.w, first, end),bucket.part(bucket.own.buf, first, end)
+    def widen(self, bucket, first, end, out):
+        w,c = self._parts(bucket, first, end)
+        widen_kahan([out], [w], [c], self._scratch(bucket, out, 'kahan_sum'))
+    def fold(self, bucket, first, end, stepped, turn=0):
+        w,c = self._parts(bucket, first, end)
+        self._fold(bucket, stepped, w, c)
         bucket.own.marks = None  # a step: the marks of the last rest no longer say the weights
-    def _scratch(self, bucket, x, slot:str) -> list:
-        "The fp32 scratch buffer `slot` for a window's bf16 operands"
-        return [bucket.workspace(bucket.device, x.numel(), slot)]
-    def value(self, bucket, i):
-        return bucket.params[i].data.float().add_(bucket.own.slots[i].float())
-    def kernel_io(self, bucket, a, c, turn=0):
-        w,comp = self._parts(bucket, a, c)
-        return dict(w=w, c=comp, g=bucket.part(bucket.g, a, c)),{}
+    def _scratch(self, bucket, like, slot:str) -> list:
+        "The fp32 scratch buffer `slot` for a window's bf16 operands, as long as `like`"
+        return [bucket.workspace(bucket.device, like.numel(), slot)]
+    def value(self, bucket, index):
+        return bucket.params[index].data.float().add_(bucket.own.slots[index].float())
+    def kernel_io(self, bucket, first, end, turn=0):
+        w,comp = self._parts(bucket, first, end)
+        return dict(w=w, c=comp, g=bucket.part(bucket.g, first, end)),{}
     @staticmethod
-    def kernel_widen(t, s):
-        return t['w'].float() + t['c'].float(),t['g'].float()
+    def kernel_widen(tensors, scalars):
+        return tensors['w'].float() + tensors['c'].float(),tensors['g'].float()
     @staticmethod
-    def kernel_fold(t, s, x, nearest=None):
+    def kernel_fold(tensors, scalars, stepped, nearest=None):
         "`fold_kahan` in a kernel, rounding to bf16 by `nearest` (the store's; else on the bits)"
         nearest = bf16_nearest if nearest is None else nearest  # not `or`: torch 2.11's dynamo cannot take a bound method's truth
-        w = nearest(x)
-        v = w + nearest(x - w)
+        w = nearest(stepped)
+        v = w + nearest(stepped - w)
         w = nearest(v)
-        nan = x != x  # a NaN's bits may have carried into an inf or a -0: kept a NaN, as the conversions keep it
-        return dict(w=torch.where(nan, x, w), c=torch.where(nan, x, v - w))  # `c` rounded by the store's conversion
+        nan = stepped != stepped  # a NaN's bits may have carried into an inf or a -0: kept a NaN, as the conversions keep it
+        return dict(w=torch.where(nan, stepped, w), c=torch.where(nan, stepped, v - w))  # `c` rounded by the store's conversion
 
 class Stream:
     "Stochastic rounding's stream: a seed, and the steps taken (those a compiled fit skipped counted on the device)"
@@ -231,8 +231,8 @@ class Stream:
             self.skipped = None
         return self._count
     @count.setter
-    def count(self, n:int):
-        self._count = int(n)
+    def count(self, count:int):
+        self._count = int(count)
         self.skipped = None
     def to_host(self):
         "The count whole on the host, the device's count of skips dropped (one sync where there is one)"
@@ -262,47 +262,47 @@ class StochasticKind(BF16Kind):
     # `stream`: a kind that has one is given the callback's (its seed, and a count that checkpoints carry, `make_kind`)
     def __init__(self, stream:Stream|None=None): self.stream = stream or Stream()
     def tick(self): self.stream.tick()
-    def _base(self, bucket, i:int) -> int:
-        return (bucket.base + bucket.lo(i)) % 2**31  # parameter `i`'s first index in the stream
-    def fold(self, bucket, i, j, x, turn=0):
-        w = round_stochastic(x, self.stream.key(turn), self._base(bucket, i))
-        bucket.part(bucket.w, i, j).copy_(w)  # exact: every value is a bf16 now
-    def kernel_io(self, bucket, a, c, turn=0):
-        t,_ = super().kernel_io(bucket, a, c)
+    def _base(self, bucket, index:int) -> int:
+        return (bucket.base + bucket.lo(index)) % 2**31  # parameter `index`'s first index in the stream
+    def fold(self, bucket, first, end, stepped, turn=0):
+        w = round_stochastic(stepped, self.stream.key(turn), self._base(bucket, first))
+        bucket.part(bucket.w, first, end).copy_(w)  # exact: every value is a bf16 now
+    def kernel_io(self, bucket, first, end, turn=0):
+        t,_ = super().kernel_io(bucket, first, end)
         mixed = _int32(_mix32(self.stream.seed))  # the seed's part of the key, as an int32
         count,skipped = self.stream.on(bucket.device)
-        base = self._base(bucket, a)
+        base = self._base(bucket, first)
         return t,dict(count=count, skipped=skipped, mixed=mixed, turn=turn, base=base)
     @staticmethod
-    def kernel_fold(t, s, x, nearest=None):
-        count = s['count'] - s['skipped']  # the steps taken
-        key = stream_key_t(s['mixed'], count, s['turn'])
-        return dict(w=round_stochastic(x, key, s['base']))
+    def kernel_fold(tensors, scalars, stepped, nearest=None):
+        count = scalars['count'] - scalars['skipped']  # the steps taken
+        key = stream_key_t(scalars['mixed'], count, scalars['turn'])
+        return dict(w=round_stochastic(stepped, key, scalars['base']))
 
 class FrozenKind(BF16Kind):
     "bf16 weights frozen when the fit began, their fp32 values kept aside"
-    def split(self, bucket, x):
-        bucket.own = Slots(bucket, x)  # the fp32 values, kept
-        bucket.w.copy_(x)
-    def assign(self, bucket, i, x, at=None):
-        flat_part(bucket.own.slots[i], at, x.numel()).copy_(x)
-        super().assign(bucket, i, x, at)
-    def to_step(self, bucket, i, j):
-        _,g = super().to_step(bucket, i, j)  # nothing widened: the kept fp32 values are stepped
-        return bucket.part(bucket.own.buf, i, j),g
-    def widen(self, bucket, i, j, x): pass
-    def written(self, bucket, idx):
-        for i in idx: merge_writes(bucket.own.slots[i], bucket.slot(bucket.w, i))
-    def fold(self, bucket, i, j, x, turn=0): bucket.part(bucket.w, i, j).copy_(x)
-    def value(self, bucket, i):
-        return exact_fp32(bucket.params[i].data, bucket.own.slots[i])
-    def kernel_io(self, bucket, a, c, turn=0):
-        t,s = super().kernel_io(bucket, a, c)
-        return dict(x=bucket.part(bucket.own.buf, a, c), **t),s
+    def split(self, bucket, values):
+        bucket.own = Slots(bucket, values)  # the fp32 values, kept
+        bucket.w.copy_(values)
+    def assign(self, bucket, index, values, at=None):
+        flat_part(bucket.own.slots[index], at, values.numel()).copy_(values)
+        super().assign(bucket, index, values, at)
+    def to_step(self, bucket, first, end):
+        _,g = super().to_step(bucket, first, end)  # nothing widened: the kept fp32 values are stepped
+        return bucket.part(bucket.own.buf, first, end),g
+    def widen(self, bucket, first, end, out): pass
+    def written(self, bucket, indices):
+        for i in indices: merge_writes(bucket.own.slots[i], bucket.slot(bucket.w, i))
+    def fold(self, bucket, first, end, stepped, turn=0): bucket.part(bucket.w, first, end).copy_(stepped)
+    def value(self, bucket, index):
+        return exact_fp32(bucket.params[index].data, bucket.own.slots[index])
+    def kernel_io(self, bucket, first, end, turn=0):
+        t,s = super().kernel_io(bucket, first, end)
+        return dict(x=bucket.part(bucket.own.buf, first, end), **t),s
     @staticmethod
-    def kernel_widen(t, s): return t['x'],t['g'].float()
+    def kernel_widen(tensors, scalars): return tensors['x'],tensors['g'].float()
     @staticmethod
-    def kernel_fold(t, s, x, nearest=None): return dict(x=x, w=x)
+    def kernel_fold(tensors, scalars, stepped, nearest=None): return dict(x=stepped, w=stepped)
 
 # %% ../nbs/05_pure.ipynb #pb000021c
 _OWN_KINDS = dict(kahan=KahanKind, stochastic=StochasticKind)  # `update`'s own names
@@ -373,12 +373,12 @@ class BF16Weights(FitState):
         "The exact fp32 values kept aside, by tensor"
         halved = {t: c for t,c,_ in self.rest.halved}
         return {**halved, **self._own_slots(self.frozen)}
-    def value_of(self, p:Tensor) -> Tensor:
-        "The fp32 value of parameter `p` during the fit"
-        h = self.engine.home.get(id(p)) if self.engine is not None else None
-        if h is None: return self.fp32_kept.get(p, p.data.float())
+    def value_of(self, param:Tensor) -> Tensor:
+        "The fp32 value of parameter `param` during the fit"
+        h = self.engine.home.get(id(param)) if self.engine is not None else None
+        if h is None: return self.fp32_kept.get(param, param.data.float())
         b,i = h
-        if not isinstance(b.kind, BF16Kind): return p.data
+        if not isinstance(b.kind, BF16Kind): return param.data
         return b.kind.values(b)[i]
 
 # %% ../nbs/05_pure.ipynb #pb000023
