@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import clock, header
 from fastai.optimizer import weight_decay, average_grad, average_sqr_grad, step_stat, adam_step, _update
-from mpx.compiled import _kernel, _scalar_body, _static_chain, _hypers
+from mpx.compiled import _kernel, _static_chain, _hypers, _state_keys
 from mpx.flat import Kind
 from mpx.lowbit import DenseStore
 
@@ -48,9 +48,9 @@ def main():
     chain = _static_chain(CHAIN, HYPER)
     scalars = {k: torch.tensor(v) for k,v in _hypers(chain, HYPER).items()} | {'found': torch.tensor(0.)}
     ours_t,theirs_t = run_tensors(),run_tensors()
-    scalar_fn,step_fn = _kernel(Kind(), DenseStore(), chain)
+    scalar_fn,step_fn = _kernel(Kind(), DenseStore(), chain, _state_keys(chain))
     theirs = torch.compile(fastais, dynamic=True, fullgraph=True)
-    def ours(): step_fn(ours_t, scalars, scalar_fn(scalars, ours_t['steps']))
+    def ours(): step_fn(ours_t, scalars, scalar_fn(scalars, ours_t['steps']), {})
     def fastai_fns(): theirs(theirs_t, HYPER)
     times = {ours: [], fastai_fns: []}
     for _ in range(2): ours(); fastai_fns()  # compiled, warm

@@ -10,7 +10,7 @@ import fastai.callback.fp16 as fastai_fp16
 from torch.nn.modules.batchnorm import _NormBase
 from .core import *
 from .scaler import *
-from .fused import FusedSteps, why_not_lowbit
+from .fused import FusedSteps, why_not_lowbit, why_not_declared
 from .compiled import find_nonfinite
 from .lowbit import param_bytes, make_store, store_name
 from .plumbing import Ledger, opt_params
@@ -180,7 +180,8 @@ class FitEvents:
         self._check_cbs(self.learn.cbs)
         if not kept: self._check_model(get_model(self.model))
         if not kept and self.input_dtype is not None: self._check_untied()
-        why = None if kept else why_not_lowbit(self.learn.opt, self.fused, self.opt_state)  # kept: the engine's step
+        # kept: the engine's step; else what it would refuse, before anything changes
+        why = None if kept else why_not_lowbit(self.learn.opt, self.fused, self.opt_state) or why_not_declared(self.learn.opt)
         if why: raise ValueError(why)
         resumed = any(type(c).__name__ == 'SkipToEpoch' for c in self.learn.cbs)
         if not resumed: self._sched_skipped = 0  # a resumed fit keeps its count

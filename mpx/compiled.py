@@ -9,7 +9,7 @@ from functools import partial
 from fastai.torch_basics import *
 from fastai.optimizer import *
 from .flat import *
-from .eager import base_fn, fn_name, not_fastais, RunSteps, LoopSteps
+from .eager import base_fn, fn_name, not_fastais, RunSteps, LoopSteps, _Item
 from .lowbit import Store, where_skipped, probe_casts
 from .warn import warn_user
 
@@ -165,30 +165,47 @@ class _QHAdamStep:
 
 _STATE = {'grad_avg': average_grad, 'sqr_avg': average_sqr_grad}  # the state the compiled functions keep, by its maker
 
-def _state_keys(chain:tuple) -> list:
-    "The state keys `chain` keeps"
-    return [k for k,f in _STATE.items() if any(g is f for g,_ in chain)]
+def _state_keys(chain:tuple, declared:tuple=()) -> list:
+    "The state keys `chain` keeps (`declared`: those its declared functions keep, `probe_declared`'s)"
+    made = [k for k,f in _STATE.items() if any(g is f for g,_ in chain)]
+    return made + [k for k in declared if k not in made]
 
 # %% ../nbs/01g_compiled.ipynb #cx0008
 def _scalar_body(chain:tuple, hyper:dict, steps:Tensor|None) -> dict:
     "The run's scalars of `chain`, from the hyper-parameters and its step count"
     run = dict(step=None)
     if steps is not None: run['step'] = steps[0]
-    for f,kw in chain: _COMPILED[f].scalars(run, hyper, dict(kw))
+    for n,(f,kw) in enumerate(chain):
+        twin = _COMPILED.get(f)
+        if twin is not None: twin.scalars(run, hyper, dict(kw))
+        else: run[f'step_{n}'] = run['step']  # a declared function reads the count where it stands in the chain
     return {k: v for k,v in run.items() if v is not None}
 
-def _kernel_body(kind, store, chain:tuple, keys:list, tensors:dict, hyper:dict, run:dict):
-    "One step of `chain` (keeping state `keys`) on a run: widen, step, fold"
+def _kernel_body(kind, store, chain:tuple, keys:list, tensors:dict, hyper:dict, run:dict, group:dict):
+    "One step of `chain` (keeping state `keys`) on a run: widen, step, fold (`group`: a declared function's hyper-parameters)"
     x,g = kind.kernel_widen(tensors, hyper)
     vals = dict(x=x, g=g)
     for k in keys: vals[k] = store.kernel_load(tensors, k)  # the state, dequantised where it is low-bit
-    for f,kw in chain: _COMPILED[f].update(vals, run, dict(kw))
+    for n,(f,kw) in enumerate(chain):
+        twin = _COMPILED.get(f)
+        if twin is not None: twin.update(vals, run, dict(kw))
+        else: _declared_update(f, kw, vals, keys, run.get(f'step_{n}'), group)
     keep = hyper['found'] != 0  # nothing changes where the finite check found an inf or nan
     folded = kind.kernel_fold(tensors, hyper, vals['x'], store.kernel_nearest)
     out = {k: where_skipped(keep, tensors[k], v) for k,v in folded.items()}
     for k in keys: out.update(store.kernel_store(tensors, k, vals[k], keep))
     for k,v in out.items(): tensors[k].copy_(v)
     if 'steps' in tensors: tensors['steps'].copy_(torch.where(keep, tensors['steps'], tensors['steps'] + 1))
+
+def _declared_update(func, keywords:dict, vals:dict, keys:list, step:Tensor|None, group:dict):
+    "A declared step function on the run, called as fastai's loop calls it, on copies (it steps in place): `vals` takes what it made"
+    param = _Item(vals['x'].clone(), vals['g'].clone())
+    state = {k: vals[k].clone() for k in keys if k in vals}
+    if step is not None: state['step'] = step
+    new = func(param, **{**keywords, **state, **group})
+    if isinstance(new, dict): state.update(new)  # fastai's `_update`
+    vals['x'],vals['g'] = param.data,param.grad
+    for k in keys: vals[k] = state[k]
 
 _kernels = {}
 _failed = {}
@@ -235,14 +252,13 @@ def _signature(tensors:dict, hyper:dict) -> tuple:
     shapes = tuple((k, v.dtype, v.numel() == 1) for k,v in sorted(tensors.items()))
     return shapes + tuple((k, v.dtype) for k,v in sorted(hyper.items()))
 
-def _kernel(kind, store, chain:tuple, sig:tuple=()) -> tuple:
-    "The compiled scalars and step of `chain`, made once a process"
-    key = (type(kind), store.kernel_key(), _chain_key(chain), sig)
+def _kernel(kind, store, chain:tuple, keys:list, sig:tuple=()) -> tuple:
+    "The compiled scalars and step of `chain` keeping state `keys`, made once a process"
+    key = (type(kind), store.kernel_key(), _chain_key(chain), tuple(keys), sig)
     if key not in _kernels:
         name = f"mpx_{type(kind).__name__}_{store.name}_{'_'.join(f.__name__ for f,_ in chain)}"
         def scalars(hyper, steps): return _scalar_body(chain, hyper, steps)
-        keys = _state_keys(chain)
-        def step(tensors, hyper, run): return _kernel_body(kind, store, chain, keys, tensors, hyper, run)
+        def step(tensors, hyper, run, group): return _kernel_body(kind, store, chain, keys, tensors, hyper, run, group)
         opts = dict(dynamic=True, fullgraph=True)
         known = _known_options(store.kernel_options)
         options = {'options': known} if known else {}
@@ -326,6 +342,7 @@ def _hypers(chain:tuple, hyper:dict) -> dict:
     "The scalars the chain reads, as fastai's loop passes them"
     res = {}
     for f,kw in chain:
+        if f not in _COMPILED: continue  # a declared function: the group's hyper-parameters as they are (`_group`)
         for k,d in _hyper_names(f):
             v = hyper.get(k, kw.get(k, d))
             if v is inspect.Parameter.empty:
@@ -358,10 +375,14 @@ def _static_why(eng, p:list|None) -> str|None:
         names = not_fastais(eng.inner.cbs)
         which = f"step function {names[0]} is" if len(names) == 1 else f"step functions {', '.join(names)} are"
         return (f"the optimizer's {which} not fastai's own, whose arithmetic the compiled step holds: the optimizer "
-                "steps in fastai's loop, a parameter at a time")
-    bad = [fn_name(w[1]) for w in p if base_fn(w[1]) not in _COMPILED]
+                f"steps in fastai's loop, a parameter at a time (mpx.core.register_step({names[0]}) declares one elementwise, "
+                "and the engine then compiles it)")
+    bad = [fn_name(w[1]) for w in p if w[0] != 'run']
     if bad:
         return f"{', '.join(bad)} {'reduce' if len(bad) > 1 else 'reduces'} over each parameter: no elementwise kernel"
+    if eng.declared.numbers:
+        return (f"a declared step function keeps numbers in the state ({', '.join(eng.declared.numbers)}), which a kernel "
+                "cannot write back")
     if eng.lookaheads: return "Lookahead syncs its slow weights every k steps outside the kernel"
 
 # %% ../nbs/01g_compiled.ipynb #cx0014
@@ -394,10 +415,11 @@ class CompiledSteps:
             ds,runs = None,[(i, i+1)]
         chain = _static_chain(eng.inner.cbs, hyper)
         why = self.why_not(eng, bucket, chain)
-        if why is None:
+        begun = why is None and _begun(eng, bucket, runs)
+        if why is None and begun:
             scal = _hypers(chain, hyper)
             for k,(a,c) in enumerate(runs):
-                if self._run(eng, bucket, a, c, chain, scal, turn): continue
+                if self._run(eng, bucket, a, c, chain, scal, turn, _group(chain, hyper, bucket.dicts[a])): continue
                 why = _failed[_failure_key(bucket, chain)]
                 if k: raise RuntimeError(f"mpx: a compiled kernel failed after another of the same bucket ran: {why}")
                 break
@@ -408,7 +430,7 @@ class CompiledSteps:
         self.to_host(eng, bucket)
         # a step skipped on the device: the eager one puts back what it writes, or (a bucket it cannot guard) must not run
         if eng.found is not None and not eng.guards(bucket) and bool(eng.found): return
-        eng.warn_eager(why)
+        if why is not None: eng.warn_eager(why)  # else a declared function's state is begun, as fastai's loop begins it
         if turn: self.eager.extra(eng, bucket, runs[0][0], turn, hyper)
         else: self.eager.bucket(eng, bucket, hyper)
     def extra(self, eng, bucket:Bucket, index:int, turn:int, hyper:dict):
@@ -446,12 +468,13 @@ class CompiledSteps:
             res[k] = t
         return res
 
-    def _run(self, eng, bucket:Bucket, first:int, end:int, chain:tuple, scal:dict, turn:int) -> bool:
+    def _run(self, eng, bucket:Bucket, first:int, end:int, chain:tuple, scal:dict, turn:int, group:dict) -> bool:
         "One kernel over parameters `first` to `end` of `bucket` (False where compiling failed)"
         t,extra = bucket.kind.kernel_io(bucket, first, end, turn)
         t = bucket.store.kernel_shape(t)
         dtype = bucket.kind.state_dtype(bucket)
-        for k in _state_keys(chain): t.update(_zeros_state(bucket, k, first, end, dtype))
+        keys = _state_keys(chain, eng.declared.keys)
+        for k in keys: t.update(_zeros_state(bucket, k, first, end, dtype))
         if any(g is step_stat for g,_ in chain):
             t['steps'] = self.dev[id(bucket)].t[first:end]
         do_wd = bucket.dicts[first].get('do_wd', True)
@@ -462,9 +485,9 @@ class CompiledSteps:
         hyper['found'] = found.reshape(())  # a view: the finite check's flag may come as one element of rank 1
         try:
             if bucket.store.kernel_options.get('emulate_precision_casts'): probe_casts(bucket.device)  # before the kernel's trace reads it
-            scalars,step = _kernel(bucket.kind, bucket.store, chain, _signature(t, hyper))
+            scalars,step = _kernel(bucket.kind, bucket.store, chain, keys, _signature(t, hyper) + _group_key(group))
             run = scalars(hyper, t.get('steps'))
-            step(t, hyper, run)
+            step(t, hyper, run, group)
         except Exception as e:
             if torch._C._len_torch_dispatch_stack(): raise
             steps = ', '.join(f.__name__ for f,_ in chain)
@@ -472,6 +495,24 @@ class CompiledSteps:
             _failed[_failure_key(bucket, chain)] = f"torch.compile failed for {kind} with {store} stepping {steps} ({_why(e)})"
             return False  # nothing changed
         return True
+
+def _begun(eng, bucket:Bucket, runs:list) -> bool:
+    "Whether each live parameter of `runs` holds the state its declared functions keep (which they may begin otherwise than at 0)"
+    keys = eng.declared.keys
+    if not keys: return True
+    live = (bucket.dicts[i] or {} for a,c in runs for i in range(a, c) if bucket.has_grad[i])
+    return all(k in d for d in live for k in keys)
+
+def _group(chain:tuple, hyper:dict, state:dict|None) -> dict:
+    "What a declared function of `chain` takes besides its state, as fastai's loop passes it: the group's hyper-parameters, `do_wd`"
+    if all(f in _COMPILED for f,_ in chain): return {}
+    flag = {} if state is None or 'do_wd' not in state else {'do_wd': state['do_wd']}
+    return {**flag, **hyper}
+
+def _group_key(group:dict) -> tuple:
+    "What a kernel of a declared function specialises on in `group`: the keys, and each value but a float's (a number in the kernel)"
+    return tuple((k, float if type(v) is float else v if isinstance(v, (bool, int, str, type(None))) else type(v))
+                 for k,v in sorted(group.items()))
 
 def _zeros_state(bucket:Bucket, key:str, first:int, end:int, dtype) -> dict:
     "The kernel's tensors of state `key` for the run of parameters `first` to `end`"

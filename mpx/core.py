@@ -4,7 +4,7 @@
 
 # %% ../nbs/00_core.ipynb #d4140f72
 from __future__ import annotations
-import difflib, itertools, math, numbers
+import difflib, functools, itertools, math, numbers, types
 from collections import defaultdict
 from typing import Callable
 from enum import Enum
@@ -14,9 +14,9 @@ from fastai.torch_core import apply
 
 # %% auto #0
 __all__ = ['MODE_ARGS', 'AMPMode', 'model_device', 'training_device', 'autocast_device_type', 'check_amp_support', 'to_float32',
-           'stored_values', 'unscale_and_find_inf_', 'has_inf_or_nan', 'register_store', 'register_kind', 'store_maker',
-           'kind_maker', 'is_opt_state', 'is_update', 'opt_states', 'updates', 'check_args', 'check_known', 'Fused',
-           'default', 'passed', 'mode_args', 'check_mode_args']
+           'stored_values', 'unscale_and_find_inf_', 'has_inf_or_nan', 'register_store', 'register_kind',
+           'register_step', 'is_declared_step', 'store_maker', 'kind_maker', 'is_opt_state', 'is_update', 'opt_states',
+           'updates', 'check_args', 'check_known', 'Fused', 'default', 'passed', 'mode_args', 'check_mode_args']
 
 # %% ../nbs/00_core.ipynb #9dc79e19
 _dtype2mode = {torch.float16: 'fp16', torch.bfloat16: 'bf16'}
@@ -146,6 +146,22 @@ def register_store(name:str, make) -> Callable:
 def register_kind(name:str, make) -> Callable:
     "Let `to_bf16(pure=True, update=name)` step the trained weights in the kind `make()` returns (a BF16Kind subclass of mpx.pure)"
     return _register('register_kind', 'update', 'BF16Kind', 'kind', _kinds, _OWN_KINDS, name, make)
+
+_steps = set()  # the step functions users declared elementwise (`register_step`)
+
+def register_step(fn) -> Callable:
+    "Declare fastai step function `fn` elementwise: the engine then steps it over flat runs, and `fused='compile'` compiles it"
+    func = fn.func if isinstance(fn, functools.partial) and not fn.args else fn
+    if not isinstance(func, types.FunctionType):
+        raise ValueError(f"register_step({fn!r}): a step function is a Python function, or a partial of one with keywords "
+                         "only, as fastai's are (`p`, then its state and the hyper-parameters by name)")
+    _steps.add(func)
+    return fn
+
+def is_declared_step(func) -> bool:
+    "Whether step function `func` was declared elementwise (`register_step`)"
+    try: return func in _steps
+    except TypeError: return False  # an unhashable callable
 
 def store_maker(name:str) -> Callable:
     "What makes the store registered as `name`"

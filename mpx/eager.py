@@ -4,16 +4,19 @@
 
 # %% ../nbs/01f_eager.ipynb #ea0003
 from __future__ import annotations
-import math
+import contextlib, math
 from functools import partial
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from fastai.torch_basics import *
 from fastai.optimizer import *
 from fastai.optimizer import _update
 from .flat import *
+from .core import is_declared_step
 
 # %% auto #0
-__all__ = ['ELEMENTWISE', 'base_fn', 'fn_name', 'not_fastais', 'plan', 'StateWindow', 'run_state', 'put_state', 'SkipGuard',
-           'ParamItems', 'LoopSteps', 'loop_one', 'RunSteps']
+__all__ = ['ELEMENTWISE', 'PROBE', 'base_fn', 'fn_name', 'not_fastais', 'plan', 'StateWindow', 'run_state', 'put_state',
+           'Declared', 'probe_declared', 'SkipGuard', 'ParamItems', 'LoopSteps', 'loop_one', 'RunSteps']
 
 # %% ../nbs/01f_eager.ipynb #ea0006
 def base_fn(cb) -> Callable:
@@ -35,15 +38,15 @@ def _is(fn, fns) -> bool:
     except TypeError: return False  # an unhashable callable
 
 def not_fastais(cbs) -> list:
-    "The names of the step functions in `cbs` that are not fastai's own (the engine has no plan for them)"
+    "The names of the step functions in `cbs` that are not fastai's own"
     return [fn_name(cb) for cb in cbs if not (_is(base_fn(cb), ELEMENTWISE) or _is(base_fn(cb), _MULTI))]
 
 def plan(cbs) -> list|None:
-    "The engine's plan for `cbs` (None where one is not fastai's)"
+    "The engine's plan for `cbs` (None where one is neither fastai's nor declared elementwise, `register_step`)"
     res = []
     for cb in cbs:
         f = base_fn(cb)
-        if _is(f, ELEMENTWISE): res.append(('run', cb))
+        if _is(f, ELEMENTWISE) or is_declared_step(f): res.append(('run', cb))
         elif _is(f, _MULTI): res.append(('param', cb, _MULTI[f], dict(_keywords(cb))))
         else: return None
     return res
@@ -110,6 +113,61 @@ def put_state(bucket:Bucket, first:int, end:int, new:dict|None, sw:StateWindow, 
             for d,t in zip(bucket.dicts[first:end], held): d[k] = t
         else:
             for d in bucket.dicts[first:end]: d[k] = v
+
+# %% ../nbs/01f_eager.ipynb #ds000002
+_KEEPS_ELEMENTS = {'copy_', 'clone', 'detach', 'alias', 'zeros_like', 'ones_like', 'empty_like', 'full_like', '_to_copy',
+                   'lift_fresh', 'fill_', 'zero_'}  # not tagged pointwise, and each element of what they make is its own
+
+def _elementwise_op(func) -> bool:
+    return torch.Tag.pointwise in func.tags or func.overloadpacket.__name__ in _KEEPS_ELEMENTS
+
+class _OpsAcross(TorchDispatchMode):
+    "The ops called on a tensor of more than one element that are not elementwise"
+    def __init__(self):
+        super().__init__()
+        self.names = []
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not _elementwise_op(func) and any(isinstance(a, Tensor) and a.numel() > 1 for a in tree_leaves((args, kwargs))):
+            name = func.overloadpacket.__name__
+            if name not in self.names: self.names.append(name)
+        return func(*args, **kwargs)
+
+class Declared:
+    "What a probe of the step functions declared elementwise found: why they cannot be (else None), the state they keep"
+    def __init__(self, why:str|None=None, keys:tuple=(), numbers:tuple=()):
+        self.why,self.keys,self.numbers = why,keys,numbers  # `numbers`: state keys holding numbers, not tensors
+
+PROBE = 8  # elements of the probe parameter
+
+def probe_declared(cbs, hypers:list) -> Declared:
+    "Two steps of `cbs` on a probe parameter with each group's `hypers`: whether the declared functions step it elementwise"
+    if not any(is_declared_step(base_fn(cb)) for cb in cbs): return Declared()
+    keys,numbers = {},{}
+    for hyper in hypers:
+        param,state = _Item(torch.linspace(-1., 1., PROBE), torch.linspace(.5, -.25, PROBE)),{}
+        for _ in range(2):  # the first step begins the state, the second reads it
+            for cb in cbs:
+                declared,seen = is_declared_step(base_fn(cb)),_OpsAcross()
+                try:
+                    with seen if declared else contextlib.nullcontext(): new = cb(param, **{**state, **hyper})
+                except Exception as e:  # fastai's own: the step will say it
+                    if not declared: return Declared(None, tuple(keys), tuple(numbers))
+                    return Declared(f"{fn_name(cb)}, declared elementwise (register_step), raised {type(e).__name__} on a "
+                                    f"probe parameter of {PROBE} elements, one-dimensional as a flat run is: {e}")
+                if seen.names:
+                    ops = ', '.join(seen.names)
+                    return Declared(f"{fn_name(cb)} is declared elementwise (register_step), but it calls {ops}, which "
+                                    f"{'is' if len(seen.names) == 1 else 'are'} not elementwise: over a flat run each "
+                                    "element of its result would depend on other parameters' elements")
+                for k,v in (new.items() if declared and isinstance(new, dict) else ()):
+                    if _is_state(v, PROBE, False): keys[k] = None
+                    elif isinstance(v, Tensor) and v.numel() == PROBE:
+                        return Declared(f"{fn_name(cb)} keeps {k!r}, a {v.dtype} tensor the size of its parameter: the "
+                                        "engine's flat state holds floating tensors")
+                    else: numbers[k] = None
+                state = _update(state, new)
+    return Declared(None, tuple(keys), tuple(numbers))
 
 # %% ../nbs/01f_eager.ipynb #sg000002
 class SkipGuard:

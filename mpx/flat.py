@@ -567,12 +567,13 @@ class Slots:
         self.buf,self.slots = buf,b.views(buf)
 
 # %% ../nbs/01e_flat.ipynb #fl0026
-def scalar_keys(b:Bucket, i:int=0, j:int|None=None) -> list:
-    "Parameters `i` to `j`'s scalar state: `step`, `do_wd`, state keys"
-    ds = [d or {} for d in b.dicts[i:j]]
+def scalar_keys(bucket:Bucket, first:int=0, end:int|None=None) -> list:
+    "Parameters `first` to `end`'s scalar state: `step`, `do_wd`, which state keys they hold, other numbers (a declared function's)"
+    ds = [d or {} for d in bucket.dicts[first:end]]
     steps = [d.get('step', 0) for d in ds]
     wds = [d.get('do_wd', True) for d in ds]
-    cols = [steps, wds, *([k in d for d in ds] for k in b.state_bufs)]
+    numbers = sorted({k for d in ds for k,v in d.items() if k not in ('step', 'do_wd') and isinstance(v, (bool, int, float, str))})
+    cols = [steps, wds, *([k in d for d in ds] for k in bucket.state_bufs), *([d.get(k) for d in ds] for k in numbers)]
     # one key: `runs` sees it at once
     if all(c.count(c[0]) == len(c) for c in cols):
         return [tuple(c[0] for c in cols)]*len(ds)

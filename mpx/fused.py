@@ -20,8 +20,8 @@ from .foreign import ForeignSteps, LookaheadSync
 from .lowbit import Store, DenseStore, LowBitState, make_store, MIN_LOWBIT
 
 # %% auto #0
-__all__ = ['why_not_fused', 'why_not_lowbit', 'StepPhase', 'default_chunk', 'Verdict', 'Unsettled', 'EngineGrads',
-           'EngineCheckpoints', 'FusedSteps']
+__all__ = ['why_not_fused', 'why_not_lowbit', 'why_not_declared', 'StepPhase', 'default_chunk', 'Verdict', 'Unsettled',
+           'EngineGrads', 'EngineCheckpoints', 'FusedSteps']
 
 # %% ../nbs/01a_fused.ipynb #fz0006
 def why_not_fused(opt) -> str|None:
@@ -41,9 +41,15 @@ def why_not_lowbit(opt, fused, opt_state:str) -> str|None:
     if why: why = f"{why}, and it keeps its own state in fp32"
     elif Fused.of(fused) is Fused.LOOP:
         why = "fused=False steps fastai's loop, which keeps each parameter's state tensors in fp32"
-    elif plan(unwrap(opt)[1].cbs) is None:
+    elif not_fastais(unwrap(opt)[1].cbs):
         why = "a step function is not fastai's own, and may read its state in any way"
     return f"opt_state={opt_state!r} needs the step engine's own steps: {why}. Use opt_state='fp32'" if why else None
+
+def why_not_declared(opt) -> str|None:
+    "Why the step functions `opt` declares elementwise (`register_step`) are not (None where they are, or it declares none)"
+    if opt is None or why_not_fused(opt): return None
+    inner = unwrap(opt)[1]
+    return probe_declared(inner.cbs, inner.hypers).why
 
 def _own_zero_grad(opt) -> bool:
     "Whether `opt` has a `zero_grad` of its own"
@@ -289,6 +295,8 @@ class FusedSteps(EngineGrads, EngineCheckpoints):
         self.dense,self.low = DenseStore(),make_store(opt_state)
         why = why_not_lowbit(opt, self.fused, opt_state)
         if why: raise ValueError(why)
+        self.declared = probe_declared(self.inner.cbs, self.inner.hypers) if self.own_step else Declared()
+        if self.declared.why: raise ValueError(self.declared.why)
         self.buckets = []
         self.ledger.defer(self._finish)  # the buckets' fp32 layout back, once committed (`_layout`)
         self._layout(kind_of)
@@ -439,6 +447,8 @@ class FusedSteps(EngineGrads, EngineCheckpoints):
         "A callback edited `opt.cbs`: choose the steppers again"
         self.steps_to_host()  # the compiled step's counts to the host first
         why = why_not_lowbit(self.opt, self.fused, self.opt_state)
+        self.declared = probe_declared(self.inner.cbs, self.inner.hypers)
+        why = why or self.declared.why
         if why: raise ValueError(f"opt.cbs changed mid-fit: {why}")
         self._choose()
     def will_compile(self) -> bool:

@@ -186,8 +186,8 @@ def skip_counts_a_step():
     "A step skipped on the device (compiled) still advances its parameters' step counts (Adam's bias correction then runs ahead)"
     import mpx.compiled
     real = mpx.compiled._kernel_body
-    def body(kind, store, chain, keys, t, hyper, run):
-        real(kind, store, chain, keys, {k: v for k,v in t.items() if k != 'steps'}, hyper, run)
+    def body(kind, store, chain, keys, t, hyper, run, group):
+        real(kind, store, chain, keys, {k: v for k,v in t.items() if k != 'steps'}, hyper, run, group)
         if 'steps' in t: t['steps'].copy_(t['steps'] + 1)
     with _kernels_dropped(), _patched(mpx.compiled, '_kernel_body', body): yield
 

@@ -1,11 +1,11 @@
-"""The pages that extend mpx as a user would (a state format, a weight kind) use public names only: no private name of
+"""The pages that extend mpx as a user would (a state format, a weight kind, a step function) use public names only: no private name of
 mpx's (a `_name`), no monkeypatch (an attribute of something imported, assigned or `setattr`), in any code cell."""
 import ast, json
 from pathlib import Path
 import pytest
 
 NBS = Path(__file__).parent.parent/'nbs'
-PAGES = ['own_state.ipynb', 'own_kind.ipynb']
+PAGES = ['own_state.ipynb', 'own_kind.ipynb', 'own_step.ipynb']
 
 def _code(page:str) -> str:
     "The page's code cells, magics and nbdev directives left out"
