@@ -259,6 +259,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                               'mpx.compiled._group_key': ('compiled.html#_group_key', 'mpx/compiled.py'),
                               'mpx.compiled._hyper_names': ('compiled.html#_hyper_names', 'mpx/compiled.py'),
                               'mpx.compiled._hypers': ('compiled.html#_hypers', 'mpx/compiled.py'),
+                              'mpx.compiled._is_number': ('compiled.html#_is_number', 'mpx/compiled.py'),
                               'mpx.compiled._kernel': ('compiled.html#_kernel', 'mpx/compiled.py'),
                               'mpx.compiled._kernel_body': ('compiled.html#_kernel_body', 'mpx/compiled.py'),
                               'mpx.compiled._known_options': ('compiled.html#_known_options', 'mpx/compiled.py'),

@@ -487,7 +487,9 @@ class CompiledSteps:
             if bucket.store.kernel_options.get('emulate_precision_casts'): probe_casts(bucket.device)  # before the kernel's trace reads it
             scalars,step = _kernel(bucket.kind, bucket.store, chain, keys, _signature(t, hyper) + _group_key(group))
             run = scalars(hyper, t.get('steps'))
-            step(t, hyper, run, group)
+            # a declared function's numbers as 0-dim tensors (dynamo specialises a float passed as `alpha=`: a recompile each lr)
+            numbers = {k: v for k,v in group.items() if _is_number(v)}
+            step(t, hyper, run, {**group, **self._scalars(bucket.device, numbers)})
         except Exception as e:
             if torch._C._len_torch_dispatch_stack(): raise
             steps = ', '.join(f.__name__ for f,_ in chain)
@@ -509,9 +511,11 @@ def _group(chain:tuple, hyper:dict, state:dict|None) -> dict:
     flag = {} if state is None or 'do_wd' not in state else {'do_wd': state['do_wd']}
     return {**flag, **hyper}
 
+def _is_number(v) -> bool: return isinstance(v, (int, float)) and not isinstance(v, bool)
+
 def _group_key(group:dict) -> tuple:
-    "What a kernel of a declared function specialises on in `group`: the keys, and each value but a float's (a number in the kernel)"
-    return tuple((k, float if type(v) is float else v if isinstance(v, (bool, int, str, type(None))) else type(v))
+    "What a kernel of a declared function specialises on in `group`: the keys, and each value but a number's (a 0-dim tensor in it)"
+    return tuple((k, type(v) if _is_number(v) else v if isinstance(v, (bool, str, type(None))) else type(v))
                  for k,v in sorted(group.items()))
 
 def _zeros_state(bucket:Bucket, key:str, first:int, end:int, dtype) -> dict:
