@@ -73,6 +73,13 @@ def test_declared_eager_is_fastais_loop(name, layout):
     stepped_opt(opt_func, lambda opt: engine.append(FusedSteps(opt)) or engine[0])
     assert type(engine[0].buckets[0].stepper).__name__ == 'RunSteps'  # over runs, not fastai's loop a parameter at a time
 
+def said_eagerly(run) -> list:
+    "The lines `run()` warns that say a compiled step steps eagerly, and what it returns"
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter('always')
+        res = run()
+    return [str(w.message) for w in said if 'steps eagerly' in str(w.message)],res
+
 def gap(a:tuple, b:tuple) -> float:
     "The largest difference between two (model, optimizer) pairs' weights and state tensors, relative to each tensor's largest"
     (ma,oa),(mb,ob) = a,b
@@ -134,10 +141,7 @@ def test_a_declaration_that_is_not_elementwise_is_refused(step, op):
 
 def test_a_branch_on_a_hyper_parameter_steps_eagerly():
     "A declared function that branches on a hyper-parameter (a 0-dim tensor in the kernel) steps eagerly, as fastai's loop, said once"
-    with warnings.catch_warnings(record=True) as said:
-        warnings.simplefilter('always')
-        stepped = stepped_opt(with_step(branching_step), partial(FusedSteps, fused='compile'), wd=.1)
-    lines = [str(w.message) for w in said if 'steps eagerly' in str(w.message)]
+    lines,stepped = said_eagerly(lambda: stepped_opt(with_step(branching_step), partial(FusedSteps, fused='compile'), wd=.1))
     assert len(lines) == 1 and 'torch.compile failed' in lines[0] and 'branching_step' in lines[0], lines
     assert opt_diffs(stepped_opt(with_step(branching_step), wd=.1), stepped) == []
     # the failure the engine remembers is this case's point: taken out, so that tests/conftest.py sees no other
@@ -148,10 +152,7 @@ def test_a_branch_on_a_hyper_parameter_steps_eagerly():
 def test_numbers_in_the_state_step_eagerly():
     "A declared function that keeps a number in the state steps over runs eagerly; under `fused='compile'` it says why, once"
     learn = tiny_learner(opt_func=with_step(counted_step)).to_bf16(fused='compile')
-    with warnings.catch_warnings(record=True) as said:
-        warnings.simplefilter('always')
-        fit_quiet(learn, 2)
-    lines = [str(w.message) for w in said if 'steps eagerly' in str(w.message)]
+    lines,_ = said_eagerly(lambda: fit_quiet(learn, 2))
     assert len(lines) == 1 and 'keeps numbers in the state (count)' in lines[0], lines
     assert {s['count'] for s in learn.opt.state.values()} == {precision_cb(learn).total_steps}  # each parameter, each step
 
@@ -163,11 +164,7 @@ def test_low_bit_state_needs_fastais_own_functions():
 
 def test_undeclared_says_how_to_declare():
     "An undeclared function of the user's steps in fastai's loop, and the one line names `register_step` with it"
-    learn = tiny_learner(opt_func=with_step(undeclared_step)).to_bf16(fused='compile')
-    with warnings.catch_warnings(record=True) as said:
-        warnings.simplefilter('always')
-        fit_quiet(learn, 1)
-    lines = [str(w.message) for w in said if 'steps eagerly' in str(w.message)]
+    lines,_ = said_eagerly(lambda: fit_quiet(tiny_learner(opt_func=with_step(undeclared_step)).to_bf16(fused='compile'), 1))
     assert len(lines) == 1 and 'register_step(undeclared_step)' in lines[0], lines
 
 def test_register_step_takes_functions():
