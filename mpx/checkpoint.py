@@ -79,17 +79,17 @@ class CheckpointState:
     def layout_kept(self) -> bool:
         "Whether the learner is between fits, this mode's layout kept"
         return self.fused_steps is not None and self._outer is None
-    def fp32_value(self, t:Tensor) -> Tensor:
-        "Tensor `t` of the model as a checkpoint holds it"
-        f = self._fp32_of(t)
-        return t.detach() if f is None else f()
-    def _fp32_of(self, t:Tensor) -> Callable|None:
-        f = self.fused_steps.fp32_of(t) if self.fused_steps is not None else None
-        return f if f is not None or self.fit_state is None else self.fit_state.fp32_of(t)
-    def _assign(self, t:Tensor, x:Tensor, at:int|None=None) -> bool:
-        "Model tensor `t`, held otherwise by the fit, takes fp32 value `x` (`at`: its flat elements from `at`)"
-        if self.fused_steps is not None and self.fused_steps.assign(t, x, at): return True
-        return self.fit_state is not None and self.fit_state.assign(t, x, at)
+    def fp32_value(self, tensor:Tensor) -> Tensor:
+        "`tensor` of the model as a checkpoint holds it"
+        f = self._fp32_of(tensor)
+        return tensor.detach() if f is None else f()
+    def _fp32_of(self, tensor:Tensor) -> Callable|None:
+        f = self.fused_steps.fp32_of(tensor) if self.fused_steps is not None else None
+        return f if f is not None or self.fit_state is None else self.fit_state.fp32_of(tensor)
+    def _assign(self, tensor:Tensor, values:Tensor, at:int|None=None) -> bool:
+        "Model `tensor`, held otherwise by the fit, takes fp32 `values` (`at`: its flat elements from `at`)"
+        if self.fused_steps is not None and self.fused_steps.assign(tensor, values, at): return True
+        return self.fit_state is not None and self.fit_state.assign(tensor, values, at)
     def load_fp32_model_state(self, sd:dict, strict:bool=True) -> bool:
         "A streamed checkpoint's model state into the layout kept, or False (a value is no tensor)"
         model = get_model(self.model)

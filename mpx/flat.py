@@ -207,13 +207,13 @@ def merge_writes(fine:Tensor, coarse:Tensor):
 class Workspace:
     "Reused scratch buffers by device, slot and dtype"
     def __init__(self): self.bufs = {}
-    def __call__(self, device, n:int, slot='stepped', dtype=torch.float32) -> Tensor:
-        "The first `n` elements of reused buffer `slot` (`dtype`, `device`)"
+    def __call__(self, device, size:int, slot='stepped', dtype=torch.float32) -> Tensor:
+        "The first `size` elements of reused buffer `slot` (`dtype`, `device`)"
         key = (torch.device(device), slot, dtype)
         w = self.bufs.get(key)
-        if w is None or w.numel() < n:  # none yet, or too small: a new one, kept
-            w = self.bufs[key] = torch.empty(n, device=device, dtype=dtype)
-        return w if w.numel() == n else w[:n]
+        if w is None or w.numel() < size:  # none yet, or too small: a new one, kept
+            w = self.bufs[key] = torch.empty(size, device=device, dtype=dtype)
+        return w if w.numel() == size else w[:size]
 
 def _flat_keys(p:Tensor, v) -> bool:
     "Whether state `v` of `p` goes into a flat state buffer: a float tensor shaped like `p`"
@@ -403,12 +403,12 @@ class Bucket:
     def slot(self, buffer:Tensor, index:int, lo:int=0) -> Tensor:
         "Parameter `index`'s slot of flat `buffer`, shaped and strided like it (`lo`: the bucket's element `buffer` begins at)"
         return _alias(buffer, self.offs[index]-lo, *self.specs[index])
-    def state_new(self, k:str, dtype):
-        "Make the store of state `k` (zeros) where there is none yet"
-        if k not in self.state_bufs: self.store.new(self, k, dtype)
-    def _moved(self, t:Tensor, buf:Tensor, i:int) -> bool:
-        "Whether `t` is still slot `i` of `buf`, whose storage moved whole (`share_memory_()`): then noted where it is now"
-        return _in_slot(t, buf.untyped_storage().data_ptr(), buf.storage_offset() + self.offs[i], self.specs[i], buf.dtype)
+    def state_new(self, key:str, dtype):
+        "Make the store of state `key` (zeros) where there is none yet"
+        if key not in self.state_bufs: self.store.new(self, key, dtype)
+    def _moved(self, tensor:Tensor, buf:Tensor, index:int) -> bool:
+        "Whether `tensor` is still slot `index` of `buf`, whose storage moved whole (`share_memory_()`): then noted where it is now"
+        return _in_slot(tensor, buf.untyped_storage().data_ptr(), buf.storage_offset() + self.offs[index], self.specs[index], buf.dtype)
     def adopt_weights(self):
         "Take moved `data` back into its slot, and tell the kind of writes"
         if self.released: self._cast_back()
@@ -423,18 +423,18 @@ class Bucket:
         changed = [i for i,(v,u) in enumerate(zip(vs, self.versions)) if v != u]
         self.kind.written(self, changed)
         self.versions = vs
-    def _take_back(self, i:int, p:Tensor):
-        "Parameter `i`'s data, assigned anew: its slot again, holding the values assigned"
+    def _take_back(self, index:int, p:Tensor):
+        "Parameter `index`'s data, assigned anew: its slot again, holding the values assigned"
         x = p.data
-        v = self.slot(self.w, i)
+        v = self.slot(self.w, index)
         set_data(p, v)
         if same_values(x, v): return  # cast by hand (`model.float()`): nothing written, nothing lost
         if x.dtype == torch.float32 and not self.kind.in_place:  # an fp32 value: held as a load holds it, exactly
-            self.kind.assign(self, i, x)
-            self.versions[i] = p._version
+            self.kind.assign(self, index, x)
+            self.versions[index] = p._version
             return
         v.copy_(x)
-        self.versions[i] = None  # written, whatever its version now
+        self.versions[index] = None  # written, whatever its version now
     def _take_back_grads(self):
         "Gradient slots whose data was assigned anew (`model.float()` casts `p.grad.data`): in their slots again"
         if self.grad_slots is None or _ptrs(self.grad_slots) == self.gptrs: return
@@ -521,22 +521,22 @@ class Bucket:
         if self._seen is None: return False
         if not (same or list(map(id, ds)) == self._seen[0]): return False  # other dicts
         return self._held(ds) == self._seen[1]  # a few list comparisons in C
-    def runs(self, i:int, j:int, keys:list, single:bool=False) -> list:
-        "Runs `(a, c)` of live parameters in `i` to `j` with equal `keys` (theirs)"
+    def runs(self, first:int, end:int, keys:list, single:bool=False) -> list:
+        "Runs `(a, c)` of live parameters in `first` to `end` with equal `keys` (theirs)"
         one = keys.count(keys[0]) == len(keys)  # one key for all (the usual): the runs follow the live parameters alone
         memo_keys = None if one else tuple(keys)
-        memo = (i, j, single, tuple(self.has_grad), memo_keys, tuple(sorted(self.apart)))
+        memo = (first, end, single, tuple(self.has_grad), memo_keys, tuple(sorted(self.apart)))
         if self._runs is not None and self._runs[0] == memo: return self._runs[1]
         res = []
         cur,key = None,None  # the run growing, and its key
-        for k in range(i, j):
+        for k in range(first, end):
             if not self.has_grad[k] or (k in self.apart and self.kind.in_place):
                 cur = None
                 continue
-            if cur is not None and not single and self.flat and keys[k-i] == key:
+            if cur is not None and not single and self.flat and keys[k-first] == key:
                 cur[1] = k+1
                 continue  # `single`: one a parameter
-            cur,key = [k, k+1],keys[k-i]
+            cur,key = [k, k+1],keys[k-first]
             res.append(cur)
         res = [tuple(r) for r in res]
         self._runs = (memo, res)
@@ -563,8 +563,8 @@ class Bucket:
 class Slots:
     "A kind's own flat buffer in a bucket (`b.own`: compensations, fp32 values), and each parameter's slot of it"
     marks = None  # what the kind notes of its weights between fits (`Kind.rest`)
-    def __init__(self, b:Bucket, buf:Tensor):
-        self.buf,self.slots = buf,b.views(buf)
+    def __init__(self, bucket:Bucket, buf:Tensor):
+        self.buf,self.slots = buf,bucket.views(buf)
 
 # %% ../nbs/01e_flat.ipynb #fl0026
 def scalar_keys(bucket:Bucket, first:int=0, end:int|None=None) -> list:

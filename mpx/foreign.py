@@ -98,9 +98,9 @@ def _put(p:Tensor, data:Tensor, grad:Tensor|None):
     p.grad = grad
 
 # %% ../nbs/01h_foreign.ipynb #fo0007
-def _place(eng, gi:int, p:Tensor, n:int=0) -> int:
-    "Where group `gi` lists `p` the `n`th time"
-    return eng.places[(gi, id(p))][n]
+def _place(eng, gi:int, p:Tensor, nth:int=0) -> int:
+    "Where group `gi` lists `p` the `nth` time (from 0)"
+    return eng.places[(gi, id(p))][nth]
 
 class LookaheadSync:
     "`Lookahead`'s step, its slow weights synced in bulk"
@@ -165,28 +165,28 @@ class LookaheadSync:
         self.slow[id(la)] = (la.slow_weights, bufs)
         return bufs
 
-    def _sync(self, eng, la:Lookahead, slow:dict, b:Bucket, i:int, j:int):
-        "Sync the slow weights of parameters `i` to `j` of `b`"
-        x,_ = b.kind.to_step(b, i, j)
-        if b.flat:
-            s = b.part(slow[id(b)], i, j)
+    def _sync(self, eng, la:Lookahead, slow:dict, bucket:Bucket, first:int, end:int):
+        "Sync the slow weights of parameters `first` to `end` of `bucket`"
+        x,_ = bucket.kind.to_step(bucket, first, end)
+        if bucket.flat:
+            s = bucket.part(slow[id(bucket)], first, end)
             d = eng.workspace(s.device, s.numel(), 'slow_diff', s.dtype)
             torch.sub(x, s, out=d)
             s.add_(d, alpha=la.alpha)
             x.copy_(s)
         else:
-            group_slow = la.slow_weights[b.group]
-            ss = [group_slow[_place(eng, b.group, p)] for p in b.params[i:j]]
+            group_slow = la.slow_weights[bucket.group]
+            ss = [group_slow[_place(eng, bucket.group, p)] for p in bucket.params[first:end]]
             fast = [t.detach() for t in x]
             torch._foreach_add_(ss, torch._foreach_sub(fast, ss), alpha=la.alpha)
             torch._foreach_copy_(fast, ss)
-        b.kind.fold(b, i, j, x, -1)
+        bucket.kind.fold(bucket, first, end, x, -1)
 
-    def _sync_extra(self, eng, la:Lookahead, gi:int, n:int, p:Tensor):
+    def _sync_extra(self, eng, la:Lookahead, gi:int, turn:int, p:Tensor):
         "Sync an extra place of `p`, with its own slow weight"
         b,i = eng.home[id(p)]
-        away = b.group != gi  # `n` counts the home place, in another group
-        s = la.slow_weights[gi][_place(eng, gi, p, n - away)]
+        away = b.group != gi  # `turn` counts the home place, in another group
+        s = la.slow_weights[gi][_place(eng, gi, p, turn - away)]
         x,_ = b.kind.to_step(b, i, i+1)
         fast = _part(x, b, i, i).detach()
         s.add_(fast - s, alpha=la.alpha)

@@ -183,8 +183,8 @@ class MasterCopies(FitState):
             if any(id(p) in self.halves for p in m.parameters(recurse=False)): hook_loads(self.hooks, m, _LoadHook(self._load_masters))
         self.rest = HalvedRest([t for t in halved if id(t) not in ours], dtype, learn.model)  # last: it halves
     def kind_of(self, p) -> Kind: return self.kind if id(p) in self.halves else self.plain
-    def fp32_of(self, t:Tensor) -> Callable|None: return self.rest.fp32_of(t)
-    def assign(self, t:Tensor, x:Tensor, at:int|None=None) -> bool: return self.rest.assign(t, x, at)
+    def fp32_of(self, tensor:Tensor) -> Callable|None: return self.rest.fp32_of(tensor)
+    def assign(self, tensor:Tensor, values:Tensor, at:int|None=None) -> bool: return self.rest.assign(tensor, values, at)
     def undo(self):
         self.hooks.close()
         self.rest.undo()

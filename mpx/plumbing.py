@@ -30,10 +30,10 @@ class FitState:
     def same(self, learn) -> bool:
         "Whether a fit beginning now would change the learner as this one did"
         return True
-    def fp32_of(self, t):
-        "How to make `t`'s fp32 value where the fit holds it otherwise, or None"
-    def assign(self, t, x) -> bool:
-        "`t`, held otherwise by the fit, takes fp32 value `x`"
+    def fp32_of(self, tensor):
+        "How to make `tensor`'s fp32 value where the fit holds it otherwise, or None"
+    def assign(self, tensor, values) -> bool:
+        "`tensor`, held otherwise by the fit, takes fp32 `values`"
         return False
     def recast(self):
         "A tensor the mode halved, cast by hand since into values it cannot take back (`model.half()`), or None"
@@ -221,9 +221,9 @@ class HalvedRest:
             t.grad = None
             t.data = exact_fp32(t, c)  # its exact value, or its half value widened
         self.halved = []
-    def _now(self, t:Tensor, home:tuple|None) -> Tensor|None:
-        "What the model holds in `t`'s place now (a buffer replaced by `model.float()`)"
-        return t if home is None else home[0]._buffers.get(home[1])
+    def _now(self, tensor:Tensor, home:tuple|None) -> Tensor|None:
+        "What the model holds in `tensor`'s place now (a buffer replaced by `model.float()`)"
+        return tensor if home is None else home[0]._buffers.get(home[1])
     def take_back(self):
         "Each tensor cast by hand since (`model.float()`) halved again: its fp32 value kept, or the one assigned"
         for t,c,home in self.halved:
@@ -235,20 +235,20 @@ class HalvedRest:
             t.grad = None
             t.data = x.detach().to(self.dtype)
             if home is not None: home[0]._buffers[home[1]] = t
-    def find(self, t:Tensor) -> tuple|None:
-        "The halved tensor `t` is (or lies in the place of, cast by hand) and its fp32 value, or None"
-        return next(((u, c) for u,c,home in self.halved if u is t or self._now(u, home) is t), None)
-    def fp32_of(self, t:Tensor) -> Callable|None:
-        "How to make the fp32 value of `t`, halved here (else None)"
-        found = self.find(t)
+    def find(self, tensor:Tensor) -> tuple|None:
+        "The halved tensor `tensor` is (or lies in the place of, cast by hand) and its fp32 value, or None"
+        return next(((u, c) for u,c,home in self.halved if u is tensor or self._now(u, home) is tensor), None)
+    def fp32_of(self, tensor:Tensor) -> Callable|None:
+        "How to make the fp32 value of `tensor`, halved here (else None)"
+        found = self.find(tensor)
         return None if found is None else functools.partial(_rest_value, self, *found)
-    def assign(self, t:Tensor, x:Tensor, at:int|None=None) -> bool:
-        "`t`, halved here, takes fp32 value `x` (`at`: its flat elements from `at`, `t` contiguous), else False"
-        found = self.find(t)
+    def assign(self, tensor:Tensor, values:Tensor, at:int|None=None) -> bool:
+        "`tensor`, halved here, takes fp32 `values` (`at`: its flat elements from `at`, `tensor` contiguous), else False"
+        found = self.find(tensor)
         if found is None: return False
         self.take_back()
         u,c = found
-        for v in (c, u.data): flat_part(v, at, x.numel()).copy_(x)  # its exact value kept, the half one its rounding
+        for v in (c, u.data): flat_part(v, at, values.numel()).copy_(values)  # its exact value kept, the half one its rounding
         return True
     def recast(self) -> Tensor|None:
         "The first tensor cast by hand into values its fp32 value does not round to (`model.half()`), or None"

@@ -352,8 +352,8 @@ class BF16Weights(FitState):
         "Whether a fit beginning now would halve and train the same tensors"
         trained = _trained(opt_params(learn.opt))
         return trained == self.trained and not halvable(learn.model)  # no fp32 tensor to halve: none new
-    def fp32_of(self, t:Tensor) -> Callable|None: return self.rest.fp32_of(t)
-    def assign(self, t:Tensor, x:Tensor, at:int|None=None) -> bool: return self.rest.assign(t, x, at)
+    def fp32_of(self, tensor:Tensor) -> Callable|None: return self.rest.fp32_of(tensor)
+    def assign(self, tensor:Tensor, values:Tensor, at:int|None=None) -> bool: return self.rest.assign(tensor, values, at)
 
     def _buckets(self, kind) -> list:
         buckets = getattr(self.engine, 'buckets', [])  # none before the engine's set-up
