@@ -68,7 +68,7 @@ MODES="mpx bf16,mpx bf16 Adam,mpx bf16 Adam compile,mpx pure kahan Adam compile,
 MODES="$MODES,raw AMP bf16 loop fused AdamW"
 (cd bench && timeout $TB1 $PY gpu.py "${GPU[@]}" --rounds 3 --only syncs,main --models gpt,cnn --modes "$MODES" \
   --plots /tmp/gpu_plots > "$OUT/gpu_main.log" 2>&1)
-grep -A12 "^| model | mpx bf16 / raw" "$OUT/gpu_main.log" | head -6
+grep -A3 "^| model | mpx bf16 Adam vs fastai" "$OUT/gpu_main.log" | head -4
 (cd bench && timeout $TB2 $PY gpu.py "${GPU[@]}" --rounds 3 --only lowbit --models gpt > "$OUT/gpu_lowbit.log" 2>&1)
 grep "^| GPT" "$OUT/gpu_lowbit.log" | head -12
 echo "# done at $SECONDS s"

@@ -63,14 +63,16 @@ _fastai_with_events = getattr(Learner._with_events, '_fastai', Learner._with_eve
 
 @patch
 def _with_events(self:Learner, f, event_type, ex, final=noop):
-    "fastai's `_with_events`, finishing the precision callbacks on an exception"
+    "fastai's `_with_events`, finishing mpx's callbacks on an exception: the precision callback, then `DeviceLosses`"
     try: _fastai_with_events(self, f, event_type, ex, final)
     except BaseException as e:
         if event_type in ('fit', 'validate'):
             for c in self.cbs.filter(is_mpx_precision):
                 c._explain(e)
-                if event_type == 'fit': c._leave_fit()
-                else: c._end_forward()
+                if event_type == 'validate': c._end_forward()
+        if event_type == 'fit':
+            for c in sorted(self.cbs.filter(lambda c: hasattr(c, '_leave_fit')), key=lambda c: not is_mpx_precision(c)):
+                c._leave_fit()
         raise
 
 Learner._with_events._fastai = _fastai_with_events

@@ -9,6 +9,7 @@ from fastcore.imports import IN_NOTEBOOK
 from fastprogress.fastprogress import MasterBar, ProgressBar
 from fastai.basics import *
 from fastai.callback.progress import ProgressCallback
+from . import patches  # noqa: F401 (`Learner._with_events` gives fastai's recorder back when a fit raises)
 
 # %% auto #0
 __all__ = ['interactive', 'LineBar', 'QuietProgress', 'DeviceLosses']
@@ -116,20 +117,29 @@ class DeviceLosses(Callback):
         if self.shown is None: self.copies[0][1].synchronize()
         while self.copies and self.copies[0][1].query(): self.shown = self.copies.pop(0)[0]
         return self.shown
-    def after_train(self):
-        "The epoch's losses to the host in one read, and the smooth loss as it is"
+    def _losses_to_host(self):
+        "The losses recorded on the device, to the host in one read"
         r = self.learn.recorder
-        if self.kept is None: return
         at = [i for i,t in enumerate(r.losses) if isinstance(t, Tensor) and t.device.type != 'cpu']
         if at:
             for i,t in zip(at, torch.stack([r.losses[i] for i in at]).cpu().unbind()): r.losses[i] = t
-        if hasattr(self.learn, 'smooth_loss'): self.learn.smooth_loss = _host(r.smooth_loss.value)
+    def after_train(self):
+        "The epoch's losses to the host in one read, and the smooth loss as it is"
+        if self.kept is None: return
+        self._losses_to_host()
+        if hasattr(self.learn, 'smooth_loss'): self.learn.smooth_loss = _host(self.learn.recorder.smooth_loss.value)
         self.copies,self.shown = [],None
     def after_fit(self):
-        "fastai's own averages again, holding the values reached"
+        "fastai's own averages again, holding the values reached (one never begun, validation cancelled, as it was)"
         if self.kept is None: return
-        r,(loss,smooth) = self.learn.recorder,self.kept
-        loss.total,loss.count = _host(r.loss.total),r.loss.count
-        smooth.val,smooth.count = _host(r.smooth_loss.val),r.smooth_loss.count
-        _put(r, loss, smooth)
+        r,kept = self.learn.recorder,self.kept
         self.kept,self.copies,self.shown = None,[],None
+        try:
+            for own,ours,names in zip(kept, (r.loss, r.smooth_loss), (('total', 'count'), ('val', 'count'))):
+                own.__dict__.update({k: _host(ours.__dict__[k]) for k in names if k in ours.__dict__})
+        finally: _put(r, *kept)
+    def _leave_fit(self):
+        "An exception's fit (mpx's `Learner._with_events` calls it): the recorder as `after_fit` leaves it, losses on the host"
+        if self.kept is None: return
+        try: self._losses_to_host()
+        finally: self.after_fit()

@@ -234,7 +234,8 @@ def test_kept_copies_are_a_window(mode):
 
 # ---- fastai's recorder with no wait each batch (`DeviceLosses`)
 
-from fastai.basics import accuracy, AvgLoss, AvgSmoothLoss, CrossEntropyLossFlat
+from contextlib import nullcontext
+from fastai.basics import accuracy, AvgLoss, AvgSmoothLoss, CrossEntropyLossFlat, CancelValidException
 import fastai.callback.schedule  # noqa: F401 (`lr_find`, `fit_one_cycle`)
 
 def recorded(mode:str|None, losses:bool, device=None) -> tuple:
@@ -257,6 +258,33 @@ def test_device_losses_are_fastais(mode):
     assert all(torch.equal(a, b) for a,b in zip(ws, ws2))
     assert (type(learn.recorder.loss), type(learn.recorder.smooth_loss)) == (AvgLoss, AvgSmoothLoss)
     assert learn.device_losses.kept is None and not learn.device_losses.copies
+
+class CancelValidation(Callback):
+    def before_validate(self): raise CancelValidException()
+
+class RaiseAt(Callback):
+    "Raise inside the second epoch's training batch `at`, before the recorder's turn"
+    def __init__(self, at:int): self.at = at
+    def after_batch(self):
+        if self.training and self.epoch == 1 and self.iter == self.at: raise RuntimeError('planted')
+
+def fit_ended(mode:str|None, losses:bool, ends:Callback) -> tuple:
+    "The recorder after a 3-epoch fit that `ends` cancels or cuts: its averages' types and fields, values, per-batch losses"
+    learn = tiny_learner(lr=1e-2, opt_func=Adam, cbs=[ends] + ([DeviceLosses()] if losses else []))
+    if mode: ALL_MODES[mode](learn)
+    with pytest.raises(RuntimeError, match='planted') if isinstance(ends, RaiseAt) else nullcontext(): fit_quiet(learn, 3)
+    r = learn.recorder
+    fields = [{k: float(v) for k,v in vars(m).items() if k in ('total', 'val', 'count')} for m in (r.loss, r.smooth_loss)]
+    return (type(r.loss), type(r.smooth_loss)), fields, r.values, [float(l) for l in r.losses]
+
+@pytest.mark.parametrize('mode', [None, 'amp_bf16'])
+@pytest.mark.parametrize('ends', ['validation cancelled', 'an exception'])
+def test_device_losses_end_every_fit(mode, ends):
+    "A fit whose validation a callback cancels, or that a callback's exception cuts, leaves fastai's own averages holding fastai's values; the next fit runs."
+    make = CancelValidation if ends == 'validation cancelled' else partial(RaiseAt, 2)
+    want,got = fit_ended(mode, False, make()),fit_ended(mode, True, make())
+    assert got[0] == (AvgLoss, AvgSmoothLoss)
+    assert got == want
 
 class LossReads(Callback):
     "The smooth loss `learn.smooth_loss` holds at the progress bar's turn, each training batch"
