@@ -99,11 +99,12 @@ def _put(r:Recorder, loss, smooth):
 class DeviceLosses(Callback):
     "fastai's `Recorder` with no wait each batch: its losses averaged on the device, the progress bar's a batch late"
     order = Recorder.order + 5  # after the recorder's `after_batch`, before the progress bar's
-    def __init__(self): self.kept,self.copies,self.shown = None,[],None
+    def __init__(self): self.kept,self.copies,self.shown,self.nested = None,[],None,0
     def before_fit(self):
         r = getattr(self.learn, 'recorder', None)
         if r is None or hasattr(self.learn, 'lr_finder') or rank_distrib(): return  # `lr_find` reads each loss to stop
         if self.kept is None: self.kept = (r.loss, r.smooth_loss)  # fastai's own, given back at the fit's end
+        else: self.nested += 1  # a fit in this one (a callback's `validate()`), whose recorder begins again, as fastai's
         _put(r, _DeviceAvgLoss(), _DeviceSmoothLoss(r.smooth_loss.beta))
     def after_batch(self):
         if self.kept is None or not self.training or not hasattr(self.learn, 'smooth_loss'): return
@@ -132,6 +133,7 @@ class DeviceLosses(Callback):
     def after_fit(self):
         "fastai's own averages again, holding the values reached (one never begun, validation cancelled, as it was)"
         if self.kept is None: return
+        if self.nested: self.nested -= 1; return  # the outer fit goes on with the averages begun again
         r,kept = self.learn.recorder,self.kept
         self.kept,self.copies,self.shown = None,[],None
         try:
@@ -140,6 +142,6 @@ class DeviceLosses(Callback):
         finally: _put(r, *kept)
     def _leave_fit(self):
         "An exception's fit (mpx's `Learner._with_events` calls it): the recorder as `after_fit` leaves it, losses on the host"
-        if self.kept is None: return
+        if self.kept is None or self.nested: return self.after_fit()
         try: self._losses_to_host()
         finally: self.after_fit()

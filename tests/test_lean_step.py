@@ -7,6 +7,7 @@ from fastai.basics import Callback, nn, Adam, SGD, RAdam, QHAdam, Lamb, Larc, ra
 from mpx.all import *
 from mpx.pure import Stream, stream_key
 from mpx.eager import SkipGuard
+from mpx.progress import _DeviceSmoothLoss
 from mpx.test_utils import (ALL_MODES, tiny_learner, fit_quiet, precision_cb, state_of, state_diffs, PoisonLoss,
                             CountSyncs)
 
@@ -268,6 +269,15 @@ class RaiseAt(Callback):
     def after_batch(self):
         if self.training and self.epoch == 1 and self.iter == self.at: raise RuntimeError('planted')
 
+class MidValidate(Callback):
+    "`learn.validate()` from the second training batch (a fit in the fit), and the smooth-loss types of every training batch"
+    order = 90
+    def __init__(self): self.seen = []
+    def after_batch(self):
+        if not self.training: return
+        self.seen.append(type(self.learn.recorder.smooth_loss))
+        if self.epoch == 0 and self.iter == 1: self.learn.validate()
+
 def fit_ended(mode:str|None, losses:bool, ends:Callback) -> tuple:
     "The recorder after a 3-epoch fit that `ends` cancels or cuts: its averages' types and fields, values, per-batch losses"
     learn = tiny_learner(lr=1e-2, opt_func=Adam, cbs=[ends] + ([DeviceLosses()] if losses else []))
@@ -275,16 +285,18 @@ def fit_ended(mode:str|None, losses:bool, ends:Callback) -> tuple:
     with pytest.raises(RuntimeError, match='planted') if isinstance(ends, RaiseAt) else nullcontext(): fit_quiet(learn, 3)
     r = learn.recorder
     fields = [{k: float(v) for k,v in vars(m).items() if k in ('total', 'val', 'count')} for m in (r.loss, r.smooth_loss)]
-    return (type(r.loss), type(r.smooth_loss)), fields, r.values, [float(l) for l in r.losses]
+    return (type(r.loss), type(r.smooth_loss)), fields, repr(r.values), [float(l) for l in r.losses]  # repr: a `validate()`'s nan
 
 @pytest.mark.parametrize('mode', [None, 'amp_bf16'])
-@pytest.mark.parametrize('ends', ['validation cancelled', 'an exception'])
+@pytest.mark.parametrize('ends', ['validation cancelled', 'an exception', 'validate() mid-fit'])
 def test_device_losses_end_every_fit(mode, ends):
-    "A fit whose validation a callback cancels, or that a callback's exception cuts, leaves fastai's own averages holding fastai's values; the next fit runs."
-    make = CancelValidation if ends == 'validation cancelled' else partial(RaiseAt, 2)
-    want,got = fit_ended(mode, False, make()),fit_ended(mode, True, make())
+    "A fit whose validation a callback cancels, that a callback's exception cuts, or in which a callback calls `validate()`, leaves fastai's own averages holding fastai's values; the averages stay on the device after a `validate()`."
+    make = {'validation cancelled': CancelValidation, 'an exception': partial(RaiseAt, 2), 'validate() mid-fit': MidValidate}[ends]
+    ends_ours = make()
+    want,got = fit_ended(mode, False, make()),fit_ended(mode, True, ends_ours)
     assert got[0] == (AvgLoss, AvgSmoothLoss)
     assert got == want
+    if ends == 'validate() mid-fit': assert len(ends_ours.seen) > 2 and set(ends_ours.seen) == {_DeviceSmoothLoss}, ends_ours.seen
 
 class LossReads(Callback):
     "The smooth loss `learn.smooth_loss` holds at the progress bar's turn, each training batch"
