@@ -99,7 +99,8 @@ def _put(r:Recorder, loss, smooth):
 class DeviceLosses(Callback):
     "fastai's `Recorder` with no wait each batch: its losses averaged on the device, the progress bar's a batch late"
     order = Recorder.order + 5  # after the recorder's `after_batch`, before the progress bar's
-    def __init__(self): self.kept,self.copies,self.shown,self.nested = None,[],None,0
+    nested = 0  # fits begun in this one: a class default, so one pickled before it was counted loads
+    def __init__(self): self.kept,self.copies,self.shown = None,[],None
     def before_fit(self):
         r = getattr(self.learn, 'recorder', None)
         if r is None or hasattr(self.learn, 'lr_finder') or rank_distrib(): return  # `lr_find` reads each loss to stop
