@@ -8,7 +8,8 @@
 #      GPT-2's vocabulary) -> lean_memory.log
 #   A, side by side (correctness and memory, not timings): the tests that skip without CUDA and the engine's tests on the
 #      device (fastai puts a learner where CUDA is: every mode, compiled steps, low-bit state, kept layouts, saves,
-#      checkpoints) -> tests.log; tests/apps/test_vision.py (resnet18 and xresnet18 fine-tuned in every mode beside fp32)
+#      checkpoints, a declared step function compiled, torch's storage paths) -> tests.log; tests/apps/test_vision.py
+#      (resnet18 and xresnet18 fine-tuned in every mode beside fp32)
 #      -> vision.log; bench/session_memory.py --device cuda (max_memory_allocated per call, per mode, with the advisor's
 #      predicted peaks) -> session.log
 #   B, alone (timings): bench/gpu.py's host syncs and main table (GPT, then the CNN: mpx eager and compiled beside raw loops,
@@ -26,10 +27,10 @@ export PYTHONUNBUFFERED=1
 if [ -z "$SMOKE" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site bench/wheels/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD; PY=python3; DEVICE=cuda
-  TESTS=${TESTS:-"tests/test_gpu.py tests/test_syncs.py tests/test_lean_step.py tests/test_fp8.py tests/test_engine.py tests/test_compiled_steps.py
+  TESTS=${TESTS:-"tests/test_gpu.py tests/test_syncs.py tests/test_lean_step.py tests/test_own_step.py tests/test_fp8.py tests/test_engine.py tests/test_compiled_steps.py
          tests/test_lowbit.py tests/test_kept_layout.py tests/test_checkpoints.py tests/test_one_truth.py tests/test_pure.py
          tests/test_master.py tests/test_fused_modes.py tests/test_wrong_steps.py tests/test_visible_state.py
-         tests/test_amp_integration.py tests/test_leaks.py"}
+         tests/test_storage_paths.py tests/test_store_edges.py tests/test_amp_integration.py tests/test_leaks.py"}
   # torchao's AdamW8bit compiles its kernels in each fresh process (136 s on the H200): an anchor left to ARMS='...'
   ARMS=${ARMS:-"fastai fp32,fastai + optimi kahan AdamW (bf16 model),mpx AMP bf16,mpx AMP bf16 compile,mpx AMP bf16 8bit,mpx master bf16,mpx pure kahan,mpx pure kahan 8bit,mpx pure kahan 8bit compile"}
   SESSION=(--arms "$ARMS"); GPU=(); WORKERS=8
