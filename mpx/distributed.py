@@ -118,6 +118,7 @@ class ShardedTrainer(Callback):
     def before_train(self): self.learn.dl = _wrap(self.learn.dl, self.device)
     def before_validate(self): self.learn.dl = _wrap(self.learn.dl, self.device)
     def after_fit(self): self.learn.dls.loaders = [_plain(dl) for dl in self.dls]
+    _leave_fit = after_fit  # a fit an exception cuts (mpx's `Learner._with_events`): the loaders given back too
 
 # %% ../nbs/06a_distributed.ipynb #f0868201
 def _join_process_group(device_type:str):

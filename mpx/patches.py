@@ -63,7 +63,7 @@ _fastai_with_events = getattr(Learner._with_events, '_fastai', Learner._with_eve
 
 @patch
 def _with_events(self:Learner, f, event_type, ex, final=noop):
-    "fastai's `_with_events`, finishing mpx's callbacks on an exception: the precision callback, then `DeviceLosses`"
+    "fastai's `_with_events`, finishing mpx's callbacks on an exception: the precision callback, then the others' `_leave_fit`"
     try: _fastai_with_events(self, f, event_type, ex, final)
     except BaseException as e:
         if event_type in ('fit', 'validate'):

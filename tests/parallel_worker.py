@@ -214,10 +214,27 @@ def one_ckpt(path):
     learn.save('one')
     return log(learn)
 
+class RaiseAt(Callback):
+    "Raise on every rank after the training batch `at` of the fit (an error in a user's callback)"
+    def __init__(self, at): self.at,self.i = at,0
+    def after_batch(self):
+        if not self.training: return
+        self.i += 1
+        if self.i == self.at: raise RuntimeError('planted')
+
+def fsdp_raises(path):
+    "A fit cut by an exception on every rank: the learner's loaders as they were, and a fit after it"
+    learn = shard(learner(path, lambda l: l.to_bf16()))
+    try: fit(learn, 8, cbs=RaiseAt(3))
+    except RuntimeError as e: err = str(e)
+    loaders = [type(dl).__name__ for dl in learn.dls.loaders]
+    fit(learn, 2)
+    return dict(log(learn), err=err, loaders=loaders)
+
 CASES = dict(ddp_fp32=ddp_fp32, ddp_master=ddp_master, ddp_pure=ddp_pure, ddp_bf16=ddp_bf16, ddp_fp16=ddp_fp16, ddp_fp16_sum=ddp_fp16_sum,
              ddp_fp32_sum=ddp_fp32_sum, ddp_lifecycle=ddp_lifecycle, fsdp_bf16=fsdp_bf16, fsdp_fp16=fsdp_fp16, fsdp_master=fsdp_master,
              fsdp_master_bf16=fsdp_master_bf16, fsdp_opts=fsdp_opts, fsdp_lr_find=fsdp_lr_find, fsdp_ckpt=fsdp_ckpt, one_ckpt=one_ckpt,
-             fsdp_opt_state=fsdp_opt_state)
+             fsdp_opt_state=fsdp_opt_state, fsdp_raises=fsdp_raises)
 
 def main(out, *cases):
     for case in cases:

@@ -1,6 +1,6 @@
 """mpx past one device, on 2 CPU processes with gloo (torchrun launches tests/parallel_worker.py once for every case):
 16-bit gradient communication under fastai's DDP, and FSDP2 (`to_fsdp`) in every mode it takes, against one process."""
-import json
+import json, math
 import pytest, torch
 from fastai.basics import first
 from mpx.all import *
@@ -104,6 +104,12 @@ def test_to_fsdp_refuses_lowbit_state(to):
     with pytest.raises(ValueError, match=r"\(opt_state='8bit'\) cannot train a model sharded with FSDP2.*takes opt_state='fp32'"):
         learn.to_fsdp()
     assert list(learn.cbs) == cbs and list(learn.model.parameters()) == ps and not any(hasattr(p, 'device_mesh') for p in ps)
+
+def test_fsdp_exception_gives_the_loaders_back(runs):
+    "A fit a callback's exception cuts on every rank leaves the learner's own loaders (not FSDP's sharded ones), and the next fit trains alike on both ranks."
+    r0,r1 = runs['two']['fsdp_raises']
+    for r in (r0, r1): assert 'planted' in r['err'] and r['loaders'] == ['TfmdDL', 'TfmdDL'], r
+    assert r0['weights'] == r1['weights'] and all(math.isfinite(w) for w in r0['weights'])
 
 def test_checkpoint_one_process_to_two(runs):
     "A 1-process checkpoint loads into a sharded learner on each rank: the same weights, Adam state and loss scale."
