@@ -18,6 +18,7 @@ from .checkpoint import CheckpointState, LoadsInto
 from .flat import overlapping
 from .patches import *
 from .warn import warn_user
+from .hardware import _runs_in_autocast
 
 # %% auto #0
 __all__ = ['ScaleTelemetry', 'check_single_autocast', 'NormStats', 'first_not_fp32', 'FitEvents', 'StepChecks',
@@ -147,8 +148,29 @@ def _check_opt_state(opt_state:str, fused:Fused) -> str:
                      "or opt_state='fp32'")
 _no_kernel = ("not implemented for 'Half'", "not implemented for 'BFloat16'", 'could not create a primitive',
               'Unsupported dtype')
-_instead = {AMPMode.FP16: 'train in bf16 (learn.to_bf16()) or fp32 (learn.to_fp32()) instead',
-            AMPMode.BF16: 'train in fp16 (learn.to_fp16()) or fp32 (learn.to_fp32()) instead'}
+
+def _failing_layer(model:nn.Module, e:BaseException) -> tuple:
+    "The name and innermost layer of `model` whose `forward` the traceback of `e` runs through, or (None, None): a backward's"
+    names,tb,found = {id(m): n for n,m in model.named_modules()},e.__traceback__,(None, None)
+    while tb is not None:
+        me = tb.tb_frame.f_locals.get('self')
+        if isinstance(me, nn.Module) and id(me) in names: found = (names[id(me)], me)
+        tb = tb.tb_next
+    return found
+
+def _no_kernel_advice(model:nn.Module, e:BaseException, mode:AMPMode, device_type:str) -> str:
+    "Where `mode` has no kernel (the failing layer), and what to train in instead: the other 16-bit dtype where it runs here"
+    other = AMPMode.BF16 if mode is AMPMode.FP16 else AMPMode.FP16
+    name,layer = _failing_layer(model, e)
+    kinds = [type(layer)] if layer is not None else list(dict.fromkeys(type(m) for m in model.modules()))
+    runs = {k: _runs_in_autocast(k, other.dtype, device_type) for k in kinds}  # tiny layers, each a few milliseconds
+    where = f"its {type(layer).__name__} `{name}`" if layer is not None and name else 'this model'
+    head = f"an op of {where} has no {mode} kernel on {device_type}"
+    if any(r is False for r in runs.values()):
+        names = ', '.join(k.__name__ for k,r in runs.items() if r is False)
+        return f"{head}: train in fp32 (learn.to_fp32()) instead; {other} has no kernel on this {device_type} either, for its {names}"
+    tried = '' if any(runs.values()) else "; learn.precision_report() tries each mode on this machine"
+    return f"{head}: train in {other} (learn.to_{other}()) or fp32 (learn.to_fp32()) instead{tried}"
 
 # %% ../nbs/02_callback.ipynb #91fae438
 def _norm_bufs(model:nn.Module) -> list:
@@ -520,5 +542,5 @@ class PrecisionCallback(Callback, FitEvents, StepChecks, ScaleTelemetry, Checkpo
         if not isinstance(e, (RuntimeError, NotImplementedError)) or msg is None or 'mpx:' in msg: return
         if not any(s in msg for s in _no_kernel): return
         mode = f"{type(self).__name__}(amp_mode='{self.amp_mode}')"
-        e.args = (f"{msg}\n\nmpx: under {mode} an op of this model has no {self.amp_mode} kernel on "
-                  f"{self.device_type}: {_instead[self.amp_mode]}.",) + e.args[1:]
+        advice = _no_kernel_advice(self.learn.model, e, self.amp_mode, self.device_type)
+        e.args = (f"{msg}\n\nmpx: under {mode} {advice}.",) + e.args[1:]

@@ -208,6 +208,28 @@ def _probe(family:str, dtype):
             (out[0] if isinstance(out, tuple) else out).float().sum().backward()
     return run
 
+def _tiny(kind:type):
+    "A small fp32 layer of `kind` and an input for it, where `kind` is one the probes know (a recurrent, conv or linear layer)"
+    if kind in (torch.nn.LSTM, torch.nn.GRU, torch.nn.RNN): return kind(4, 4),torch.randn(3, 2, 4)
+    if issubclass(kind, torch.nn.modules.conv._ConvNd) and kind.__module__ == 'torch.nn.modules.conv':
+        n = int(kind.__name__[-2])  # Conv1d ... ConvTranspose3d
+        return kind(4, 4, 3, padding=1),torch.randn(2, 4, *[6]*n)
+    if kind is torch.nn.Linear: return kind(4, 4),torch.randn(2, 4)
+
+def _runs_in_autocast(kind:type, dtype, device_type:str='cpu') -> bool|None:
+    "Whether a small `kind` layer runs forward and backward under `dtype`'s autocast on `device_type`; None: not a kind probed"
+    with torch.random.fork_rng(devices=[]):  # the user's random state stays as it was
+        torch.manual_seed(0)
+        made = _tiny(kind)
+    if made is None: return None
+    m,x = made
+    try:
+        with torch.enable_grad(), torch.autocast(device_type, dtype=dtype):
+            out = m.to(device_type)(x.to(device_type).requires_grad_())
+            (out[0] if isinstance(out, tuple) else out).float().sum().backward()
+        return True
+    except Exception: return False  # no kernel, or a device that cannot run it now: either way, not this dtype
+
 # %% ../nbs/00a_hardware.ipynb #hw0fam7
 _FAST_RATIO,_SLOW_RATIO = 1.1,.5  # a family measured at 1.1x fp32's speed or more is fast; under half of it, slow
 _MAX_SPREAD = 1.5  # readings whose quartiles are further apart, and name different verdicts, measure nothing

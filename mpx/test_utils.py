@@ -25,6 +25,7 @@ from .test_learners import _quiet
 from .callback import PrecisionCallback
 from .core import Fused
 from .lowbit import LowBitState
+from .hardware import _runs_in_autocast
 from .hardware import _one_thread as one_thread  # tiny tensors on one thread (`tests/conftest.py`'s fixture)
 from .compiled import find_nonfinite, CHECK_RANGE
 
@@ -90,11 +91,8 @@ def count_syncs(learn:Learner, n_epoch:int=1, **kwargs) -> int:
 # %% ../nbs/99_test_utils.ipynb #tu380002
 @functools.cache
 def bf16_lstm_runs(device:str='cpu') -> bool:
-    "Whether `device` has a bf16 LSTM kernel under autocast"
-    try:
-        with torch.autocast(device, dtype=torch.bfloat16): nn.LSTM(4, 4).to(device)(torch.randn(3, 2, 4, device=device))
-        return True
-    except RuntimeError: return False
+    "Whether `device` has a bf16 LSTM kernel under autocast, forward and backward"
+    return _runs_in_autocast(nn.LSTM, torch.bfloat16, device)
 
 def needs_mode(mode:str, # A mode id (`amp_bf16`, `pure_kahan`, 'fp16', ...): bf16 if it says bf16 or pure
                device:str='cuda'):

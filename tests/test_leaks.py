@@ -8,8 +8,8 @@ from fastai.learner import Learner
 from fastai.callback.core import Callback, CancelFitException
 from fastai.callback.training import GradientAccumulation
 from mpx.all import *
+from mpx.hardware import _runs_in_autocast
 from mpx.test_utils import (names_overflows, tiny_learner, tiny_model, tiny_dls, fit_quiet, precision_cbs, precision_cb, MODES, BASIC_MODES, InjectGrad, PoisonLoss,
-                            bf16_lstm_runs,
                             Snapshot, check_skips_change_nothing)
 
 DEVICES = ['cpu'] + (['cuda'] if torch.cuda.is_available() else [])
@@ -299,15 +299,38 @@ class LSTMRegressor(Module):
     def __init__(self): self.lstm,self.head = nn.LSTM(1, 4, batch_first=True),nn.Linear(4, 1)
     def forward(self, x): return self.head(self.lstm(x[:, None])[0][:, -1])
 
-def test_no_kernel_for_the_dtype():
-    "An op with no fp16 kernel on the CPU fails with an error naming fp16 and suggesting bf16, leaves nothing behind, and the suggestion (or fp32, on a CPU without a bf16 LSTM either) then trains."
-    learn = tiny_learner(lr=1e-2, model=LSTMRegressor()).to_fp16()
+def lstm_runs(dtype) -> bool: return _runs_in_autocast(nn.LSTM, dtype)
+
+@pytest.mark.parametrize('mode', ['fp16', 'bf16'])
+def test_no_kernel_for_the_dtype(mode):
+    "An LSTM with no kernel in a mode on the CPU fails naming the mode and the layer, leaves nothing behind, and the advice holds on this machine: the other 16-bit dtype is named only where its LSTM runs here, and what is named trains."
+    dtype,other = (torch.float16, 'bf16') if mode == 'fp16' else (torch.bfloat16, 'fp16')
+    if lstm_runs(dtype): pytest.skip(f'this CPU has an LSTM kernel for {mode} under autocast')
+    learn = getattr(tiny_learner(lr=1e-2, model=LSTMRegressor()), f'to_{mode}')()
     with pytest.raises(RuntimeError) as e: fit_quiet(learn)
-    assert 'fp16' in str(e.value) and 'to_bf16' in str(e.value), str(e.value)
+    msg = str(e.value)
+    assert f"under MixedPrecision(amp_mode='{mode}') an op of its LSTM `lstm` has no {mode} kernel on cpu: " in msg, msg
+    assert 'learn.to_fp32()' in msg
     assert_nothing_left(learn, PRISTINE)
-    if bf16_lstm_runs(): assert precision_cb(fit_quiet(learn.to_bf16())).total_steps == 10
+    if lstm_runs(torch.bfloat16 if mode == 'fp16' else torch.float16):
+        assert f'learn.to_{other}()' in msg, msg
+        assert precision_cb(fit_quiet(getattr(learn, f'to_{other}')())).total_steps == 10
     else:
-        with pytest.raises(RuntimeError, match="mpx: under MixedPrecision.amp_mode='bf16'.*learn.to_fp32"): fit_quiet(learn.to_bf16())
-        assert_nothing_left(learn, PRISTINE)
+        assert f'learn.to_{other}()' not in msg and f'{other} has no kernel on this cpu either, for its LSTM' in msg, msg
         fit_quiet(learn.to_fp32())
+    assert_nothing_left(learn, PRISTINE)
+
+class HalfRefused(Module):
+    "A layer of a kind no probe knows, whose op has no fp16 kernel"
+    def forward(self, x):
+        if x.dtype == torch.float16: raise RuntimeError('"my_op" not implemented for \'Half\'')
+        return x
+
+def test_no_kernel_in_an_unknown_layer():
+    "A layer of a kind the probes do not know: the error names it and the other dtype, and says that precision_report() tries each mode."
+    learn = tiny_learner(lr=1e-2, model=nn.Sequential(nn.Linear(1, 4), HalfRefused(), nn.Linear(4, 1))).to_fp16()
+    with pytest.raises(RuntimeError) as e: fit_quiet(learn)
+    msg = str(e.value)
+    assert "an op of its HalfRefused `1` has no fp16 kernel on cpu: train in bf16 (learn.to_bf16()) or fp32" in msg, msg
+    assert 'learn.precision_report() tries each mode on this machine' in msg
     assert_nothing_left(learn, PRISTINE)
