@@ -220,7 +220,8 @@ def _runs_in_autocast(kind:type, dtype, device_type:str='cpu') -> bool|None:
     "Whether a small `kind` layer runs forward and backward under `dtype`'s autocast on `device_type`; None: not a kind probed"
     with torch.random.fork_rng(devices=[]):  # the user's random state stays as it was
         torch.manual_seed(0)
-        made = _tiny(kind)
+        try: made = _tiny(kind)
+        except Exception: made = None  # a subclass built otherwise: not probed (this runs while an error is explained)
     if made is None: return None
     m,x = made
     try:
